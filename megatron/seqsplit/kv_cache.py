@@ -1,0 +1,178 @@
+"""Per-microbatch K/V prefix cache for Seq1F1B split attention.
+
+Split j of a microbatch attends over the keys/values of splits 0..j. Each
+(microbatch, layer) owns ONE preallocated full-sequence K and V buffer [L, b, g, d]:
+split j copies its own K/V into buf[o_j : o_j + l_j] and attends over buf[:o_j + l_j].
+
+Why not torch.cat(prefix, own)? Attention saves its key/value for backward, so every
+split would keep its own concatenated copy alive: O(s) full copies. Here every split's
+attention saves an alias of the same buffer instead. The alias is a fresh tensor on the
+buffer's storage (`Tensor.set_`), so it has its own autograd version counter: later
+splits writing further into the buffer do not invalidate what earlier splits saved
+(they never write a region an earlier split read).
+
+Gradients: backward runs splits s-1..0. Split j's attention yields a gradient for the
+whole prefix buf[:o_j + l_j]; the part for positions < o_j is added into the entry's
+gradient accumulator, and split j returns its own part plus what later splits left in
+the accumulator for its positions. Split 0's backward frees the entry.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+
+@dataclass
+class _Entry:
+    key: torch.Tensor  # [L, b, g, d]
+    value: torch.Tensor
+    filled: int = 0  # positions written so far; split j needs filled >= o_j
+    grad_key: torch.Tensor | None = None  # prefix gradients left by later splits
+    grad_value: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        tensors = (self.key, self.value, self.grad_key, self.grad_value)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class KVCacheStore:
+    """K/V prefix buffers keyed by (microbatch_id, layer_key); one per forward-backward pass.
+
+    `forward_only`: when are entries freed after the last split's forward?
+      None  - when that forward recorded no autograd graph (evaluation); otherwise by
+              split 0's backward.
+      True  - always (evaluation / forward_only schedules).
+      False - never; only split 0's backward or `clear()` frees. Use this when layers
+              are recomputed with a reentrant checkpoint, whose first forward runs
+              under no_grad but whose backward still needs the cached prefix.
+    """
+
+    def __init__(self, forward_only: bool | None = None):
+        self.forward_only = forward_only
+        self._entries: dict = {}
+
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def cached_bytes(self) -> int:
+        """Bytes held by K/V buffers and gradient accumulators of live entries."""
+        return sum(e.nbytes() for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _entry(self, entry_id, split, key: torch.Tensor) -> _Entry:
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            if split.split_index != 0:
+                raise RuntimeError(
+                    f"no cached K/V for microbatch {split.microbatch_id}, layer {entry_id[1]}: "
+                    f"split {split.split_index} ran forward before split 0, or the entry was "
+                    "already freed (recomputing with a reentrant checkpoint needs "
+                    "KVCacheStore(forward_only=False))"
+                )
+            shape = (split.seq_length,) + tuple(key.shape[1:])
+            entry = _Entry(key.new_empty(shape), key.new_empty(shape))
+            self._entries[entry_id] = entry
+        if tuple(key.shape[1:]) != tuple(entry.key.shape[1:]) or split.offset > entry.filled:
+            raise RuntimeError(
+                f"split {split.split_index} of microbatch {split.microbatch_id} (offset "
+                f"{split.offset}, K/V {tuple(key.shape)}) does not continue the cached prefix "
+                f"({entry.filled} positions of {tuple(entry.key.shape)})"
+            )
+        return entry
+
+    def _release(self, entry_id) -> None:
+        self._entries.pop(entry_id, None)
+
+
+def _alias(buf: torch.Tensor, length: int) -> torch.Tensor:
+    """buf[:length] sharing storage but with its own autograd version counter."""
+    size = (length,) + tuple(buf.shape[1:])
+    out = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    return out.set_(buf.untyped_storage(), buf.storage_offset(), size, buf.stride())
+
+
+def _write_and_expose(entry: _Entry, key, value, offset: int):
+    end = offset + key.shape[0]
+    with torch.no_grad():
+        entry.key[offset:end].copy_(key)
+        entry.value[offset:end].copy_(value)
+    entry.filled = max(entry.filled, end)
+    return _alias(entry.key, end), _alias(entry.value, end)
+
+
+def _split_grad(grad, acc, offset: int, end: int, seq_length: int):
+    """Own-position gradient (plus accumulated later-split gradient); stash the prefix part."""
+    own = grad[offset:end]
+    if acc is not None:
+        own = (own + acc[offset:end]).to(grad.dtype)
+    if offset > 0:
+        if acc is None:
+            # Half precision gradients are summed over up to s splits: keep them in fp32.
+            dtype = torch.float32 if grad.element_size() < 4 else grad.dtype
+            shape = (seq_length,) + tuple(grad.shape[1:])
+            acc = torch.zeros(shape, dtype=dtype, device=grad.device)
+        acc[:offset] += grad[:offset]
+    return own, acc
+
+
+class _PrefixKV(torch.autograd.Function):
+    """(own K, own V) -> (K prefix up to this split, V prefix); gradients via the entry."""
+
+    @staticmethod
+    def forward(ctx, key, value, entry, offset, on_first_split_done):
+        ctx.entry, ctx.offset, ctx.end = entry, offset, offset + key.shape[0]
+        ctx.on_first_split_done = on_first_split_done
+        return _write_and_expose(entry, key, value, offset)
+
+    @staticmethod
+    def backward(ctx, grad_key, grad_value):
+        entry, offset, end = ctx.entry, ctx.offset, ctx.end
+        seq_length = entry.key.shape[0]
+        gk, entry.grad_key = _split_grad(grad_key, entry.grad_key, offset, end, seq_length)
+        gv, entry.grad_value = _split_grad(grad_value, entry.grad_value, offset, end, seq_length)
+        if offset == 0:
+            ctx.on_first_split_done()
+            entry.grad_key = entry.grad_value = None
+        return gk, gv, None, None, None
+
+
+def _to_bhld(x):  # megatron [l, b, h, d] -> kernel [b, h, l, d] (a view)
+    return x.permute(1, 2, 0, 3)
+
+
+def split_causal_attention(
+    query, key, value, *, split, store, layer_key, backend, softmax_scale, dropout_p=0.0
+):
+    """Causal attention of one split over its microbatch's cached prefix.
+
+    query [l, b, hq, d], key/value [l, b, g, d] (RoPE applied, groups not expanded);
+    returns [l, b, hq, d]. `split` has microbatch_id, split_index, num_splits, offset,
+    length, seq_length; None (or num_splits == 1) means plain causal attention.
+    """
+    if split is None or split.num_splits == 1:
+        k_all, v_all = key, value
+    else:
+        if key.shape[0] != split.length or split.offset + split.length > split.seq_length:
+            raise ValueError(
+                f"split {split.split_index}: K/V length {key.shape[0]} does not match "
+                f"length {split.length} at offset {split.offset} of {split.seq_length}"
+            )
+        entry_id = (split.microbatch_id, layer_key)
+        entry = store._entry(entry_id, split, key)
+        tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        if tracked:
+            release = partial(store._release, entry_id)
+            k_all, v_all = _PrefixKV.apply(key, value, entry, split.offset, release)
+        else:
+            k_all, v_all = _write_and_expose(entry, key, value, split.offset)
+        free_now = store.forward_only if store.forward_only is not None else not tracked
+        if free_now and split.split_index == split.num_splits - 1:
+            store._release(entry_id)
+    out = backend(
+        _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
+        softmax_scale=softmax_scale, dropout_p=dropout_p,
+    )
+    return out.permute(2, 0, 1, 3).contiguous()

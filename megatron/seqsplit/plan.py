@@ -1,0 +1,168 @@
+"""Split planning for Seq1F1B: how to cut one microbatch's sequence into splits.
+
+Pure functions only. `plan_splits` returns split LENGTHS in sequence order; the
+schedule and the attention cache derive offsets from them with `split_offsets`.
+
+FLOPs model (forward pass, whole model, 2 flops per multiply-accumulate), for a
+split of `l` tokens that follows a prefix of `P` tokens:
+
+    per layer, per token:  2 * h * (2 * hq * d + 2 * g * d + m * ffn)
+                           (Q and output projections, K and V projections with
+                           `g` query groups, MLP with m = 2, or 3 for SwiGLU)
+    per layer, attention:  4 * hq * d * (l * P + l * (l + 1) / 2)
+                           (QK^T and AV over the causal pairs the split owns)
+    LM head, per token:    2 * h * vocab   (the embedding lookup costs no flops)
+
+So split cost is a * l + b * (l * P + l * (l + 1) / 2), which is the difference
+C(P + l) - C(P) of the prefix cost C(x) = a * x + b * x * (x + 1) / 2.
+"""
+
+import math
+from dataclasses import dataclass
+
+BALANCE_METHODS = ("average", "uniform_comp")
+
+
+class SplitPlanError(ValueError):
+    """A split plan that cannot be built; the message names the flag to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a GPT shape that decide per-token and attention FLOPs."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    swiglu: bool
+    vocab_size: int
+    kv_channels: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        # Megatron's default: kv_channels = hidden / heads.
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def linear_flops_per_token(self) -> float:
+        """Forward flops per token that do not depend on the position: all layers + LM head."""
+        h, d = self.hidden_size, self.head_dim
+        q_out = 2 * h * self.num_attention_heads * d  # Q projection + output projection
+        kv = 2 * h * self.num_query_groups * d  # K and V projections (GQA: g groups)
+        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
+        per_layer = 2 * (q_out + kv + mlp)
+        return self.num_layers * per_layer + 2 * h * self.vocab_size
+
+    def attention_flops_per_pair(self) -> float:
+        """Forward flops per causal (query, key) pair over all layers: QK^T and AV."""
+        return self.num_layers * 2 * 2 * self.num_attention_heads * self.head_dim
+
+
+def split_offsets(lengths: list[int]) -> list[int]:
+    """Start position of each split inside the sequence."""
+    offsets, pos = [], 0
+    for length in lengths:
+        offsets.append(pos)
+        pos += length
+    return offsets
+
+
+def split_flops(lengths: list[int], model: ModelShape) -> list[float]:
+    """Forward FLOPs of each split over the whole model (closed form, see module doc)."""
+    a, b = model.linear_flops_per_token(), model.attention_flops_per_pair()
+    return [
+        a * l + b * (l * p + l * (l + 1) / 2)
+        for l, p in zip(lengths, split_offsets(lengths))
+    ]
+
+
+def plan_splits(
+    seq_length: int,
+    num_splits: int,
+    method: str = "average",
+    *,
+    alignment: int = 1,
+    model: ModelShape | None = None,
+) -> list[int]:
+    """Lengths of the `num_splits` splits of a `seq_length` sequence.
+
+    Every length is a positive multiple of `alignment` and they sum to `seq_length`.
+    `average`: equal lengths; a remainder of `r` alignment units goes one unit each
+    to the first `r` splits (they attend over shorter prefixes, so they are cheaper).
+    `uniform_comp`: equal forward FLOPs per split under `model` (earlier splits longer).
+    """
+    _validate(seq_length, num_splits, method, alignment, model)
+    units = seq_length // alignment
+    if num_splits == 1:
+        return [seq_length]
+    if method == "average":
+        base, rem = divmod(units, num_splits)
+        return [(base + (1 if i < rem else 0)) * alignment for i in range(num_splits)]
+    ends = _balanced_ends(seq_length, num_splits, model)
+    return _round_to_units(ends, units, alignment)
+
+
+def _validate(seq_length, num_splits, method, alignment, model) -> None:
+    if method not in BALANCE_METHODS:
+        raise SplitPlanError(
+            f"--seq1f1b-balance-method must be one of {', '.join(BALANCE_METHODS)}, "
+            f"got {method!r}"
+        )
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise SplitPlanError(f"--seq1f1b-splits must be >= 1, got {num_splits!r}")
+    if alignment < 1:
+        raise SplitPlanError(f"split alignment must be >= 1, got {alignment}")
+    if seq_length < 1 or seq_length % alignment:
+        raise SplitPlanError(
+            f"--seq-length {seq_length} must be a positive multiple of the split "
+            f"alignment {alignment}; change --seq-length or the alignment"
+        )
+    if num_splits > seq_length // alignment:
+        raise SplitPlanError(
+            f"--seq1f1b-splits {num_splits} is more than the {seq_length // alignment} "
+            f"aligned positions of --seq-length {seq_length} (alignment {alignment}); "
+            f"use fewer splits or a longer sequence"
+        )
+    if method == "uniform_comp" and model is None:
+        raise SplitPlanError(
+            "--seq1f1b-balance-method uniform_comp needs the model shape "
+            "(layers, hidden, heads, FFN, vocab) to count FLOPs; pass `model` or "
+            "use --seq1f1b-balance-method average"
+        )
+
+
+def _balanced_ends(seq_length: int, num_splits: int, model: ModelShape) -> list[float]:
+    """Real-valued split end positions giving each split total/num_splits FLOPs.
+
+    Walking back from the end E of the sequence, the split [E - l, E) costs
+    a*l + b*(l*E - l^2/2 + l/2) = T, i.e. (b/2) l^2 - (a + b*E + b/2) l + T = 0.
+    The wanted root is the smaller one (l <= E); it is computed as
+    2T / (B + sqrt(B^2 - 2bT)) to avoid cancellation (and to cover b == 0).
+    """
+    a, b = model.linear_flops_per_token(), model.attention_flops_per_pair()
+    total = a * seq_length + b * seq_length * (seq_length + 1) / 2
+    target = total / num_splits
+    ends, end = [float(seq_length)], float(seq_length)
+    for _ in range(num_splits - 1):
+        big_b = a + b * end + b / 2
+        end -= 2 * target / (big_b + math.sqrt(max(big_b * big_b - 2 * b * target, 0.0)))
+        ends.append(end)
+    return ends[::-1]  # ends of splits 0..s-1; the last one is seq_length
+
+
+def _round_to_units(ends: list[float], units: int, alignment: int) -> list[int]:
+    """Round real split ends to aligned integers, keeping every split >= 1 unit."""
+    n = len(ends)
+    bounds, prev = [], 0
+    for i, end in enumerate(ends[:-1]):
+        b = round(end / alignment)
+        # Leave at least one unit for this split and for each split after it.
+        b = min(max(b, prev + 1), units - (n - 1 - i))
+        bounds.append(b)
+        prev = b
+    bounds.append(units)
+    lengths = [hi - lo for lo, hi in zip([0] + bounds[:-1], bounds)]
+    # Rounding can invert two neighbours whose real lengths differ by under two
+    # units; put the longer first, where tokens are cheaper.
+    return [u * alignment for u in sorted(lengths, reverse=True)]
