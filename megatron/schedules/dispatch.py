@@ -1,0 +1,24 @@
+"""Choose the pipeline schedule: megatron-core's, or Seq1F1B when splits are asked for."""
+
+import functools
+
+from megatron.core.pipeline_parallel import schedules as mcore_schedules
+
+from megatron.schedules.seq1f1b import Seq1F1BSettings, forward_backward_pipelining_seq1f1b
+
+
+def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "average",
+                              alignment: int = 1, model_shape=None, observers=(),
+                              pp_size=None, vp_size=None):
+    """megatron-core's ``get_forward_backward_func``, plus Seq1F1B for ``seq1f1b_splits > 1``.
+
+    The returned function takes megatron-core's keyword arguments and returns what
+    megatron-core's schedules return, so any megatron-core training loop can use it.
+    With one split it *is* megatron-core's function (1F1B, or no pipelining when pp=1).
+    """
+    if seq1f1b_splits <= 1:
+        return mcore_schedules.get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
+    settings = Seq1F1BSettings(num_splits=seq1f1b_splits, balance_method=balance_method,
+                               alignment=alignment, model_shape=model_shape,
+                               observers=list(observers))
+    return functools.partial(forward_backward_pipelining_seq1f1b, settings=settings)

@@ -1,0 +1,262 @@
+"""Executor of the Seq1F1B schedule on megatron-core.
+
+``forward_backward_pipelining_seq1f1b`` has the signature and return value of
+megatron-core's ``forward_backward_pipelining_without_interleaving``. It runs the
+per-rank action list of ``megatron.schedules.units`` (compute units and p2p steps
+paired exactly as megatron's 1F1B pairs them) with megatron-core's
+``P2PCommunicator``, giving every message its own shape (splits may differ in
+length, so there is no shape handshake).
+
+Loss: the user's loss function must return megatron's triple ``(loss_sum,
+num_tokens, reported)``. A split's loss sum is normalised at backward time by the
+token count of its whole microbatch (known by then: on the last stage all splits
+of a microbatch run forward before its first backward), so the split losses add up
+to the unsplit microbatch loss; with ``calculate_per_token_loss`` the sums are
+used as they are and megatron-core divides by the total token count.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+
+from megatron.schedules.units import (
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD,
+    SEND_FORWARD,
+    Unit,
+    seq1f1b_rank_actions,
+)
+from megatron.seqsplit.kv_cache import KVCacheStore
+from megatron.seqsplit.plan import plan_splits, split_offsets
+from megatron.seqsplit.split_context import SplitContext, slice_batch
+
+
+@dataclass
+class Seq1F1BSettings:
+    """How to split: the number of splits, the balance method and what it needs."""
+
+    num_splits: int
+    balance_method: str = "average"
+    alignment: int = 1
+    model_shape: Any = None  # megatron.seqsplit.plan.ModelShape, for uniform_comp
+    observers: List[Any] = field(default_factory=list)  # on_unit_start/on_unit_end(rank, unit)
+
+
+class SplitDataIterator:
+    """What the user's ``forward_step`` receives as ``data_iterator`` under Seq1F1B.
+
+    ``split`` is the ``SplitContext`` of the unit being run (pass it to the model as
+    ``packed_seq_params``). ``next()`` returns that split's slice of the microbatch;
+    the microbatch itself is read from the wrapped iterator once, at split 0.
+    """
+
+    def __init__(self, data_iterator):
+        self.data_iterator = data_iterator
+        self.split: Optional[SplitContext] = None
+        self._batches = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        split = self.split
+        if split.split_index == 0:
+            self._batches[split.microbatch_id] = next(self.data_iterator)
+        batch = self._batches[split.microbatch_id]
+        if split.is_last:
+            del self._batches[split.microbatch_id]
+        return slice_batch(batch, split.offset, split.length, split.seq_length)
+
+
+def _hidden_shape(length, micro_batch_size, config, tp_size):
+    seq = length // tp_size if config.sequence_parallel else length
+    return (seq, micro_batch_size, config.hidden_size)
+
+
+def forward_backward_pipelining_seq1f1b(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+    settings: Seq1F1BSettings,
+):
+    """Run one iteration of Seq1F1B. Returns the loss functions' reported values
+    (last pipeline stage) as megatron-core's schedules do; an empty list elsewhere."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("Seq1F1B without virtual stages takes one model chunk")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if collect_non_loss_data:
+        raise ValueError("collect_non_loss_data is not supported with --seq1f1b-splits > 1")
+    if decoder_seq_length is not None or adjust_tensor_shapes_fn is not None:
+        raise ValueError("encoder-decoder models are not supported with --seq1f1b-splits > 1")
+    config = get_model_config(model)
+
+    pp_group = (p2p_communicator.pp_group if p2p_communicator is not None
+                else parallel_state.get_pipeline_model_parallel_group())
+    if p2p_communicator is None:
+        p2p_communicator = P2PCommunicator(pp_group=pp_group, config=config)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    rank, pp_size = pp_group.rank(), pp_group.size()
+    is_first, is_last = rank == 0, rank == pp_size - 1
+
+    lengths = plan_splits(seq_length, settings.num_splits, settings.balance_method,
+                          alignment=settings.alignment, model=settings.model_shape)
+    offsets = split_offsets(lengths)
+    kv_store = KVCacheStore(forward_only=forward_only)
+    split_iterator = SplitDataIterator(data_iterator)
+    model_type = get_model_type(model)
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+
+    def context(unit: Unit) -> SplitContext:
+        return SplitContext(
+            microbatch_id=unit.microbatch, split_index=unit.split,
+            num_splits=settings.num_splits, offset=offsets[unit.split],
+            length=lengths[unit.split], seq_length=seq_length, kv_store=kv_store)
+
+    def shape(unit: Unit):
+        return _hidden_shape(lengths[unit.split], micro_batch_size, config, tp_size)
+
+    forward_data_store = []
+    total_num_tokens = torch.zeros([], dtype=torch.int)
+    tokens_per_microbatch = {}  # last stage: loss-mask tokens of each microbatch so far
+    received_inputs, received_grads = {}, {}
+    inputs, outputs, input_grads = {}, {}, {}
+    forward_outputs = {}  # outputs waiting to be sent downstream
+
+    no_sync = config.no_sync_func or contextlib.nullcontext
+    sync_guard = no_sync()
+    if not forward_only:
+        sync_guard.__enter__()  # gradients reduce once, in finalize_model_grads
+    actions = seq1f1b_rank_actions(rank, pp_size, num_microbatches, settings.num_splits,
+                                   forward_only=forward_only)
+    last_backward = next((a for a in reversed(actions)
+                          if isinstance(a, Unit) and not a.is_forward), None)
+
+    def run_forward(unit: Unit):
+        nonlocal total_num_tokens
+        input_tensor = received_inputs.pop(unit, None)
+        set_input_tensor([input_tensor])
+        split_iterator.split = context(unit)
+        enable_autocast = getattr(config, "enable_autocast", False)
+        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if enable_autocast
+                    else contextlib.nullcontext())
+        with autocast:
+            output_tensor, loss_func = forward_step_func(split_iterator, model)
+        if is_last:
+            reduced = loss_func(output_tensor)
+            if len(reduced) != 3:
+                raise ValueError(
+                    "with --seq1f1b-splits > 1 the loss function must return (loss_sum, "
+                    "num_tokens, reported) so split losses can be normalised by the whole "
+                    "microbatch's token count")
+            output_tensor, num_tokens, reported = reduced
+            forward_data_store.append(reported)
+            num_tokens = torch.as_tensor(num_tokens).to(torch.int).cpu()
+            tokens_per_microbatch[unit.microbatch] = (
+                tokens_per_microbatch.get(unit.microbatch, 0) + num_tokens)
+            total_num_tokens = total_num_tokens + num_tokens
+        if not is_last:
+            forward_outputs[unit] = output_tensor  # until sent
+        if not forward_only:
+            inputs[unit] = input_tensor
+            outputs[unit] = output_tensor
+
+    def run_backward(unit: Unit):
+        forward_unit = Unit("F", unit.microbatch, unit.split)
+        input_tensor = inputs.pop(forward_unit)
+        output_tensor = outputs.pop(forward_unit)
+        if is_last:
+            output_tensor = _normalise_loss(output_tensor, unit.microbatch)
+        if unit == last_backward:
+            sync_guard.__exit__(None, None, None)
+        grad = backward_step(input_tensor, output_tensor, received_grads.pop(unit, None),
+                             model_type, config)
+        input_grads[unit] = grad
+
+    def _normalise_loss(loss_sum, microbatch):
+        if config.calculate_per_token_loss:
+            return loss_sum
+        tokens = tokens_per_microbatch[microbatch].clamp(min=1).to(loss_sum.device)
+        return loss_sum / tokens / num_microbatches
+
+    def run_comm(step):
+        ops = {op.op: op.unit for op in step}
+        if SEND_FORWARD in ops and RECV_BACKWARD in ops:
+            out_unit, grad_unit = ops[SEND_FORWARD], ops[RECV_BACKWARD]
+            received_grads[grad_unit] = p2p_communicator.send_forward_recv_backward(
+                _to_send(out_unit), shape(grad_unit), False)
+            _release(out_unit)
+        elif SEND_BACKWARD in ops and RECV_FORWARD in ops:
+            grad_unit, in_unit = ops[SEND_BACKWARD], ops[RECV_FORWARD]
+            received_inputs[in_unit] = p2p_communicator.send_backward_recv_forward(
+                input_grads.pop(grad_unit), shape(in_unit), False)
+        elif SEND_FORWARD in ops:
+            p2p_communicator.send_forward(_to_send(ops[SEND_FORWARD]), False)
+            _release(ops[SEND_FORWARD])
+        elif RECV_FORWARD in ops:
+            unit = ops[RECV_FORWARD]
+            received_inputs[unit] = p2p_communicator.recv_forward(shape(unit), False)
+        elif SEND_BACKWARD in ops:
+            p2p_communicator.send_backward(input_grads.pop(ops[SEND_BACKWARD]), False)
+        elif RECV_BACKWARD in ops:
+            unit = ops[RECV_BACKWARD]
+            received_grads[unit] = p2p_communicator.recv_backward(shape(unit), False)
+        else:
+            raise AssertionError(f"unexpected communication step {step}")
+
+    def _to_send(unit):
+        return forward_outputs[unit]
+
+    def _release(unit):
+        # the activation has left: keep only what backward needs (megatron's trick)
+        tensor = forward_outputs.pop(unit)
+        if not forward_only:
+            deallocate_output_tensor(tensor, config.deallocate_pipeline_outputs)
+
+    for action in actions:
+        if isinstance(action, Unit):
+            for observer in settings.observers:
+                observer.on_unit_start(rank, action)
+            if action.is_forward:
+                run_forward(action)
+            else:
+                run_backward(action)
+                if is_first:
+                    input_grads.pop(action, None)  # nothing to send upstream
+            for observer in settings.observers:
+                observer.on_unit_end(rank, action)
+        else:
+            run_comm(action)
+
+    if not forward_only:
+        if kv_store.num_entries() != 0:
+            raise AssertionError(f"{kv_store.num_entries()} KV-cache entries outlived their "
+                                 "microbatch's backward")
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func(
+                [model], total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    kv_store.clear()
+    return forward_data_store

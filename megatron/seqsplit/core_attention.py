@@ -1,0 +1,85 @@
+"""Core attention for the local layer spec: causal attention that understands splits.
+
+It replaces megatron-core's ``DotProductAttention`` in the layer spec. Unsplit
+(``packed_seq_params`` is not a ``SplitContext``) it is plain causal attention; for a
+split it attends over the microbatch's cached K/V prefix plus its own K/V, through
+``megatron.seqsplit.kv_cache``. Both paths run the same kernel, so a split run and an
+unsplit run differ only by floating-point summation order.
+"""
+
+import math
+
+import torch
+from typing import Optional
+
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.seqsplit.attention_backends import get_backend
+from megatron.seqsplit.kv_cache import split_causal_attention
+from megatron.seqsplit.split_context import SplitContext
+
+
+class SplitCausalAttention(MegatronModule):
+    """Drop-in ``core_attention`` submodule (same constructor as ``DotProductAttention``)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend_name: str = "auto",
+    ):
+        super().__init__(config=config)
+        if attention_type != "self" or attn_mask_type != AttnMaskType.causal:
+            raise ValueError("SplitCausalAttention implements causal self-attention only")
+        if config.context_parallel_size > 1:
+            raise ValueError("context parallelism is not supported by the local split attention")
+        self.layer_number = layer_number
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        # chosen once, at build time
+        self.backend = get_backend(backend_name, device=device, dtype=config.params_dtype)
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SplitCausalAttention")
+        split = packed_seq_params if isinstance(packed_seq_params, SplitContext) else None
+        dropout_p = self.dropout_p if self.training else 0.0
+        kwargs = dict(
+            split=split,
+            store=split.kv_store if split is not None else None,
+            layer_key=self.layer_number,
+            backend=self.backend,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+        )
+        if dropout_p > 0.0:
+            # heads are split across TP ranks: use the model-parallel RNG stream, as
+            # megatron-core's DotProductAttention does
+            with get_cuda_rng_tracker().fork():
+                context = split_causal_attention(query, key, value, **kwargs)
+        else:
+            context = split_causal_attention(query, key, value, **kwargs)
+        seq, batch, heads, head_dim = context.shape
+        return context.reshape(seq, batch, heads * head_dim)

@@ -1,0 +1,67 @@
+"""The one object that tells the model which part of which microbatch it is running.
+
+A ``SplitContext`` travels explicitly from the executor, through the user's
+``forward_step``, into ``GPTModel.forward(packed_seq_params=...)``, and from there
+(megatron-core already threads ``packed_seq_params`` through the block, the layers
+and activation recomputation) down to core attention. No global counters.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class SplitContext(PackedSeqParams):
+    """Split ``split_index`` of microbatch ``microbatch_id``: tokens [offset, offset + length).
+
+    It subclasses ``PackedSeqParams`` only to ride megatron-core's existing plumbing;
+    ``qkv_format`` stays ``"sbhd"`` so megatron-core's packed-sequence code paths
+    stay off. ``max_seqlen_q`` is the split's own length, which is what
+    megatron-core's RoPE sizing reads.
+    """
+
+    microbatch_id: int = 0
+    split_index: int = 0
+    num_splits: int = 1
+    offset: int = 0
+    length: int = 0
+    seq_length: int = 0
+    kv_store: Optional[Any] = None  # megatron.seqsplit.kv_cache.KVCacheStore
+
+    def __post_init__(self):
+        self.qkv_format = "sbhd"
+        self.max_seqlen_q = self.length
+        self.max_seqlen_kv = self.length
+
+    @property
+    def is_first(self) -> bool:
+        return self.split_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.split_index == self.num_splits - 1
+
+
+def slice_batch(batch: dict, offset: int, length: int, seq_length: int) -> dict:
+    """One split of a microbatch: every per-token tensor cut to [offset, offset + length).
+
+    Tokens and labels are sliced in tandem (labels were shifted by the dataset before
+    slicing, so the split's last label is the next split's first token). A dense
+    ``[b, 1, L, L]`` attention mask keeps the split's query rows and every key column
+    up to the split's end.
+    """
+    out = {}
+    for key, value in batch.items():
+        if not torch.is_tensor(value):
+            out[key] = value
+        elif value.dim() == 4 and value.shape[-1] == seq_length and value.shape[-2] == seq_length:
+            out[key] = value[:, :, offset:offset + length, :offset + length]
+        elif value.dim() >= 2 and value.shape[1] == seq_length:
+            out[key] = value[:, offset:offset + length].contiguous()
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,343 @@
+"""Command-line flags with Megatron-LM's names and meanings, and their validation.
+
+Every mistake a user can make with flags is caught here, before any process group
+exists, and reported as one line naming the flag and the fix.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+class ArgumentError(ValueError):
+    """A flag value the run cannot work with; the message names the flag and the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # unknown flags and bad types: one line, not a usage dump
+        raise ArgumentError(f"{message} (see `{self.prog} --help`)")
+
+
+def _str2bool(value):
+    return str(value).lower() in ("1", "true", "yes", "y", "on")
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = _Parser(prog=os.path.basename(sys.argv[0]) or "pretrain_gpt.py",
+                     description="GPT pretraining on megatron-core with Seq1F1B",
+                     allow_abbrev=False)
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=False)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash"], default="auto",
+                   help="core attention kernel (local layer spec)")
+
+    g = parser.add_argument_group("batch and training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = parser.add_argument_group("sequence-split pipeline (Seq1F1B)")
+    g.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=int,
+                   default=1, help="splits per microbatch; 1 is plain 1F1B")
+    g.add_argument("--seq1f1b-balance-method", "--pipe-sp-strategy",
+                   dest="seq1f1b_balance_method", choices=["average", "uniform_comp"],
+                   default="average")
+    g.add_argument("--seq1f1b-split-alignment", type=int, default=1,
+                   help="split lengths are multiples of this (and of the TP size under "
+                        "sequence parallel)")
+    g.add_argument("--timeline-file", type=str, default=None,
+                   help="record each pipeline unit's start/end per rank to this JSON file")
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                                "NullTokenizer"], default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+    g = parser.add_argument_group("logging, evaluation and checkpoints")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def _require(condition, message):
+    if not condition:
+        raise ArgumentError(message)
+
+
+def validate_args(args, world_size: int, cuda_available: bool):
+    """Fill defaults derived from other flags and reject inconsistent values."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
+        _require(getattr(args, flag) is not None,
+                 f"--{flag.replace('_', '-')} is required")
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                "micro_batch_size", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "log_interval", "seq1f1b_split_alignment")
+    for flag in positive:
+        _require(getattr(args, flag) >= 1,
+                 f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    _require(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) "
+             f"x --pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    dp = args.data_parallel_size
+
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    _require(args.global_batch_size % (args.micro_batch_size * dp) == 0,
+             f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
+             f"use a multiple of {args.micro_batch_size * dp}")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+
+    _require(args.num_layers % pp == 0,
+             f"--num-layers ({args.num_layers}) must be divisible by "
+             f"--pipeline-model-parallel-size ({pp})")
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    _require(args.hidden_size % args.num_attention_heads == 0 or args.kv_channels,
+             f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+             f"({args.num_attention_heads}), or set --kv-channels")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        args.group_query_attention = True
+    if args.group_query_attention:
+        _require(args.num_query_groups is not None,
+                 "--group-query-attention needs --num-query-groups")
+        _require(args.num_attention_heads % args.num_query_groups == 0,
+                 f"--num-query-groups ({args.num_query_groups}) must divide "
+                 f"--num-attention-heads ({args.num_attention_heads})")
+        _require(args.num_query_groups % tp == 0,
+                 f"--num-query-groups ({args.num_query_groups}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
+    else:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        # Megatron-LM's defaults: 4h, or the SwiGLU-adjusted 8h/3 rounded to 64
+        args.ffn_hidden_size = (int(args.hidden_size * 4 * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.max_position_embeddings >= args.seq_length,
+                 f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
+                 f"--seq-length ({args.seq_length}) with learned absolute positions")
+
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+    if not cuda_available:
+        _require(not args.fp16, "--fp16 needs a CUDA GPU (CPU training runs in fp32); "
+                                "drop --fp16")
+        _require(not args.bf16, "--bf16 needs a CUDA GPU (CPU training runs in fp32); "
+                                "drop --bf16")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda_available else "gloo"
+    _require(cuda_available or args.distributed_backend == "gloo",
+             "--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: meaningless without TP
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine "
+                                "installed; use --transformer-impl local")
+
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method {uniform,block}")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+    if args.recompute_method is not None:
+        _require(args.recompute_granularity == "full",
+                 "--recompute-method needs --recompute-granularity full")
+
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _require(args.lr_warmup_iters <= max(args.lr_decay_iters, 0) or args.lr_decay_style ==
+             "constant", f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed "
+             f"--lr-decay-iters ({args.lr_decay_iters})")
+    _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    _require(args.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+
+    # data
+    if args.mock_data:
+        _require(not args.data_path, "--mock-data and --data-path are mutually exclusive")
+    else:
+        _require(bool(args.data_path),
+                 "no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
+                 "or --mock-data")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        _require(args.vocab_file and args.merge_file,
+                 "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            _require(os.path.isfile(path), f"{flag} {path}: no such file")
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        _require(args.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs "
+                                       "--tokenizer-model (a tokenizer.json file or directory)")
+    if args.data_path:
+        _check_data_path(args.data_path)
+
+    # checkpoints
+    if args.save is not None and args.save_interval is None:
+        args.save_interval = args.train_iters if args.train_iters > 0 else 1
+    if args.save_interval is not None:
+        _require(args.save_interval >= 1, "--save-interval must be >= 1")
+        _require(args.save is not None, "--save-interval needs --save DIR")
+    if args.load is not None and args.exit_on_missing_checkpoint:
+        _require(os.path.isdir(args.load), f"--load {args.load}: no such directory")
+    _require(args.eval_interval >= 1, "--eval-interval must be >= 1")
+    _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+
+    _validate_seq1f1b(args)
+    return args
+
+
+def _check_data_path(data_path):
+    if len(data_path) > 1:
+        _require(len(data_path) % 2 == 0,
+                 "--data-path takes one prefix, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ...")
+        for weight in data_path[0::2]:
+            try:
+                float(weight)
+            except ValueError:
+                raise ArgumentError(f"--data-path weight {weight!r} is not a number; "
+                                    "use W1 PREFIX1 W2 PREFIX2 ...")
+        prefixes = data_path[1::2]
+    else:
+        prefixes = data_path
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            _require(os.path.isfile(prefix + ext),
+                     f"--data-path {prefix}: {prefix + ext} not found (the prefix is the path "
+                     "without .bin/.idx, as written by tools/preprocess_data.py)")
+
+
+def _validate_seq1f1b(args):
+    splits = args.seq1f1b_splits
+    _require(splits >= 1, f"--seq1f1b-splits must be >= 1, got {splits}")
+    alignment = args.seq1f1b_split_alignment
+    if args.sequence_parallel:
+        tp = args.tensor_model_parallel_size
+        alignment = alignment * tp // _gcd(alignment, tp)
+    args.seq1f1b_alignment = alignment
+    if splits == 1:
+        return
+    _require(args.seq_length % alignment == 0,
+             f"--seq-length ({args.seq_length}) must be a multiple of the split alignment "
+             f"({alignment}) with --seq1f1b-splits")
+    _require(splits <= args.seq_length // alignment,
+             f"--seq1f1b-splits ({splits}) exceeds the {args.seq_length // alignment} aligned "
+             f"positions of --seq-length {args.seq_length}; use fewer splits")
+    unsupported = {
+        "--transformer-impl transformer_engine": args.transformer_impl == "transformer_engine",
+        "--reset-attention-mask": args.reset_attention_mask,
+        "--recompute-granularity": args.recompute_granularity is not None,
+        "--sequence-parallel": args.sequence_parallel,
+    }
+    for flag, used in unsupported.items():
+        _require(not used, f"{flag} is not supported with --seq1f1b-splits > 1 yet; "
+                           "drop it or use --seq1f1b-splits 1")
+
+
+def _gcd(a, b):
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_available=None):
+    parser = build_parser(extra_args_provider)
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return validate_args(args, world_size, cuda_available)
+
+
+def parse_args_or_exit(argv=None, extra_args_provider=None):
+    """Parse and validate; on a mistake print one line (rank 0 only) and exit 2 on every rank."""
+    try:
+        return parse_args(argv, extra_args_provider)
+    except ArgumentError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,214 @@
+"""Run megatron-core on machines without CUDA (gloo, fp32).
+
+megatron-core assumes CUDA in a handful of places on the training path. This
+module neutralises exactly those call sites, each patch named after the
+megatron-core module it answers, and is applied only when CUDA is unavailable:
+``apply()`` returns at once on a GPU machine, so the GPU path never sees it.
+
+With it, pipeline, tensor and data parallel training runs over gloo on any
+laptop or CI machine, which makes pipeline schedules debuggable without GPUs.
+"""
+
+import contextlib
+import importlib
+import types
+
+import torch
+
+_APPLIED = False
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """Stands in for ``torch.cuda`` inside one megatron-core module."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def default_stream(*args, **kwargs):
+        return None
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    text = str(device)
+    if text.startswith("cuda") or isinstance(device, int):
+        return torch.device("cpu")
+    return device
+
+
+class _TorchOnCpu(types.ModuleType):
+    """Stands in for ``torch`` inside one megatron-core module: tensors the module
+    creates on ``device="cuda"`` (or ``torch.cuda.current_device()``) land on the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like",
+                  "empty_like", "ones_like", "randn", "rand")
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            def factory(*args, _fn=attr, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return _fn(*args, **kwargs)
+            return factory
+        return attr
+
+
+def _redirect_torch(module_name: str):
+    """Point a megatron-core module's global ``torch`` at the CPU stand-in."""
+    module = importlib.import_module(module_name)
+    module.torch = _TorchOnCpu()
+
+
+# --- megatron/core/tensor_parallel/random.py: the model-parallel RNG tracker ---------
+
+def _patch_tensor_parallel_random():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """Same bookkeeping as megatron-core's tracker, over the CPU generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            original = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            original = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(original)
+
+    mp_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mp_random.torch = _TorchOnCpu()  # torch.cuda.manual_seed & co. in model_parallel_cuda_manual_seed
+
+
+# --- megatron/core/optimizer/clip_grads.py: grads asserted to be torch.cuda.FloatTensor -
+
+def _patch_clip_grads():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        grads = []
+        for param in parameters:
+            grad = param.decoupled_grad if use_decoupled_grad else param.grad
+            if grad is not None:
+                grads.append(grad.detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for grad in grads:
+                grad.mul_(clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+# --- megatron/core/models/common/language_module/language_module.py: weight.data.cuda() --
+# (tied embeddings are all-reduced between the first and last stage at model build)
+
+@contextlib.contextmanager
+def _tensor_cuda_stays_on_cpu():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _patch_language_module():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        with _tensor_cuda_stays_on_cpu():
+            return original(self, *args, **kwargs)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# Modules that create tensors on "cuda" / torch.cuda.current_device(), or call
+# torch.cuda.synchronize / current_stream, on the training and checkpoint paths.
+_CUDA_DEVICE_CALL_SITES = (
+    "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, shape handshake
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens on "cuda"
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq device
+    "megatron.core.utils",  # GlobalMemoryBuffer, l2 norm
+    "megatron.core.distributed.param_and_grad_buffer",  # grad buffers
+    "megatron.core.distributed.distributed_data_parallel",  # current_stream in grad sync
+    "megatron.core.distributed.finalize_model_grads",  # num_tokens all-reduce
+    "megatron.core.transformer.utils",  # default causal mask
+    "megatron.core.models.common.language_module.language_module",  # tied embeddings
+    "megatron.core.optimizer.optimizer",  # found_inf, scale buffers
+    "megatron.core.optimizer.clip_grads",  # norm buffers
+    "megatron.core.optimizer.distrib_optimizer",  # distributed optimizer buffers
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # save-time buffers
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize on save
+    "megatron.core.dist_checkpointing.exchange_utils",  # shard exchange buffers
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gathers
+    "megatron.core.tensor_parallel.layers",  # weight init device
+    "megatron.core.rerun_state_machine",  # loss checks
+)
+
+
+def apply() -> bool:
+    """Apply the CPU patches if CUDA is unavailable. Returns whether they are active."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    _patch_tensor_parallel_random()
+    _patch_clip_grads()
+    _patch_language_module()
+    for module_name in _CUDA_DEVICE_CALL_SITES:
+        try:
+            _redirect_torch(module_name)
+        except ImportError:
+            pass  # a module this megatron-core version does not have
+    _APPLIED = True
+    return True

@@ -1,0 +1,60 @@
+"""Process groups from torchrun's environment, megatron-core parallel state and seeds."""
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron.trainer import cpu_support
+
+
+def initialize_distributed(args):
+    """Create the default process group (torchrun's env) and megatron-core's groups."""
+    cpu_support.apply()
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=args.distributed_backend,
+            world_size=world_size,
+            rank=rank,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    args.rank = rank
+
+
+def set_seeds(seed: int):
+    """Megatron-LM's seeding: pipeline stages differ, TP ranks get their own stream."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy():
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

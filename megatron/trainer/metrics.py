@@ -1,0 +1,72 @@
+"""Model FLOPs, memory peaks and the Megatron-style iteration line."""
+
+import resource
+import sys
+
+import torch
+
+
+def model_flops_per_iteration(args) -> float:
+    """Training FLOPs of one iteration (forward + backward = 3x forward).
+
+    Per token and layer, forward: QKV projections 2*h*(h_q + 2*h_kv), attention output
+    projection 2*h_q*h, MLP 2*h*ffn*(3 with SwiGLU else 2), causal attention scores and
+    weighted sum 2*2*h_q*(seq/2) (each query sees on average half the sequence).
+    Plus the output layer 2*h*vocab per token. h_q = heads*kv_channels,
+    h_kv = query_groups*kv_channels.
+    """
+    h = args.hidden_size
+    kv_channels = args.kv_channels or h // args.num_attention_heads
+    h_q = args.num_attention_heads * kv_channels
+    h_kv = args.num_query_groups * kv_channels
+    mlp_matrices = 3 if args.swiglu else 2
+    per_token_layer = (
+        2 * h * (h_q + 2 * h_kv)
+        + 2 * h_q * h
+        + 2 * h * args.ffn_hidden_size * mlp_matrices
+        + 2 * 2 * h_q * (args.seq_length / 2)
+    )
+    per_token = args.num_layers * per_token_layer + 2 * h * args.padded_vocab_size
+    tokens = args.global_batch_size * args.seq_length
+    return 3.0 * per_token * tokens
+
+
+def peak_memory_bytes() -> int:
+    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak resident set."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def stage_peaks_gb(pp_group_of_all) -> list:
+    """Peak memory of every pipeline stage (max over its ranks), in GB. Collective."""
+    from megatron.core import parallel_state
+
+    world = torch.distributed.get_world_size()
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_memory_bytes())
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    stages = {}
+    for stage, peak in gathered:
+        stages[stage] = max(stages.get(stage, 0), peak)
+    return [stages[s] / 1e9 for s in sorted(stages)]
+
+
+def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
+                          global_batch_size, loss, grad_norm, tokens_per_s, tflops,
+                          stage_peaks):
+    grad = "nan" if grad_norm is None else f"{grad_norm:.6g}"
+    peaks = " ".join(f"{p:.3f}" for p in stage_peaks)
+    return (
+        f" iteration {iteration:8d}/{train_iters:8d} |"
+        f" consumed samples: {consumed_samples:12d} |"
+        f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+        f" learning rate: {lr:.6e} |"
+        f" global batch size: {global_batch_size:5d} |"
+        f" lm loss: {loss:.6g} |"
+        f" grad norm: {grad} |"
+        f" tokens/s: {tokens_per_s:.1f} |"
+        f" TFLOP/s per device: {tflops:.4f} |"
+        f" peak memory per pipeline stage (GB): {peaks} |"
+    )

@@ -1,0 +1,97 @@
+"""TransformerConfig from flags, and the GPT model for one pipeline stage."""
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
+
+
+def params_dtype(args):
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def transformer_config_from_args(args) -> TransformerConfig:
+    on_gpu = torch.cuda.is_available()
+    dtype = params_dtype(args)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=not on_gpu,
+        # fused kernels need CUDA (and apex/TE); the unfused paths are exact everywhere
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        deallocate_pipeline_outputs=True,
+        batch_p2p_comm=True,
+        batch_p2p_sync=on_gpu,  # the sync is a torch.cuda.synchronize
+        timers=None,
+    )
+
+
+def layer_spec(args):
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        return get_gpt_layer_with_transformer_engine_spec()
+    return split_aware_local_spec(normalization=args.normalization,
+                                  attention_backend=args.attention_backend)
+
+
+def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """The GPT model of this pipeline stage."""
+    return SeqSplitGPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
+    """Megatron-LM pads the vocabulary so each TP rank's slice is a multiple of 128."""
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def stage_flags():
+    return (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())

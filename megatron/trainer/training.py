@@ -1,0 +1,298 @@
+"""The training loop: megatron-core model, DDP, optimizer and pipeline schedules.
+
+``pretrain`` is what ``pretrain_gpt.py`` calls. It mirrors Megatron-LM's loop:
+parse and validate flags, create process groups, build the model of this pipeline
+stage, wrap it in megatron-core DDP, build the optimizer and learning-rate schedule,
+load a checkpoint, then run ``forward_backward_func`` + ``optimizer.step()`` per
+iteration with Megatron-style logging, evaluation and checkpointing.
+"""
+
+import functools
+import math
+import time
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+
+from megatron.schedules.dispatch import get_forward_backward_func
+from megatron.trainer import checkpointing, initialize
+from megatron.trainer.arguments import parse_args_or_exit
+from megatron.trainer.data import MicrobatchIterator
+from megatron.trainer.metrics import (
+    format_iteration_line,
+    model_flops_per_iteration,
+    stage_peaks_gb,
+)
+from megatron.trainer.model import pad_vocab_size, transformer_config_from_args
+
+
+def print_rank_0(message):
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_last_rank(message):
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def build_model(args, config, model_provider):
+    """This stage's model chunk, wrapped for mixed precision and megatron-core DDP."""
+    pre_process = parallel_state.is_pipeline_first_stage()
+    post_process = parallel_state.is_pipeline_last_stage()
+    model = model_provider(args, config, pre_process=pre_process, post_process=post_process)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.bf16 or args.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    model.broadcast_params()
+    return [model]
+
+
+def build_optimizer(args, model):
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else
+                                                       torch.float32),
+        loss_scale=args.loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, model)
+    # steps are counted in samples, as in Megatron-LM
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=max(args.lr_decay_iters, 1) * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters, 1) * gbs,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def reduce_losses(losses_reduced):
+    """Sum each key's (loss sum, token count) over microbatches and data-parallel ranks."""
+    out = {}
+    if not losses_reduced:
+        return out
+    for key in losses_reduced[0]:
+        values = torch.stack([x[key].view(-1).float() for x in losses_reduced]).sum(dim=0)
+        torch.distributed.all_reduce(
+            values, group=parallel_state.get_data_parallel_group())
+        out[key] = (values[0] / values[1].clamp(min=1)).item()
+    return out
+
+
+def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler,
+               forward_backward_func):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = forward_backward_func(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    losses = reduce_losses(losses_reduced) if parallel_state.is_pipeline_last_stage() else {}
+    return losses, grad_norm, update_successful
+
+
+def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func):
+    for chunk in model:
+        chunk.eval()
+    totals = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            totals += forward_backward_func(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
+            )
+    for chunk in model:
+        chunk.train()
+    return reduce_losses(totals) if parallel_state.is_pipeline_last_stage() else {}
+
+
+class _TensorBoard:
+    def __init__(self, log_dir):
+        self.writer = None
+        if log_dir and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def add(self, name, value, step):
+        if self.writer is not None and value is not None:
+            self.writer.add_scalar(name, value, step)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
+             argv=None):
+    """Train a model with Megatron-LM's flags. Returns the per-iteration losses (last stage)."""
+    args = parse_args_or_exit(argv, extra_args_provider)
+    start = time.time()
+    initialize.initialize_distributed(args)
+    initialize.set_seeds(args.seed)
+    train_ds, valid_ds, tokenizer = datasets_provider(args)
+    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size)
+    config = transformer_config_from_args(args)
+    model = build_model(args, config, model_provider)
+    optimizer, scheduler = build_optimizer(args, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    if args.bf16 or args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+
+    iteration, consumed_samples = 0, 0
+    if args.load is not None:
+        iteration, consumed_samples = checkpointing.load_checkpoint(
+            args, model, optimizer, scheduler)
+
+    forward_backward_func = get_forward_backward_func(
+        seq1f1b_splits=args.seq1f1b_splits,
+        balance_method=args.seq1f1b_balance_method,
+        alignment=args.seq1f1b_alignment,
+        model_shape=model_shape_from_args(args),
+    )
+    step_func = functools.partial(forward_step_func, args=args)
+    train_iterator = MicrobatchIterator(train_ds, args.micro_batch_size, consumed_samples,
+                                        num_microbatches=args.num_microbatches)
+    valid_iterator = (MicrobatchIterator(valid_ds, args.micro_batch_size, 0,
+                                         num_microbatches=args.num_microbatches)
+                      if valid_ds is not None and args.eval_iters > 0 else None)
+    print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
+                 f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
+                 f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}")
+
+    history = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
+                    scheduler, forward_backward_func, iteration, consumed_samples)
+    initialize.destroy()
+    return history
+
+
+def model_shape_from_args(args):
+    from megatron.seqsplit.plan import ModelShape
+
+    return ModelShape(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        swiglu=args.swiglu,
+        vocab_size=args.padded_vocab_size,
+        kv_channels=args.kv_channels,
+    )
+
+
+def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
+          forward_backward_func, iteration, consumed_samples):
+    tensorboard = _TensorBoard(args.tensorboard_dir)
+    flops = model_flops_per_iteration(args)
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    world = torch.distributed.get_world_size()
+    history = []
+    window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
+    skipped = 0
+    run_start, run_start_iteration = time.time(), iteration
+    for chunk in model:
+        chunk.train()
+    while iteration < args.train_iters:
+        losses, grad_norm, ok = train_step(args, step_func, train_iterator, model, optimizer,
+                                           scheduler, forward_backward_func)
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        skipped += 0 if ok else 1
+        loss = losses.get("lm loss")
+        if loss is not None:
+            history.append(loss)
+            window_loss += loss
+            window_count += 1
+        window_iters += 1
+        lr = scheduler.get_lr(optimizer.param_groups[0])
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            elapsed = (time.time() - window_start) / window_iters
+            peaks = stage_peaks_gb(None)
+            tflops = flops / elapsed / world / 1e12
+            if parallel_state.is_pipeline_last_stage():
+                mean_loss = window_loss / max(window_count, 1)
+                print_last_rank(format_iteration_line(
+                    iteration, args.train_iters, consumed_samples, elapsed * 1000, lr,
+                    args.global_batch_size, mean_loss, grad_norm,
+                    tokens_per_iteration / elapsed, tflops, peaks))
+                tensorboard.add("lm loss", mean_loss, iteration)
+                tensorboard.add("grad-norm", grad_norm, iteration)
+                tensorboard.add("learning-rate", lr, iteration)
+                tensorboard.add("tokens-per-second", tokens_per_iteration / elapsed, iteration)
+            window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
+        if valid_iterator is not None and iteration % args.eval_interval == 0:
+            valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func)
+            if "lm loss" in valid:
+                ppl = math.exp(min(20.0, valid["lm loss"]))
+                print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
+                                f"{valid['lm loss']:.6g} | lm loss PPL: {ppl:.6g} |")
+                tensorboard.add("validation lm loss", valid["lm loss"], iteration)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
+                                          scheduler)
+    if args.save and (args.train_iters == 0 or iteration % args.save_interval != 0):
+        checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
+                                      scheduler)
+    total = time.time() - run_start
+    done = iteration - run_start_iteration
+    peaks = stage_peaks_gb(None)
+    if parallel_state.is_pipeline_last_stage():
+        final = f"{history[-1]:.6g}" if history else "n/a"
+        per_iter = f"{total / done * 1000:.1f}" if done else "n/a"
+        print_last_rank(
+            f"[summary] iterations: {done} (skipped {skipped}) | time: {total:.1f}s | "
+            f"ms/iteration: {per_iter} | final lm loss: {final} | "
+            f"tokens/s: {done * tokens_per_iteration / max(total, 1e-9):.1f} | "
+            f"peak memory per pipeline stage (GB): {' '.join(f'{p:.3f}' for p in peaks)}")
+    tensorboard.close()
+    return history

@@ -1,0 +1,86 @@
+"""Pretrain GPT on megatron-core, with Seq1F1B sequence-split pipelining.
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --pipeline-model-parallel-size 2 \\
+        --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \\
+        --micro-batch-size 1 --global-batch-size 8 --train-iters 20 \\
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --seq1f1b-splits 4
+
+Same flags as Megatron-LM's pretrain_gpt.py (see README); runs on CUDA GPUs over
+NCCL and on CPUs over gloo.
+"""
+
+import torch
+
+from megatron.core import parallel_state
+
+from megatron.trainer.model import gpt_model_provider
+from megatron.trainer.training import pretrain
+
+
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """The GPT model of one pipeline stage (local or Transformer Engine layer spec)."""
+    return gpt_model_provider(args, config, pre_process=pre_process,
+                              post_process=post_process, vp_stage=vp_stage)
+
+
+def datasets_provider(args):
+    """(train, validation, tokenizer): megatron-core GPT datasets over --data-path, or mock."""
+    from megatron.dataprep.gpt_datasets import build_gpt_datasets
+    from megatron.dataprep.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file,
+                                tokenizer_model=args.tokenizer_model,
+                                vocab_size=args.vocab_size)
+    evaluations = args.train_iters // args.eval_interval + 1
+    num_samples = [args.train_iters * args.global_batch_size,
+                   evaluations * args.eval_iters * args.global_batch_size, 0]
+    train, valid, _ = build_gpt_datasets(
+        data_path=args.data_path, split=args.split, seq_length=args.seq_length,
+        seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
+        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        mock=args.mock_data)
+    return train, valid, tokenizer
+
+
+def get_batch(data_iterator):
+    """This stage's share of the next batch (or split): tokens on the first stage,
+    labels and loss mask on the last, nothing in between."""
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    if not (first or last):
+        return {}
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in batch.items()}
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron's triple: (sum of token losses, token count, reported [sum, count])."""
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().to(torch.int)
+    reported = torch.stack([loss_sum.detach(), loss_mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": reported}
+
+
+def forward_step(data_iterator, model, args=None):
+    """One microbatch (or, under Seq1F1B, one split of one) through this stage."""
+    split = getattr(data_iterator, "split", None)  # SplitContext under Seq1F1B
+    batch = get_batch(data_iterator)
+    output_tensor = model(
+        batch.get("tokens"),
+        batch.get("position_ids"),
+        None,  # causal attention: the kernel applies the mask
+        labels=batch.get("labels"),
+        packed_seq_params=split,
+    )
+    loss_mask = batch.get("loss_mask")
+    return output_tensor, lambda output: loss_func(loss_mask, output)
+
+
+if __name__ == "__main__":
+    pretrain(datasets_provider, model_provider, forward_step)
