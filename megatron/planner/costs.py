@@ -1,0 +1,382 @@
+"""Cost model: parameters, static memory, activation and K/V cache memory, unit times.
+
+Everything is per GPU (one tensor-parallel rank of one pipeline stage) and in bytes,
+FLOPs or seconds. The formulas are written out in docs/planner.md; the names below
+follow it. Notation: ``b`` micro-batch size, ``l`` split length, ``o`` split offset
+(tokens before the split), ``S`` sequence length, ``h`` hidden, ``a`` heads, ``g``
+query groups, ``d`` head dim, ``F`` FFN size, ``V`` (padded) vocabulary, ``t`` tensor
+parallel size, ``t_sp`` = ``t`` with sequence parallelism and 1 without.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from megatron.planner.gpus import GPU
+from megatron.planner.presets import ModelSpec
+from megatron.planner.simulate import MemoryEffect
+from megatron.schedules.units import FORWARD, Unit
+
+BF16 = 2
+FP32 = 4
+# Megatron-LM with bf16: bf16 weights, fp32 main gradients
+# (accumulate_allreduce_grads_in_fp32), fp32 master weights and Adam m, v.
+WEIGHT_BYTES = BF16
+GRAD_BYTES = FP32
+OPTIMIZER_BYTES = 3 * FP32
+
+KV_LAYOUTS = ("buffer", "concat")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How the model is laid out over GPUs."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    num_chunks: int = 1  # virtual pipeline stages per rank
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tp_sp(self) -> int:
+        """Divisor of the activations outside attention and MLP (1 without SP)."""
+        return self.tp if self.sequence_parallel and self.tp > 1 else 1
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers."""
+
+    granularity: Optional[str] = None  # None, "selective", "full"
+    method: str = "uniform"  # "uniform" or "block" (full only)
+    num_layers: int = 1
+
+
+def pad_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 * tp."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+class CostModel:
+    """Per-GPU memory and time of every unit of one configuration."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        par: Parallel,
+        gpu: GPU,
+        seq_length: int,
+        split_lengths: List[int],
+        recompute: Recompute = Recompute(),
+        kv_layout: str = "buffer",
+    ):
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"--kv-cache-layout must be one of {', '.join(KV_LAYOUTS)}")
+        self.model, self.par, self.gpu = model, par, gpu
+        self.seq_length = seq_length
+        self.split_lengths = list(split_lengths)
+        self.offsets = [sum(self.split_lengths[:j]) for j in range(len(self.split_lengths))]
+        self.num_splits = len(self.split_lengths)
+        self.recompute = recompute
+        self.kv_layout = kv_layout
+        self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)
+        self.vocab = pad_vocab(model.vocab_size, par.tp)
+
+    # ------------------------------------------------------------------ parameters
+    def layer_params(self) -> Dict[str, float]:
+        """Parameters of one transformer layer on one TP rank, by part."""
+        m, t = self.model, self.par.tp
+        h, a, g, d, f = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_hidden_size
+        qkv = h * (a * d + 2 * g * d)
+        proj = a * d * h
+        fc1 = h * f * (2 if m.swiglu else 1)
+        fc2 = f * h
+        bias = 0
+        if m.add_bias_linear:
+            # column-parallel biases are split over TP, row-parallel ones are replicated
+            bias = ((a * d + 2 * g * d) + f * (2 if m.swiglu else 1)) / t + 2 * h
+        norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
+        return {"linear": (qkv + proj + fc1 + fc2) / t, "other": bias + norms}
+
+    def linear_params_per_layer(self) -> float:
+        return self.layer_params()["linear"]
+
+    def is_first(self, rank: int, chunk: int) -> bool:
+        return rank == 0 and chunk == 0
+
+    def is_last(self, rank: int, chunk: int) -> bool:
+        return rank == self.par.pp - 1 and chunk == self.par.num_chunks - 1
+
+    def rank_params(self, rank: int) -> float:
+        """Parameters held by one GPU of pipeline rank ``rank``."""
+        layer = sum(self.layer_params().values())
+        total = layer * self.layers_per_chunk * self.par.num_chunks
+        h = self.model.hidden_size
+        if rank == 0:
+            total += self.vocab * h / self.par.tp  # input embedding
+        if rank == self.par.pp - 1:
+            total += self.vocab * h / self.par.tp  # untied output layer
+            total += 2 * h if self.model.normalization == "LayerNorm" else h
+        return total
+
+    def static_memory(self, rank: int) -> Dict[str, float]:
+        """Bytes of weights, gradients and optimizer states on one GPU of ``rank``."""
+        params = self.rank_params(rank)
+        shards = self.par.dp if self.par.distributed_optimizer else 1
+        return {
+            "weights": WEIGHT_BYTES * params,
+            "gradients": GRAD_BYTES * params,
+            "optimizer": OPTIMIZER_BYTES * params / shards,
+        }
+
+    # ----------------------------------------------------------------- activations
+    def layer_activation_bytes_per_token(self, kv_in_cache: bool) -> Dict[str, float]:
+        """Stored activation bytes per token for one layer, no recomputation.
+
+        Korthikanti et al. (2022) with flash attention (no ``5 a s / h`` term) and
+        generalised to GQA / SwiGLU / any FFN size. ``sharded`` parts are divided by
+        ``t``; ``replicated`` parts by ``t_sp``.
+        """
+        m = self.model
+        h, a, g, d, f = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_hidden_size
+        sharded = (
+            BF16 * a * d  # Q (flash attention input)
+            + (0 if kv_in_cache else BF16 * 2 * g * d)  # K, V
+            + BF16 * a * d  # attention output = output-projection input
+            + FP32 * a  # softmax log-sum-exp kept by flash attention
+            + BF16 * f * (2 if m.swiglu else 1)  # fc1 output = activation input
+            + BF16 * f  # activation output = fc2 input
+        )
+        replicated = (
+            BF16 * h * 2  # inputs of the two norms
+            + BF16 * h * 2  # QKV input and fc1 input (norm outputs)
+            + (2 * h if m.hidden_dropout else 0)  # two 1-byte dropout masks
+        )
+        return {"sharded": sharded, "replicated": replicated}
+
+    def kv_in_cache(self) -> bool:
+        """With splits and the buffer layout, a split's K/V live in the cache, not its activations."""
+        return self.num_splits > 1 and self.kv_layout == "buffer"
+
+    def full_layer_bytes(self, tokens: float) -> float:
+        """Activation bytes of one layer for ``tokens`` tokens (micro-batch included)."""
+        per = self.layer_activation_bytes_per_token(self.kv_in_cache())
+        return tokens * (per["sharded"] / self.par.tp + per["replicated"] / self.par.tp_sp)
+
+    def layer_input_bytes(self, tokens: float) -> float:
+        return tokens * BF16 * self.model.hidden_size / self.par.tp_sp
+
+    def stored_layer_bytes(self, tokens: float) -> float:
+        """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
+        n, rc = self.layers_per_chunk, self.recompute
+        full = self.full_layer_bytes(tokens)
+        if rc.granularity == "selective":
+            # core attention recomputed: with flash attention only its LSE goes away
+            lse = tokens * FP32 * self.model.num_attention_heads / self.par.tp
+            return n * (full - lse)
+        if rc.granularity == "full":
+            k = min(rc.num_layers, n)
+            if rc.method == "uniform":
+                return math.ceil(n / k) * self.layer_input_bytes(tokens)
+            return k * self.layer_input_bytes(tokens) + (n - k) * full
+        return n * full
+
+    def recompute_transient_bytes(self, tokens: float) -> float:
+        """Activations rebuilt during a backward with full recomputation."""
+        rc, n = self.recompute, self.layers_per_chunk
+        if rc.granularity != "full":
+            return 0.0
+        k = min(rc.num_layers, n)
+        return (k if rc.method == "uniform" else 1) * self.full_layer_bytes(tokens)
+
+    def edge_bytes(self, rank: int, chunk: int, tokens: float) -> float:
+        """Extra activations of the embedding (first stage) and the loss (last stage)."""
+        h, extra = self.model.hidden_size, 0.0
+        if self.is_first(rank, chunk) and self.model.hidden_dropout:
+            extra += tokens * h / self.par.tp_sp  # embedding dropout mask
+        if self.is_last(rank, chunk):
+            extra += tokens * 2 * BF16 * h / self.par.tp_sp  # final norm input and output
+            extra += tokens * FP32 * self.vocab / self.par.tp  # fp32 softmax of the logits
+        return extra
+
+    def activation_bytes(self, rank: int, unit: Unit) -> float:
+        """Bytes a forward unit stores for its backward."""
+        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        return self.stored_layer_bytes(tokens) + self.edge_bytes(rank, unit.chunk, tokens)
+
+    # -------------------------------------------------------------------- KV cache
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token, one layer, one GPU, in bf16 (micro-batch included)."""
+        m = self.model
+        return 2 * BF16 * self.par.micro_batch_size * m.num_query_groups * m.head_dim / self.par.tp
+
+    def memory_effect(self, rank: int, unit: Unit) -> MemoryEffect:
+        """What ``unit`` allocates and frees on ``rank`` (for the simulator)."""
+        s, j = self.num_splits, unit.split
+        act = self.activation_bytes(rank, unit)
+        n = self.layers_per_chunk
+        kv_tok = self.kv_bytes_per_token() * n
+        at_start: Dict[str, float] = {}
+        at_end: Dict[str, float] = {}
+        transient: Dict[str, float] = {}
+        if unit.kind == FORWARD:
+            at_start["activations"] = act
+            if s > 1:
+                if self.kv_layout == "buffer":
+                    if j == 0:  # full-sequence K/V buffer of the microbatch
+                        at_start["kv_cache"] = kv_tok * self.seq_length
+                elif self.recompute.granularity == "full":
+                    at_start["kv_cache"] = kv_tok * self.split_lengths[j]
+                else:  # concat: this split saves its own copy of the prefix K/V
+                    at_start["kv_cache"] = kv_tok * self.offsets[j]
+        else:
+            at_end["activations"] = -act
+            tokens = self.par.micro_batch_size * self.split_lengths[j]
+            rebuilt = self.recompute_transient_bytes(tokens)
+            if rebuilt:
+                transient["activations"] = rebuilt
+            if s > 1:
+                if self.kv_layout == "buffer":
+                    # fp32 prefix-gradient accumulator, from the last split's backward
+                    # to the first split's backward
+                    acc = 2 * kv_tok * self.seq_length
+                    if j == s - 1:
+                        at_start["kv_cache"] = acc
+                    if j == 0:
+                        at_end["kv_cache"] = -acc - kv_tok * self.seq_length
+                else:
+                    acc = kv_tok * self.offsets[s - 1]
+                    own = (
+                        self.split_lengths[j]
+                        if self.recompute.granularity == "full"
+                        else self.offsets[j]
+                    )
+                    delta = -kv_tok * own
+                    if j == s - 1:
+                        at_start["kv_cache"] = acc
+                    if j == 0:
+                        delta -= acc
+                    at_end["kv_cache"] = delta
+        return MemoryEffect(at_start, at_end, transient)
+
+    # ----------------------------------------------------------------------- FLOPs
+    def unit_flops(self, rank: int, unit: Unit) -> Dict[str, float]:
+        """Forward FLOPs of a unit on one GPU: GEMMs and causal attention."""
+        b, n = self.par.micro_batch_size, self.layers_per_chunk
+        l, o = self.split_lengths[unit.split], self.offsets[unit.split]
+        m = self.model
+        gemm = 2 * b * l * self.linear_params_per_layer() * n
+        if self.is_last(rank, unit.chunk):
+            gemm += 2 * b * l * m.hidden_size * self.vocab / self.par.tp
+        pairs = l * o + l * (l + 1) / 2
+        attn = 4 * b * m.num_attention_heads * m.head_dim * pairs * n / self.par.tp
+        return {"gemm": gemm, "attention": attn}
+
+    # ------------------------------------------------------------------------ time
+    def _tp_comm_time(self, tokens: float) -> float:
+        """Tensor-parallel traffic of one layer's forward (the backward moves the same).
+
+        Without SP: two all-reduces of the ``[l, b, h]`` activation; with SP: two
+        all-gathers and two reduce-scatters. Both move ``4 (t - 1) / t`` activations.
+        """
+        t = self.par.tp
+        if t == 1:
+            return 0.0
+        bw = self.gpu.nvlink_bw if t <= self.gpu.gpus_per_node else self.gpu.network_bw
+        size = tokens * BF16 * self.model.hidden_size
+        count = 4 if self.par.sequence_parallel else 2
+        return 4 * (t - 1) / t * size / bw + count * self.gpu.collective_latency_s
+
+    def forward_time_parts(self, rank: int, unit: Unit) -> Dict[str, float]:
+        g = self.gpu
+        fl = self.unit_flops(rank, unit)
+        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        n = self.layers_per_chunk
+        per = self.layer_activation_bytes_per_token(False)
+        elementwise = 2 * n * tokens * (per["sharded"] / self.par.tp + per["replicated"] / self.par.tp_sp)
+        return {
+            "gemm": fl["gemm"] / (g.peak_bf16_flops * g.gemm_efficiency),
+            "attention": fl["attention"] / (g.peak_bf16_flops * g.attention_efficiency),
+            "elementwise": elementwise / (g.hbm_bw * g.hbm_efficiency),
+            "tp_comm": n * self._tp_comm_time(tokens),
+            "overhead": n * g.layer_overhead_s,
+        }
+
+    def unit_time(self, rank: int, unit: Unit) -> float:
+        f = self.forward_time_parts(rank, unit)
+        if unit.kind == FORWARD:
+            return sum(f.values())
+        backward = (
+            2 * f["gemm"] + 2.5 * f["attention"] + 2 * f["elementwise"]
+            + f["tp_comm"] + 2 * f["overhead"]
+        )
+        rc = self.recompute
+        if rc.granularity == "selective":
+            backward += f["attention"]
+        elif rc.granularity == "full":
+            n = self.layers_per_chunk
+            k = min(rc.num_layers, n)
+            share = 1.0 if rc.method == "uniform" else k / n
+            fwd_layers = sum(f.values())
+            if self.is_last(rank, unit.chunk):  # the LM head is not recomputed
+                lm = 2 * self.par.micro_batch_size * self.split_lengths[unit.split]
+                lm *= self.model.hidden_size * self.vocab / self.par.tp
+                fwd_layers -= lm / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
+            backward += share * fwd_layers
+        return backward
+
+    def p2p_time(self, src: int, dst: int, unit: Unit) -> float:
+        """Activation (or its gradient) of one unit between two pipeline ranks."""
+        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        size = tokens * BF16 * self.model.hidden_size / self.par.tp_sp
+        stride = self.par.tp * self.par.dp  # megatron order tp-cp-dp-pp
+        per_node = self.gpu.gpus_per_node
+        same_node = (src * stride) // per_node == (dst * stride) // per_node
+        bw = self.gpu.nvlink_bw if same_node else self.gpu.network_bw
+        return size / bw + self.gpu.p2p_latency_s
+
+    def grad_sync_time(self, rank: int) -> float:
+        """Data-parallel gradient reduction (and parameter all-gather), not overlapped."""
+        dp = self.par.dp
+        if dp == 1:
+            return 0.0
+        params = self.rank_params(rank)
+        inside = self.par.tp * dp <= self.gpu.gpus_per_node
+        bw = self.gpu.nvlink_bw if inside else self.gpu.network_bw
+        if self.par.distributed_optimizer:
+            size = (GRAD_BYTES + WEIGHT_BYTES) * params  # reduce-scatter + all-gather
+        else:
+            size = 2 * GRAD_BYTES * params  # all-reduce
+        return (dp - 1) / dp * size / bw + 2 * self.gpu.collective_latency_s
+
+    def optimizer_time(self, rank: int) -> float:
+        """Adam step: memory bound over the parameters this GPU owns."""
+        params = self.rank_params(rank)
+        owned = params / (self.par.dp if self.par.distributed_optimizer else 1)
+        touched = 30 * owned + GRAD_BYTES * params  # read/write master, m, v, grad; zero grads
+        return touched / (self.gpu.hbm_bw * self.gpu.hbm_efficiency)
+
+
+def model_flops_per_sequence(model: ModelSpec, seq_length: int, causal: bool = True) -> float:
+    """Forward + backward model FLOPs of one sequence (no recomputation).
+
+    ``3 * (linear_flops_per_token * S + attention_flops_per_pair * pairs)`` with
+    ``pairs = S (S + 1) / 2`` for causal attention (the work done), or ``S^2`` as in
+    the formula of Narayanan et al. (2021) that Megatron-LM reports.
+    """
+    shape = model.shape()
+    pairs = seq_length * (seq_length + 1) / 2 if causal else seq_length**2
+    return 3 * (shape.linear_flops_per_token() * seq_length + shape.attention_flops_per_pair() * pairs)

@@ -1,0 +1,357 @@
+"""Predict memory, bubble and throughput of one training configuration.
+
+``predict(PlanConfig(...))`` validates the configuration, builds the schedule with
+the shared generators (``megatron.schedules``), times it with the cost model in
+``costs.py`` through the event simulator in ``simulate.py`` and returns a
+``Prediction`` (``.to_json()`` gives the ``--json`` object of ``tools/plan.py``).
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Union
+
+from megatron.planner.costs import (
+    KV_LAYOUTS,
+    CostModel,
+    Parallel,
+    Recompute,
+    model_flops_per_sequence,
+)
+from megatron.planner.gpus import GIB, GPU, get_gpu
+from megatron.planner.presets import ModelSpec
+from megatron.planner.simulate import SimResult, simulate
+from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
+from megatron.schedules.units import seq1f1b_schedule
+from megatron.seqsplit.plan import BALANCE_METHODS, SplitPlanError, plan_splits
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b")
+MIN_AUTO_SPLIT_TOKENS = 256
+AUTO_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32)
+
+
+class PlanError(ValueError):
+    """A configuration that cannot run; the message names the flag to change."""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    model: ModelSpec
+    seq_length: int
+    parallel: Parallel
+    schedule: str = "1f1b"
+    splits: Union[int, str] = 1  # int or "auto" (seq1f1b only)
+    balance_method: str = "average"
+    split_alignment: Optional[int] = None  # default: t with SP, else 1
+    recompute: Recompute = Recompute()
+    gpu: str = "a100-80g"
+    kv_layout: str = "buffer"
+    microbatch_group_size: Optional[int] = None  # interleaved: default p
+
+
+@dataclass
+class Prediction:
+    config: PlanConfig
+    splits: int
+    split_lengths: List[int]
+    stages: List[Dict[str, float]]  # GB (GiB), one dict per pipeline rank
+    bubble_fraction: float
+    pipeline_time_s: float
+    iteration_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    tflops_per_gpu_full_attention: float
+    oom: bool
+    gpu: GPU
+    sim: SimResult = field(repr=False)
+    cost: CostModel = field(repr=False)
+    auto_candidates: Optional[List[Dict]] = None
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return max(s["total"] for s in self.stages)
+
+    def to_json(self) -> Dict:
+        c = self.config
+        p = c.parallel
+        out = {
+            "schedule": c.schedule,
+            "splits": self.splits,
+            "split_lengths": self.split_lengths,
+            "balance_method": c.balance_method,
+            "stages": self.stages,
+            "peak_memory_gb": round(self.peak_memory_gb, 3),
+            "gpu_memory_gb": round(self.gpu.memory_gib, 3),
+            "usable_memory_gb": round(self.gpu.usable_bytes / GIB, 3),
+            "oom": self.oom,
+            "bubble_fraction": round(self.bubble_fraction, 5),
+            "pipeline_time_s": self.pipeline_time_s,
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": round(self.tflops_per_gpu, 3),
+            "tflops_per_gpu_full_attention": round(self.tflops_per_gpu_full_attention, 3),
+            "gpu": self.gpu.name,
+            "model": c.model.to_dict(),
+            "seq_length": c.seq_length,
+            "parallel": {
+                "tensor_model_parallel_size": p.tp,
+                "pipeline_model_parallel_size": p.pp,
+                "data_parallel_size": p.dp,
+                "virtual_pipeline_stages": p.num_chunks,
+                "micro_batch_size": p.micro_batch_size,
+                "global_batch_size": p.global_batch_size,
+                "num_microbatches": p.num_microbatches,
+                "sequence_parallel": p.sequence_parallel,
+                "use_distributed_optimizer": p.distributed_optimizer,
+                "world_size": p.world_size,
+            },
+            "recompute": {
+                "granularity": c.recompute.granularity,
+                "method": c.recompute.method,
+                "num_layers": c.recompute.num_layers,
+            },
+            "kv_cache_layout": c.kv_layout,
+        }
+        if self.auto_candidates is not None:
+            out["auto_candidates"] = self.auto_candidates
+        return out
+
+
+# ----------------------------------------------------------------------- validation
+def validate(c: PlanConfig) -> None:
+    """Raise ``PlanError`` naming the flag for configurations Megatron cannot run."""
+    m, p = c.model, c.parallel
+    if c.schedule not in SCHEDULES:
+        raise PlanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {c.schedule!r}")
+    positive = {
+        "--num-layers": m.num_layers,
+        "--hidden-size": m.hidden_size,
+        "--num-attention-heads": m.num_attention_heads,
+        "--num-query-groups": m.num_query_groups,
+        "--ffn-hidden-size": m.ffn_hidden_size,
+        "--vocab-size": m.vocab_size,
+        "--seq-length": c.seq_length,
+        "--tensor-model-parallel-size": p.tp,
+        "--pipeline-model-parallel-size": p.pp,
+        "--data-parallel-size": p.dp,
+        "--micro-batch-size": p.micro_batch_size,
+        "--global-batch-size": p.global_batch_size,
+    }
+    for flag, value in positive.items():
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{flag} must be a positive integer, got {value!r}")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise PlanError(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{m.num_attention_heads}; change one or pass --kv-channels"
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        raise PlanError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--num-query-groups {m.num_query_groups}"
+        )
+    if m.num_layers % p.pp:
+        raise PlanError(
+            f"--num-layers {m.num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size {p.pp}"
+        )
+    if m.num_layers % (p.pp * p.num_chunks):
+        raise PlanError(
+            f"--num-layers {m.num_layers} is not divisible by pipeline size {p.pp} x "
+            f"{p.num_chunks} virtual stages; change --num-layers-per-virtual-pipeline-stage"
+        )
+    for flag, value in (
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--num-query-groups", m.num_query_groups),
+        ("--ffn-hidden-size", m.ffn_hidden_size),
+    ):
+        if value % p.tp:
+            raise PlanError(
+                f"{flag} {value} is not divisible by --tensor-model-parallel-size {p.tp}"
+            )
+    if p.global_batch_size % (p.micro_batch_size * p.dp):
+        raise PlanError(
+            f"--global-batch-size {p.global_batch_size} is not divisible by "
+            f"--micro-batch-size {p.micro_batch_size} x --data-parallel-size {p.dp}"
+        )
+    if p.sequence_parallel and p.tp > 1 and c.seq_length % p.tp:
+        raise PlanError(
+            f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{p.tp}, which --sequence-parallel needs"
+        )
+    if c.balance_method not in BALANCE_METHODS:
+        raise PlanError(
+            f"--seq1f1b-balance-method must be one of {', '.join(BALANCE_METHODS)}, "
+            f"got {c.balance_method!r}"
+        )
+    if c.kv_layout not in KV_LAYOUTS:
+        raise PlanError(f"--kv-cache-layout must be one of {', '.join(KV_LAYOUTS)}")
+    rc = c.recompute
+    if rc.granularity not in (None, "selective", "full"):
+        raise PlanError(f"--recompute-granularity must be full or selective, got {rc.granularity!r}")
+    if rc.method not in ("uniform", "block"):
+        raise PlanError(f"--recompute-method must be uniform or block, got {rc.method!r}")
+    if rc.granularity == "full":
+        per_chunk = m.num_layers // (p.pp * p.num_chunks)
+        if rc.num_layers < 1 or rc.num_layers > per_chunk:
+            raise PlanError(
+                f"--recompute-num-layers {rc.num_layers} must be in [1, {per_chunk}] "
+                f"(layers per pipeline chunk)"
+            )
+    if c.schedule == "interleaved-1f1b" and p.num_chunks < 2:
+        raise PlanError(
+            "--schedule interleaved-1f1b needs --num-layers-per-virtual-pipeline-stage "
+            "smaller than the layers per pipeline stage (at least 2 virtual stages)"
+        )
+    if c.schedule == "1f1b" and p.num_chunks > 1:
+        raise PlanError(
+            "--schedule 1f1b does not use virtual stages; drop "
+            "--num-layers-per-virtual-pipeline-stage or use --schedule interleaved-1f1b"
+        )
+    if p.num_chunks > 1 and p.pp < 2:
+        raise PlanError(
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2"
+        )
+    if c.schedule != "seq1f1b" and c.splits not in (1, None):
+        raise PlanError(
+            f"--seq1f1b-splits {c.splits} needs --schedule seq1f1b (got --schedule {c.schedule})"
+        )
+    if c.splits != "auto" and (not isinstance(c.splits, int) or c.splits < 1):
+        raise PlanError(f"--seq1f1b-splits must be a positive integer or 'auto', got {c.splits!r}")
+    if p.num_chunks > 1:
+        try:
+            check_interleaved_shape(
+                p.pp, p.num_microbatches, p.num_chunks, c.microbatch_group_size,
+                1 if c.splits == "auto" else c.splits,
+            )
+        except ValueError as err:
+            raise PlanError(f"{err} (--global-batch-size / --micro-batch-size)") from None
+
+
+def split_alignment(c: PlanConfig) -> int:
+    if c.split_alignment is not None:
+        return c.split_alignment
+    p = c.parallel
+    return p.tp if p.sequence_parallel and p.tp > 1 else 1
+
+
+def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:
+    try:
+        return plan_splits(
+            c.seq_length,
+            num_splits,
+            c.balance_method,
+            alignment=split_alignment(c),
+            model=c.model.shape(),
+        )
+    except SplitPlanError as err:
+        raise PlanError(str(err)) from None
+
+
+def build_schedule(c: PlanConfig, num_splits: int):
+    p = c.parallel
+    if p.num_chunks > 1:
+        return interleaved_schedule(
+            p.pp, p.num_microbatches, p.num_chunks, c.microbatch_group_size, num_splits
+        )
+    return seq1f1b_schedule(p.pp, p.num_microbatches, num_splits)
+
+
+# ------------------------------------------------------------------------ predict
+def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
+    gpu = get_gpu(c.gpu)
+    lengths = split_lengths(c, num_splits)
+    cost = CostModel(c.model, c.parallel, gpu, c.seq_length, lengths, c.recompute, c.kv_layout)
+    schedule = build_schedule(c, num_splits)
+    sim = simulate(schedule, cost.unit_time, cost.p2p_time, cost.memory_effect)
+    p = c.parallel
+    stages = []
+    for rank in range(p.pp):
+        static = cost.static_memory(rank)
+        peak, _, parts = sim.memory[rank].peak()
+        row = {k: v / GIB for k, v in static.items()}
+        row["activations"] = parts.get("activations", 0.0) / GIB
+        row["kv_cache"] = parts.get("kv_cache", 0.0) / GIB
+        row["total"] = sum(static.values()) / GIB + peak / GIB
+        row["in_flight_units_peak"] = sim.in_flight_peak(rank)
+        stages.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    pipeline = sim.makespan
+    tail = max(cost.grad_sync_time(r) + cost.optimizer_time(r) for r in range(p.pp))
+    iteration = pipeline + tail
+    tokens = p.global_batch_size * c.seq_length
+    flops = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=True)
+    flops_full = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=False)
+    peak = max(s["total"] for s in stages) * GIB
+    return Prediction(
+        config=replace(c, splits=num_splits),
+        splits=num_splits,
+        split_lengths=lengths,
+        stages=stages,
+        bubble_fraction=sim.bubble_fraction(),
+        pipeline_time_s=pipeline,
+        iteration_time_s=iteration,
+        tokens_per_s=tokens / iteration,
+        tflops_per_gpu=flops / iteration / p.world_size / 1e12,
+        tflops_per_gpu_full_attention=flops_full / iteration / p.world_size / 1e12,
+        oom=peak > gpu.usable_bytes,
+        gpu=gpu,
+        sim=sim,
+        cost=cost,
+    )
+
+
+def auto_split_candidates(c: PlanConfig) -> List[int]:
+    """Split counts ``auto`` tries: ``AUTO_SPLIT_COUNTS`` with >= 256 tokens per split."""
+    align = split_alignment(c)
+    out = []
+    for s in AUTO_SPLIT_COUNTS:
+        if c.seq_length // s < MIN_AUTO_SPLIT_TOKENS and s > 1:
+            break
+        if s > c.seq_length // align:
+            break
+        if c.parallel.num_chunks > 1:
+            try:
+                check_interleaved_shape(
+                    c.parallel.pp, c.parallel.num_microbatches, c.parallel.num_chunks,
+                    c.microbatch_group_size, s,
+                )
+            except ValueError:
+                continue
+        out.append(s)
+    return out
+
+
+def predict(c: PlanConfig) -> Prediction:
+    """Validate and predict; with ``splits="auto"`` pick the fastest split count that fits."""
+    if c.schedule == "seq1f1b" and c.splits is None:
+        c = replace(c, splits="auto")
+    if c.splits is None:
+        c = replace(c, splits=1)
+    validate(c)
+    if c.splits != "auto":
+        return _predict_fixed(c, c.splits)
+    results = []
+    for s in auto_split_candidates(c):
+        try:
+            results.append(_predict_fixed(c, s))
+        except PlanError:
+            continue
+    if not results:
+        raise PlanError(
+            f"--seq1f1b-splits auto found no usable split count for --seq-length {c.seq_length}"
+        )
+    fitting = [r for r in results if not r.oom]
+    best = (
+        max(fitting, key=lambda r: r.tokens_per_s)
+        if fitting
+        else min(results, key=lambda r: r.peak_memory_gb)
+    )
+    best.auto_candidates = [
+        {
+            "splits": r.splits,
+            "tokens_per_s": r.tokens_per_s,
+            "peak_memory_gb": round(r.peak_memory_gb, 3),
+            "oom": r.oom,
+            "bubble_fraction": round(r.bubble_fraction, 5),
+        }
+        for r in results
+    ]
+    return best

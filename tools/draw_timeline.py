@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Draw a pipeline timeline PNG from a timeline JSON file.
+
+The file is the trace format of megatron/planner/trace.py (see docs/planner.md):
+{"ranks": [[{"kind", "microbatch", "split", "chunk", "start", "end"}, ...], ...],
+ "meta": {...}}, as written by a run with --timeline-file PATH or by
+tools/plan.py --timeline-json PATH. Several files are stacked on one time axis.
+
+    python tools/draw_timeline.py run.json -o picture/run_timeline.png
+    python tools/draw_timeline.py a.json b.json -o compare.png --titles 1F1B Seq1F1B
+    python tools/draw_timeline.py run.json --chrome run.chrome.json
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.planner.trace import TraceFormatError, read_timeline, write_chrome_trace  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="tools/draw_timeline.py", description=__doc__.split("\n")[0])
+    ap.add_argument("timelines", nargs="+", help="timeline JSON file(s)")
+    ap.add_argument("-o", "--output", help="PNG path (default: first input with .png)")
+    ap.add_argument("--titles", nargs="+", help="one title per input (default: meta.title or the file name)")
+    ap.add_argument("--chrome", metavar="PATH", help="also write the first timeline as Chrome-trace JSON")
+    ap.add_argument("--width", type=float, default=13.0, help="figure width in inches")
+    args = ap.parse_args(argv)
+    timelines = []
+    for path in args.timelines:
+        try:
+            timelines.append(read_timeline(path))
+        except (OSError, TraceFormatError) as err:
+            ap.exit(2, f"{ap.prog}: error: {path}: {err}\n")
+    if args.titles and len(args.titles) != len(timelines):
+        ap.exit(2, f"{ap.prog}: error: --titles needs {len(timelines)} titles\n")
+    titles = args.titles or [
+        tl.meta.get("title") or os.path.basename(path) for tl, path in zip(timelines, args.timelines)
+    ]
+    from megatron.planner.draw import draw_timelines
+
+    out = args.output or os.path.splitext(args.timelines[0])[0] + ".png"
+    draw_timelines(timelines, out, titles, width=args.width)
+    print(f"wrote {out}")
+    if args.chrome:
+        write_chrome_trace(args.chrome, timelines[0])
+        print(f"wrote {args.chrome}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
