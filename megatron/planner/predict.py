@@ -210,12 +210,12 @@ def validate(c: PlanConfig) -> None:
         raise PlanError(
             "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2"
         )
+    if c.splits != "auto" and (not isinstance(c.splits, int) or c.splits < 1):
+        raise PlanError(f"--seq1f1b-splits must be a positive integer or 'auto', got {c.splits!r}")
     if c.schedule != "seq1f1b" and c.splits not in (1, None):
         raise PlanError(
             f"--seq1f1b-splits {c.splits} needs --schedule seq1f1b (got --schedule {c.schedule})"
         )
-    if c.splits != "auto" and (not isinstance(c.splits, int) or c.splits < 1):
-        raise PlanError(f"--seq1f1b-splits must be a positive integer or 'auto', got {c.splits!r}")
     if p.num_chunks > 1:
         try:
             check_interleaved_shape(
@@ -223,7 +223,7 @@ def validate(c: PlanConfig) -> None:
                 1 if c.splits == "auto" else c.splits,
             )
         except ValueError as err:
-            raise PlanError(f"{err} (--global-batch-size / --micro-batch-size)") from None
+            raise PlanError(str(err)) from None
 
 
 def split_alignment(c: PlanConfig) -> int:

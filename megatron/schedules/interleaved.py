@@ -73,7 +73,8 @@ def check_interleaved_shape(
         raise ValueError(
             f"interleaved 1F1B: the number of microbatches m={num_microbatches} modulo the "
             f"group size {group} is {final}; megatron-core requires 0 or >= p={pp_size}. "
-            f"Use a number of microbatches that is a multiple of {group}."
+            f"Use a number of microbatches (--global-batch-size / (--micro-batch-size x "
+            f"data-parallel size)) that is a multiple of {group}."
         )
     return group
 
