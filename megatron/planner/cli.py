@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted; the planner always counts an output layer on the last stage")
 
     p = ap.add_argument_group("parallelism and batch")
-    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--seq-length", type=int)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--memory-png", metavar="PATH", help="draw memory over time per stage")
     o.add_argument("--timeline-json", metavar="PATH",
                    help="write the simulated timeline in the trace format (and PATH.chrome.json)")
+    o.add_argument("--compare-published", action="store_true",
+                   help="print predicted vs published Seq1F1B memory and TFLOP/s (markdown) and exit")
+    o.add_argument("--make-figures", metavar="DIR",
+                   help="draw the timeline, memory and comparison pictures into DIR and exit")
     return ap
 
 
@@ -249,6 +253,20 @@ def report(pred: Prediction) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.compare_published or args.make_figures:
+        from megatron.planner import published
+
+        if args.compare_published:
+            print("Peak memory per GPU (GB), A100 80GB\n")
+            print(published.memory_table_markdown(published.compare_memory()))
+            print("\n7B on 32 A100s, TFLOP/s per GPU\n")
+            print(published.tflops_table_markdown(published.compare_tflops()))
+        if args.make_figures:
+            for path in published.make_figures(args.make_figures):
+                print(f"wrote {path}")
+        return 0
+    if args.seq_length is None:
+        ap.error("the following arguments are required: --seq-length")
     try:
         config = config_from_args(args)
         pred = predict(config)

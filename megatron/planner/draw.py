@@ -57,14 +57,15 @@ def _draw_rows(ax, timeline: Timeline, scale: float, origin: float, label_min: f
                 edgecolor="black", linewidth=0.4,
                 hatch=None if fwd else "///",
             )
-            if width >= label_min:
+            if width >= label_min * 0.45:
                 text = f"{e['microbatch']}.{e['split']}"
                 if e.get("chunk"):
                     text += f"c{e['chunk']}"
                 ax.text(
                     left + width / 2, y, text, ha="center", va="center",
-                    fontsize=6.5, color="black" if fwd else "white",
-                    bbox=None if fwd else dict(facecolor=color, edgecolor="none", pad=0.3),
+                    fontsize=6, color="black" if fwd else "white",
+                    rotation=0 if width >= label_min + (4 if e.get("chunk") else 0) * label_min / 16 else 90,
+                    bbox=None if fwd else dict(facecolor=color, edgecolor="none", pad=0.2),
                 )
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(p))])
@@ -88,8 +89,8 @@ def draw_timelines(
         len(timelines), 1, figsize=(width, sum(heights) + 0.9), sharex=True,
         gridspec_kw={"height_ratios": heights}, squeeze=False,
     )
-    # a label needs about 30 pixels
-    label_min = span * scale * 30.0 / (width * dpi * 0.85)
+    # a label ("12.3") needs about 16 pixels at font size 6
+    label_min = span * scale * 16.0 / (width * dpi * 0.85)
     for i, (ax, tl) in enumerate(zip(axes[:, 0], timelines)):
         origin = min((e["start"] for r in tl.ranks for e in r), default=0.0)
         _draw_rows(ax, tl, scale, origin, label_min)

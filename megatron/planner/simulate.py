@@ -235,6 +235,11 @@ def memory_trace(timed: Sequence[TimedUnit], memory: MemoryFn) -> MemoryTrace:
     for time, _, delta in events:
         for k, v in delta.items():
             current[k] += v
+        if time == times[-1] and len(times) > 1 and sum(current.values()) >= totals[-1]:
+            # same instant (one unit ends as the next starts): keep the later, larger value
+            times.pop(), totals.pop()
+            for k in names:
+                comps[k].pop()
         times.append(time)
         totals.append(sum(current.values()))
         for k in names:

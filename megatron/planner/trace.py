@@ -24,6 +24,7 @@ Recording in the executor::
     recorder.start()                      # right after a barrier, once per run
     with recorder.record(unit):           # around each unit's forward / backward
         ...
+    # or pass it as an observer: on_unit_start(rank, unit) / on_unit_end(rank, unit)
     recorder.gather_and_write(path, group=pp_group)   # collective; rank 0 writes
 """
 
@@ -207,6 +208,23 @@ class TimelineRecorder:
                 record(unit.kind, unit.microbatch, getattr(unit, "split", 0),
                        getattr(unit, "chunk", 0), begin, end)
             )
+
+    # Observer interface of the executor (Seq1F1BSettings.observers):
+    # on_unit_start(rank, unit) / on_unit_end(rank, unit).
+    def on_unit_start(self, rank, unit) -> None:
+        if self.origin is None:
+            self.start()
+        self._open = (unit, self._now() - self.origin)
+
+    def on_unit_end(self, rank, unit) -> None:
+        opened = getattr(self, "_open", None)
+        if opened is None or opened[0] != unit:
+            raise RuntimeError(f"on_unit_end({unit}) without a matching on_unit_start")
+        self._open = None
+        self.events.append(
+            record(unit.kind, unit.microbatch, getattr(unit, "split", 0),
+                   getattr(unit, "chunk", 0), opened[1], self._now() - self.origin)
+        )
 
     def add(self, kind, microbatch, split, chunk, start, end) -> None:
         self.events.append(record(kind, microbatch, split, chunk, start, end))
