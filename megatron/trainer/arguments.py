@@ -227,8 +227,8 @@ def validate_args(args, world_size: int, cuda_available: bool):
 
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    _require(args.lr_warmup_iters <= max(args.lr_decay_iters, 0) or args.lr_decay_style ==
-             "constant", f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed "
+    _require(args.lr_warmup_iters <= args.lr_decay_iters or args.lr_decay_style == "constant"
+             or args.train_iters == 0, f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed "
              f"--lr-decay-iters ({args.lr_decay_iters})")
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
     _require(args.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")

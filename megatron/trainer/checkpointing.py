@@ -63,17 +63,26 @@ def _rng_state():
                          replica_id=0)
 
 
-def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng):
-    model_sd = model[0].sharded_state_dict()
+def unwrap_model(module):
+    """The GPTModel inside DDP / Float16Module wrappers (their keys carry no prefix then)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng,
+                        loading=False, with_optimizer=True):
+    model_sd = unwrap_model(model[0]).sharded_state_dict()
     state = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False),
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
         "model_shape": {flag: getattr(args, flag) for flag in MODEL_SHAPE_FLAGS},
         "layout": list(_layout()),
     }
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
@@ -134,16 +143,15 @@ def load_checkpoint(args, model, optimizer, scheduler):
         raise SystemExit(f"error: --load {path} holds another model shape: " + "; ".join(differ))
     same_layout = list(common.get("layout", [])) == list(_layout())
     load_rng = same_layout and not args.no_load_rng
-    template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng)
-    if args.no_load_optim:
-        template.pop("optimizer")
-    else:
-        template["optimizer"] = optimizer.sharded_state_dict(template["model"], is_loading=True)
+    template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
+                                   loading=True, with_optimizer=not args.no_load_optim)
     state = dist_checkpointing.load(template, path)
-    model[0].load_state_dict(state["model"])
+    unwrap_model(model[0]).load_state_dict(state["model"])
     if not args.no_load_optim:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
         rng = state["rng_state"]
         random.setstate(rng["random"])

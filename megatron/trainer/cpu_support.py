@@ -171,6 +171,37 @@ def _patch_language_module():
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+# --- megatron/core/optimizer/distrib_optimizer.py: param.type() == 'torch.cuda.FloatTensor' --
+
+@contextlib.contextmanager
+def _cpu_tensor_types_read_as_cuda():
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, *args, **kwargs):
+        if dtype is None:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        return original(self, dtype, *args, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _patch_distributed_optimizer():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__init__
+
+    def __init__(self, *args, **kwargs):
+        with _cpu_tensor_types_read_as_cuda():
+            original(self, *args, **kwargs)
+
+    DistributedOptimizer.__init__ = __init__
+
+
 # Modules that create tensors on "cuda" / torch.cuda.current_device(), or call
 # torch.cuda.synchronize / current_stream, on the training and checkpoint paths.
 _CUDA_DEVICE_CALL_SITES = (
@@ -205,6 +236,7 @@ def apply() -> bool:
     _patch_tensor_parallel_random()
     _patch_clip_grads()
     _patch_language_module()
+    _patch_distributed_optimizer()
     for module_name in _CUDA_DEVICE_CALL_SITES:
         try:
             _redirect_torch(module_name)

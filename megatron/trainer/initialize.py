@@ -46,10 +46,12 @@ def set_seeds(seed: int):
     model_parallel_cuda_manual_seed(seed)
 
 
-def destroy():
+def destroy_model_parallel():
+    """Drop megatron-core's groups and RNG tracker; the default process group stays."""
+    from megatron.core.tensor_parallel import random as mp_random
+
     parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    mp_random.initialize_rng_tracker(force_reset=True)
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ iteration with Megatron-style logging, evaluation and checkpointing.
 import functools
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,7 +91,8 @@ def build_optimizer(args, model):
         max_lr=args.lr,
         min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=max(args.lr_decay_iters, 1) * gbs,
+        # megatron-core wants warm-up < decay even for a run with no steps (--train-iters 0)
+        lr_decay_steps=max(args.lr_decay_iters, args.lr_warmup_iters + 1) * gbs,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
@@ -171,9 +173,22 @@ class _TensorBoard:
             self.writer.close()
 
 
+@dataclass
+class TrainingResult:
+    """Per-iteration lm loss and grad norm (losses only on the last pipeline stage)."""
+
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+
+
 def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
-             argv=None):
-    """Train a model with Megatron-LM's flags. Returns the per-iteration losses (last stage)."""
+             argv=None, on_finish=None):
+    """Train a model with Megatron-LM's flags; returns a ``TrainingResult``.
+
+    ``on_finish(args, model)``, if given, runs after training while the parallel
+    state still exists (tests use it to gather parameters). The default process
+    group is kept, so one process can train several configurations in turn.
+    """
     args = parse_args_or_exit(argv, extra_args_provider)
     start = time.time()
     initialize.initialize_distributed(args)
@@ -209,10 +224,12 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
                  f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}")
 
-    history = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
-                    scheduler, forward_backward_func, iteration, consumed_samples)
-    initialize.destroy()
-    return history
+    result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
+                   scheduler, forward_backward_func, iteration, consumed_samples)
+    if on_finish is not None:
+        on_finish(args, model)
+    initialize.destroy_model_parallel()
+    return result
 
 
 def model_shape_from_args(args):
@@ -236,7 +253,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     flops = model_flops_per_iteration(args)
     tokens_per_iteration = args.global_batch_size * args.seq_length
     world = torch.distributed.get_world_size()
-    history = []
+    history = TrainingResult()
     window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
     skipped = 0
     run_start, run_start_iteration = time.time(), iteration
@@ -249,8 +266,9 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
         consumed_samples += args.global_batch_size
         skipped += 0 if ok else 1
         loss = losses.get("lm loss")
+        history.grad_norms.append(grad_norm)
         if loss is not None:
-            history.append(loss)
+            history.losses.append(loss)
             window_loss += loss
             window_count += 1
         window_iters += 1
@@ -287,7 +305,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     done = iteration - run_start_iteration
     peaks = stage_peaks_gb(None)
     if parallel_state.is_pipeline_last_stage():
-        final = f"{history[-1]:.6g}" if history else "n/a"
+        final = f"{history.losses[-1]:.6g}" if history.losses else "n/a"
         per_iter = f"{total / done * 1000:.1f}" if done else "n/a"
         print_last_rank(
             f"[summary] iterations: {done} (skipped {skipped}) | time: {total:.1f}s | "

@@ -1,0 +1,100 @@
+"""Run several training configurations in one (torchrun) launch and record what they did.
+
+    torchrun --nproc-per-node W tests/dist_runner.py SPEC.json OUT.json
+    python tests/dist_runner.py SPEC.json OUT.json            # one process
+
+SPEC is a JSON list of {"name": str, "argv": [pretrain_gpt flags], "params": bool}.
+OUT (written by the last rank) maps each name to its per-iteration losses and grad
+norms and, with "params", a path to the final parameters gathered into the unsplit
+(tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor.
+"""
+
+import json
+import os
+import re
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron.core import parallel_state  # noqa: E402
+
+import pretrain_gpt  # noqa: E402
+from megatron.trainer.training import pretrain  # noqa: E402
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def gather_full_parameters(args, model):
+    """Every parameter in the tp=1, pp=1 layout, on the last rank (None elsewhere)."""
+    module = _unwrap(model[0])
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    layer_offset = (parallel_state.get_pipeline_model_parallel_rank()
+                    * args.num_layers // args.pipeline_model_parallel_size)
+    local = {}
+    for name, param in module.named_parameters():
+        tensor = param.detach().float().cpu()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            dim = param.partition_dim
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+            if args.swiglu and "linear_fc1" in name:
+                # each rank holds [gate_r; up_r]: regroup to [gate; up]
+                halves = [s.chunk(2, dim=dim) for s in shards]
+                shards = [h[0] for h in halves] + [h[1] for h in halves]
+            tensor = torch.cat(shards, dim=dim)
+        name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+        local[name] = tensor
+    everything = [None] * torch.distributed.get_world_size()
+    keep = (parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    torch.distributed.all_gather_object(everything, local if keep else {})
+    if torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+        return None
+    merged = {}
+    for part in everything:
+        for name, tensor in part.items():
+            if name == "output_layer.weight" and not args.untie_embeddings_and_output_weights:
+                continue  # the last stage's copy of the tied embedding
+            merged[name] = tensor
+    return merged
+
+
+def main(spec_path, out_path):
+    runs = json.load(open(spec_path))
+    results = {}
+    for run in runs:
+        captured = {}
+
+        def on_finish(args, model, run=run, captured=captured):
+            if run.get("params"):
+                captured["params"] = gather_full_parameters(args, model)
+
+        result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                          pretrain_gpt.forward_step, argv=run["argv"], on_finish=on_finish)
+        entry = {"losses": result.losses,
+                 "grad_norms": [None if g is None else float(g) for g in result.grad_norms]}
+        if captured.get("params") is not None:
+            path = f"{out_path}.{run['name']}.pt"
+            torch.save(captured["params"], path)
+            entry["params"] = path
+        results[run["name"]] = entry
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
