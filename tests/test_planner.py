@@ -306,3 +306,17 @@ def test_gather_and_write_without_distributed(tmp_path):
 def test_trace_validation_errors(data, msg):
     with pytest.raises(trace.TraceFormatError, match=msg):
         trace.validate(data)
+
+
+def test_published_comparison_agrees_on_2p7b_verdicts():
+    """2.7B on 8 GPUs: every out-of-memory verdict of the paper is reproduced."""
+    from megatron.planner.published import compare_memory, memory_table_markdown
+
+    rows = compare_memory(split_counts=(2,))
+    for r in rows:
+        if r["model"] == "2.7B":
+            assert r["predicted_oom"] == (r["published"] is None), r
+            if r["published"] is not None and r["schedule"] != "seq1f1b":
+                assert r["predicted"] == pytest.approx(r["published"], rel=0.1)
+    table = memory_table_markdown(rows)
+    assert table.count("\n") == len(rows) + 1
