@@ -1,0 +1,110 @@
+"""Seq1F1B is exact: split runs reproduce the unsplit run, layout by layout.
+
+Every configuration trains 3 iterations from a shared iteration-0 checkpoint and is
+compared, inside this test, with (a) the same layout at s = 1 (megatron-core's own
+1F1B) and (b) a single-process pp=1 run: per-iteration loss and grad norm within
+1e-5 relative, every parameter after the optimizer steps within 1e-5.
+"""
+
+import pytest
+
+from distributed import (
+    TINY_MODEL,
+    assert_close_series,
+    assert_params_close,
+    init_checkpoint,
+    run_configs,
+)
+
+# A: MHA, learned absolute positions, LayerNorm, GeLU, tied embeddings.
+MODEL_A = TINY_MODEL
+# B: GQA (4 heads, 2 groups), RoPE, SwiGLU, RMSNorm, untied embeddings.
+MODEL_B = TINY_MODEL + ["--group-query-attention", "--num-query-groups", "2",
+                        "--position-embedding-type", "rope", "--swiglu",
+                        "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
+MODELS = {"A": MODEL_A, "B": MODEL_B}
+# microbatches per iteration are not multiples of the split counts
+BATCHES = {
+    "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"],
+    "mbs1": ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3"],
+}
+PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+PER_TOKEN = ["--calculate-per-token-loss"]
+
+
+def splits(n, method="average"):
+    return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", method]
+
+
+# name -> (world size, model, batch, layout flags, split flags, extra flags)
+CASES = {}
+for model, batch in (("A", "mbs2"), ("B", "mbs1")):
+    for n, method in ((1, "average"), (2, "average"), (3, "uniform_comp"), (4, "average"),
+                      (4, "uniform_comp")):
+        CASES[f"{model}_{batch}_pp2_s{n}_{method}"] = (2, model, batch, PP2, splits(n, method), [])
+        CASES[f"{model}_{batch}_pp4_s{n}_{method}"] = (4, model, batch, PP4, splits(n, method), [])
+    for n, method in ((1, "average"), (3, "average"), (4, "uniform_comp")):
+        CASES[f"{model}_{batch}_tp2pp2_s{n}_{method}"] = (
+            4, model, batch, TP2 + PP2, splits(n, method), [])
+for n in (1, 3):
+    CASES[f"A_mbs2_pp2_s{n}_pertoken"] = (2, "A", "mbs2", PP2, splits(n), PER_TOKEN)
+    CASES[f"B_mbs1_pp1_s{n}_pertoken"] = (1, "B", "mbs1", [], splits(n), PER_TOKEN)
+CASES["B_mbs1_pp1_s3_average"] = (1, "B", "mbs1", [], splits(3), [])
+
+
+def reference_name(model, batch, extra):
+    return f"ref_{model}_{batch}{'_pertoken' if extra else ''}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("seq1f1b")
+    starts = {}
+    for model, flags in MODELS.items():
+        sub = tmp / model
+        sub.mkdir()
+        base = flags + BATCHES["mbs1"]
+        starts[model] = init_checkpoint(sub, base)
+    by_world = {1: [], 2: [], 4: []}
+    references = {}
+    for name, (world, model, batch, layout, split_flags, extra) in CASES.items():
+        argv = MODELS[model] + BATCHES[batch] + starts[model] + layout + split_flags + extra
+        by_world[world].append({"name": name, "argv": argv, "params": True})
+        ref = reference_name(model, batch, extra)
+        references[ref] = MODELS[model] + BATCHES[batch] + starts[model] + extra
+    for ref, argv in references.items():
+        by_world[1].append({"name": ref, "argv": argv, "params": True})
+    out = {}
+    for world, runs in by_world.items():
+        out.update(run_configs(tmp, world, runs))
+    return out
+
+
+def _unsplit_name(name):
+    prefix = name.split("_s")[0]
+    suffix = "pertoken" if name.endswith("pertoken") else "average"
+    return f"{prefix}_s1_{suffix}"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "_s1_" not in n])
+def test_split_run_equals_unsplit_runs(results, name):
+    world, model, batch, layout, split_flags, extra = CASES[name]
+    run = results[name]
+    assert len(run["losses"]) == 3
+    comparisons = [(reference_name(model, batch, extra), "pp=1 single process")]
+    if _unsplit_name(name) in results:
+        comparisons.append((_unsplit_name(name), "same layout, s=1"))
+    for other, what in comparisons:
+        expected = results[other]
+        assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
+                            f"{name} grad norm vs {what}")
+        assert_params_close(run["params"], expected["params"])
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "_s1_" in n])
+def test_unsplit_layouts_equal_single_process(results, name):
+    world, model, batch, layout, split_flags, extra = CASES[name]
+    expected = results[reference_name(model, batch, extra)]
+    assert_close_series(results[name]["losses"], expected["losses"], 1e-5, name)
