@@ -267,7 +267,7 @@ def test_trace_round_trip_and_recorded_drawing(tmp_path):
     clock = iter(range(1000))
     recorders = [trace.TimelineRecorder(rank=r, clock=lambda: float(next(clock))) for r in range(2)]
     for rec in recorders:
-        rec.start()
+        rec.reset()
     for r, units in enumerate(seq1f1b_schedule(2, 2, 2)):
         for u in units:
             with recorders[r].record(u):
@@ -320,3 +320,15 @@ def test_published_comparison_agrees_on_2p7b_verdicts():
                 assert r["predicted"] == pytest.approx(r["published"], rel=0.1)
     table = memory_table_markdown(rows)
     assert table.count("\n") == len(rows) + 1
+
+
+def test_recorder_observer_interface_and_shift(tmp_path):
+    times = iter([100.0, 101.0, 102.0, 104.0])
+    rec = trace.TimelineRecorder(rank=0, clock=lambda: next(times))
+    rec.on_unit_start(0, Unit(FORWARD, 0, 1))
+    rec.on_unit_end(0, Unit(FORWARD, 0, 1))
+    rec.on_unit_start(0, Unit(BACKWARD, 0, 1))
+    with pytest.raises(RuntimeError):
+        rec.on_unit_end(0, Unit(BACKWARD, 0, 0))
+    tl = rec.gather_and_write(str(tmp_path / "obs.json"), chrome=False)
+    assert [(e["kind"], e["split"], e["start"], e["end"]) for e in tl.ranks[0]] == [("F", 1, 0.0, 1.0)]

@@ -21,7 +21,7 @@ microseconds.
 Recording in the executor::
 
     recorder = TimelineRecorder(rank=pp_rank, sync=torch.cuda.synchronize)
-    recorder.start()                      # right after a barrier, once per run
+    recorder.reset()                      # at the start of the iteration to record
     with recorder.record(unit):           # around each unit's forward / backward
         ...
     # or pass it as an observer: on_unit_start(rank, unit) / on_unit_end(rank, unit)
@@ -174,17 +174,19 @@ def chrome_trace_path(path: str) -> str:
 class TimelineRecorder:
     """Records the start and end of each unit on one pipeline rank.
 
-    ``sync`` (e.g. ``torch.cuda.synchronize``) is called before reading the clock
-    so that GPU work is inside the interval; it costs overlap, so use it for
-    timeline runs only. Times are relative to ``start()``; call it right after a
-    barrier so ranks share an origin.
+    Times come from ``clock`` (default ``time.time``: one wall clock shared by the
+    processes of a host and, up to NTP skew, across hosts), so ranks recorded in
+    different processes line up; ``gather_and_write`` shifts them so the earliest
+    unit of any rank starts at 0. ``sync`` (e.g. ``torch.cuda.synchronize``) is
+    called before reading the clock so that a unit's GPU work lies inside its
+    interval; it removes compute/communication overlap, so use it for timeline runs.
     """
 
     def __init__(self, rank: int = 0, sync: Optional[Callable[[], None]] = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.time):
         self.rank, self.sync, self.clock = rank, sync, clock
-        self.origin: Optional[float] = None
         self.events: List[Dict] = []
+        self._open = None
 
     def _now(self) -> float:
         if self.sync is not None:
@@ -192,38 +194,39 @@ class TimelineRecorder:
         return self.clock()
 
     def start(self) -> None:
-        self.origin = self._now()
+        """Kept for symmetry with ``reset``; recording needs no explicit start."""
+
+    def reset(self) -> None:
+        """Forget recorded units (e.g. at each iteration start, so that the written
+        timeline holds one iteration)."""
+        self.events = []
+        self._open = None
 
     @contextmanager
     def record(self, unit):
         """Time ``unit`` (anything with kind, microbatch, split, chunk)."""
-        if self.origin is None:
-            self.start()
-        begin = self._now() - self.origin
+        begin = self._now()
         try:
             yield
         finally:
-            end = self._now() - self.origin
             self.events.append(
                 record(unit.kind, unit.microbatch, getattr(unit, "split", 0),
-                       getattr(unit, "chunk", 0), begin, end)
+                       getattr(unit, "chunk", 0), begin, self._now())
             )
 
     # Observer interface of the executor (Seq1F1BSettings.observers):
     # on_unit_start(rank, unit) / on_unit_end(rank, unit).
     def on_unit_start(self, rank, unit) -> None:
-        if self.origin is None:
-            self.start()
-        self._open = (unit, self._now() - self.origin)
+        self._open = (unit, self._now())
 
     def on_unit_end(self, rank, unit) -> None:
-        opened = getattr(self, "_open", None)
+        opened = self._open
         if opened is None or opened[0] != unit:
             raise RuntimeError(f"on_unit_end({unit}) without a matching on_unit_start")
         self._open = None
         self.events.append(
             record(unit.kind, unit.microbatch, getattr(unit, "split", 0),
-                   getattr(unit, "chunk", 0), opened[1], self._now() - self.origin)
+                   getattr(unit, "chunk", 0), opened[1], self._now())
         )
 
     def add(self, kind, microbatch, split, chunk, start, end) -> None:
@@ -233,8 +236,8 @@ class TimelineRecorder:
                          chrome: bool = True) -> Optional[Timeline]:
         """Collective over the pipeline group: rank 0 of ``group`` writes the timeline
         (and, with ``chrome``, ``chrome_trace_path(path)``). Without torch.distributed
-        (or with one process) this rank's events are written as rank ``self.rank``."""
-        gathered = None
+        (or with one process) this rank's events are written as rank ``self.rank``.
+        Times are shifted so that the earliest recorded start is 0."""
         try:
             import torch.distributed as dist
 
@@ -242,19 +245,24 @@ class TimelineRecorder:
         except ImportError:  # pragma: no cover
             distributed = False
         if distributed:
-            size = dist.get_world_size(group)
-            gathered = [None] * size
+            gathered = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, (self.rank, self.events), group=group)
             if dist.get_rank(group) != 0:
                 return None
         else:
             gathered = [(self.rank, self.events)]
-        ranks = merge_ranks(gathered)
-        timeline = Timeline(ranks, dict({"source": "recorded"}, **(meta or {})))
+        timeline = Timeline(shift_to_zero(merge_ranks(gathered)),
+                            dict({"source": "recorded"}, **(meta or {})))
         write_timeline(path, timeline)
         if chrome:
             write_chrome_trace(chrome_trace_path(path), timeline)
         return timeline
+
+
+def shift_to_zero(ranks: List[List[Dict]]) -> List[List[Dict]]:
+    """The same records with times relative to the earliest start."""
+    origin = min((e["start"] for r in ranks for e in r), default=0.0)
+    return [[dict(e, start=e["start"] - origin, end=e["end"] - origin) for e in r] for r in ranks]
 
 
 def merge_ranks(per_rank: Iterable) -> List[List[Dict]]:
