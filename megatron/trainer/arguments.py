@@ -121,6 +121,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving a checkpoint with --save) when the iteration "
+                        "is a multiple of this")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")

@@ -1,0 +1,83 @@
+"""Users' flag mistakes: one clear line naming the flag, before any process group."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.trainer.arguments import ArgumentError, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--train-iters", "2", "--mock-data", "--vocab-size", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "4"]
+
+
+def parse(extra, world_size=1, cuda=False, base=GOOD):
+    return parse_args(base + extra, world_size=world_size, cuda_available=cuda)
+
+
+def test_good_flags_parse():
+    args = parse(["--pipeline-model-parallel-size", "2"], world_size=4)
+    assert args.data_parallel_size == 2 and args.num_microbatches == 2
+    assert args.distributed_backend == "gloo" and args.tokenizer_type == "NullTokenizer"
+    assert args.ffn_hidden_size == 256 and args.num_query_groups == 4
+
+
+def test_aliases_from_the_original_seq1f1b_code():
+    args = parse(["--pipe-sp-splits", "4", "--pipe-sp-strategy", "uniform_comp"])
+    assert args.seq1f1b_splits == 4 and args.seq1f1b_balance_method == "uniform_comp"
+
+
+@pytest.mark.parametrize("extra,world,flag", [
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size"),
+    (["--global-batch-size", "4", "--micro-batch-size", "1"], 8, "--global-batch-size"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers"),
+    (["--num-attention-heads", "6", "--hidden-size", "60", "--tensor-model-parallel-size",
+      "4"], 4, "--num-attention-heads"),
+    (["--num-query-groups", "3"], 1, "--num-query-groups"),
+    (["--fp16"], 1, "--fp16"),
+    (["--bf16"], 1, "--bf16"),
+    (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size"),
+    (["--seq1f1b-splits", "0"], 1, "--seq1f1b-splits"),
+    (["--seq1f1b-splits", "65"], 1, "--seq1f1b-splits"),
+    (["--seq1f1b-splits", "4", "--seq1f1b-split-alignment", "3"], 1, "--seq-length"),
+    (["--seq1f1b-splits", "2", "--reset-attention-mask"], 1, "--reset-attention-mask"),
+    (["--seq1f1b-splits", "2", "--recompute-granularity", "full", "--recompute-method",
+      "uniform"], 1, "--recompute-granularity"),
+    (["--recompute-granularity", "full"], 1, "--recompute-method"),
+    (["--distributed-backend", "nccl"], 1, "--distributed-backend"),
+    (["--no-such-flag"], 1, "--no-such-flag"),
+    (["--micro-batch-size", "two"], 1, "--micro-batch-size"),
+    (["--data-path", "/nonexistent/prefix"], 1, "--data-path"),
+    (["--save-interval", "5"], 1, "--save"),
+])
+def test_mistakes_name_the_flag(extra, world, flag):
+    with pytest.raises(ArgumentError, match=flag):
+        parse(extra, world_size=world)
+
+
+def test_data_flags():
+    base = [f for f in GOOD if f not in ("--mock-data",)]
+    with pytest.raises(ArgumentError, match="--data-path"):
+        parse_args(base, world_size=1, cuda_available=False)
+    with pytest.raises(ArgumentError, match="--vocab-file"):
+        parse_args(base + ["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"],
+                   world_size=1, cuda_available=False)
+
+
+def test_bad_flag_exits_nonzero_on_every_rank_with_one_line():
+    """Under torchrun, each rank exits 2; only rank 0 prints, one line, no traceback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", "29619", "pretrain_gpt.py"] + GOOD + [
+           "--pipeline-model-parallel-size", "2", "--num-layers", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --num-layers (3) must be divisible by "
+                      "--pipeline-model-parallel-size (2)"], proc.stderr[-2000:]
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    # both workers failed (torchrun reports every failed local rank)
+    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]

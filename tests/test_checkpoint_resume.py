@@ -1,0 +1,52 @@
+"""Checkpoints: a resumed run prints the losses of an uninterrupted one; bad loads fail clearly."""
+
+import os
+import subprocess
+import sys
+
+from distributed import ROOT, TINY_MODEL, assert_close_series, run_configs
+
+# dropout on: resuming must restore the RNG streams too, not just weights and Adam state
+FLAGS = [f for f in TINY_MODEL] + [
+    "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", "6",
+    "--pipeline-model-parallel-size", "2", "--lr-decay-style", "cosine",
+]
+FLAGS[FLAGS.index("--hidden-dropout") + 1] = "0.1"
+FLAGS[FLAGS.index("--attention-dropout") + 1] = "0.1"
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    results = run_configs(tmp_path, 2, [
+        {"name": "straight", "argv": FLAGS},
+        {"name": "first_half", "argv": FLAGS + ["--save", str(ckpt), "--save-interval", "3",
+                                                "--exit-interval", "3"]},
+        {"name": "second_half", "argv": FLAGS + ["--load", str(ckpt)]},
+    ])
+    straight = results["straight"]["losses"]
+    assert len(straight) == 6 and len(results["first_half"]["losses"]) == 3
+    assert_close_series(results["first_half"]["losses"], straight[:3], 1e-6, "before save")
+    assert_close_series(results["second_half"]["losses"], straight[3:], 1e-6, "after resume")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def _pretrain(tmp_path, argv):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1")
+    return subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    base = [f for f in TINY_MODEL] + ["--global-batch-size", "2", "--train-iters", "1"]
+    missing = _pretrain(tmp_path, base + ["--load", str(tmp_path / "nowhere")])
+    assert missing.returncode != 0
+    assert "--load" in missing.stderr and "no checkpoint" in missing.stderr
+
+    ckpt = tmp_path / "small"
+    saved = _pretrain(tmp_path, base + ["--save", str(ckpt)])
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    other = list(base)
+    other[other.index("--hidden-size") + 1] = "64"
+    mismatch = _pretrain(tmp_path, other + ["--load", str(ckpt)])
+    assert mismatch.returncode != 0
+    assert "--hidden-size saved 32, now 64" in mismatch.stderr, mismatch.stderr[-2000:]
