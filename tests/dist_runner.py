@@ -82,7 +82,7 @@ def main(spec_path, out_path):
 
         result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                           pretrain_gpt.forward_step, argv=run["argv"], on_finish=on_finish)
-        entry = {"losses": result.losses,
+        entry = {"losses": result.losses, "validation_losses": result.validation_losses,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms]}
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"

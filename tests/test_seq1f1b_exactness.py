@@ -24,9 +24,11 @@ MODEL_B = TINY_MODEL + ["--group-query-attention", "--num-query-groups", "2",
                         "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
 MODELS = {"A": MODEL_A, "B": MODEL_B}
 # microbatches per iteration are not multiples of the split counts
+# evaluation (forward_only) runs after iteration 3 and must agree too
+EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
 BATCHES = {
-    "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"],
-    "mbs1": ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3"],
+    "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"] + EVAL,
+    "mbs1": ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3"] + EVAL,
 }
 PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -100,6 +102,9 @@ def test_split_run_equals_unsplit_runs(results, name):
         assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
         assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
                             f"{name} grad norm vs {what}")
+        assert len(run["validation_losses"]) == 1
+        assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
+                            f"{name} validation loss vs {what}")
         assert_params_close(run["params"], expected["params"])
 
 

@@ -14,9 +14,11 @@ def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "av
 
     The returned function takes megatron-core's keyword arguments and returns what
     megatron-core's schedules return, so any megatron-core training loop can use it.
-    With one split it *is* megatron-core's function (1F1B, or no pipelining when pp=1).
+    With one split it *is* megatron-core's function (1F1B, or no pipelining when pp=1),
+    unless observers (timeline, memory probes) are attached: then our executor runs
+    the s = 1 schedule, which is megatron's 1F1B unit for unit, so it can be observed.
     """
-    if seq1f1b_splits <= 1:
+    if seq1f1b_splits <= 1 and not observers:
         return mcore_schedules.get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
     settings = Seq1F1BSettings(num_splits=seq1f1b_splits, balance_method=balance_method,
                                alignment=alignment, model_shape=model_shape,

@@ -179,6 +179,7 @@ class TrainingResult:
 
     losses: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)
+    validation_losses: list = field(default_factory=list)
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -208,11 +209,13 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args, model, optimizer, scheduler)
 
+    recorder = timeline_recorder(args)
     forward_backward_func = get_forward_backward_func(
         seq1f1b_splits=args.seq1f1b_splits,
         balance_method=args.seq1f1b_balance_method,
         alignment=args.seq1f1b_alignment,
         model_shape=model_shape_from_args(args),
+        observers=[recorder] if recorder is not None else [],
     )
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = MicrobatchIterator(train_ds, args.micro_batch_size, consumed_samples,
@@ -225,11 +228,37 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
                  f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}")
 
     result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
-                   scheduler, forward_backward_func, iteration, consumed_samples)
+                   scheduler, forward_backward_func, iteration, consumed_samples, recorder)
+    if recorder is not None:
+        write_timeline(args, recorder)
     if on_finish is not None:
         on_finish(args, model)
     initialize.destroy_model_parallel()
     return result
+
+
+def timeline_recorder(args):
+    """With --timeline-file, an observer that times every pipeline unit of this rank."""
+    if not args.timeline_file:
+        return None
+    from megatron.planner.trace import TimelineRecorder
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    return TimelineRecorder(rank=parallel_state.get_pipeline_model_parallel_rank(), sync=sync)
+
+
+def write_timeline(args, recorder):
+    """The last iteration's units of every pipeline rank (tp/dp rank 0) to --timeline-file."""
+    if (parallel_state.get_data_parallel_rank() != 0
+            or parallel_state.get_tensor_model_parallel_rank() != 0):
+        return
+    meta = {"schedule": "seq1f1b" if args.seq1f1b_splits > 1 else "1f1b",
+            "splits": args.seq1f1b_splits, "microbatches": args.num_microbatches,
+            "pp": args.pipeline_model_parallel_size, "seq_length": args.seq_length}
+    timeline = recorder.gather_and_write(
+        args.timeline_file, group=parallel_state.get_pipeline_model_parallel_group(), meta=meta)
+    if timeline is not None:
+        print(f"  timeline of the last iteration written to {args.timeline_file}", flush=True)
 
 
 def model_shape_from_args(args):
@@ -248,7 +277,7 @@ def model_shape_from_args(args):
 
 
 def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
-          forward_backward_func, iteration, consumed_samples):
+          forward_backward_func, iteration, consumed_samples, recorder=None):
     tensorboard = _TensorBoard(args.tensorboard_dir)
     flops = model_flops_per_iteration(args)
     tokens_per_iteration = args.global_batch_size * args.seq_length
@@ -260,6 +289,8 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
+        if recorder is not None:
+            recorder.reset()  # keep the last iteration only
         losses, grad_norm, ok = train_step(args, step_func, train_iterator, model, optimizer,
                                            scheduler, forward_backward_func)
         iteration += 1
@@ -295,6 +326,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
                 print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
                                 f"{valid['lm loss']:.6g} | lm loss PPL: {ppl:.6g} |")
                 tensorboard.add("validation lm loss", valid["lm loss"], iteration)
+                history.validation_losses.append(valid["lm loss"])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                           scheduler)
