@@ -97,6 +97,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "sequence parallel)")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="record each pipeline unit's start/end per rank to this JSON file")
+    g.add_argument("--activation-memory-file", type=str, default=None,
+                   help="measure each stage's activation peak (tensors saved for backward, "
+                        "sampled at unit boundaries) in the last iteration; write JSON here")
 
     g = parser.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")

@@ -25,6 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from megatron.schedules.dispatch import get_forward_backward_func
+from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
 from megatron.trainer import checkpointing, initialize
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import MicrobatchIterator
@@ -210,12 +211,14 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
             args, model, optimizer, scheduler)
 
     recorder = timeline_recorder(args)
+    probe = ActivationMemoryProbe(model[0]) if args.activation_memory_file else None
+    observers = [o for o in (recorder, probe) if o is not None]
     forward_backward_func = get_forward_backward_func(
         seq1f1b_splits=args.seq1f1b_splits,
         balance_method=args.seq1f1b_balance_method,
         alignment=args.seq1f1b_alignment,
         model_shape=model_shape_from_args(args),
-        observers=[recorder] if recorder is not None else [],
+        observers=observers,
     )
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = MicrobatchIterator(train_ds, args.micro_batch_size, consumed_samples,
@@ -228,9 +231,14 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
                  f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}")
 
     result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
-                   scheduler, forward_backward_func, iteration, consumed_samples, recorder)
+                   scheduler, forward_backward_func, iteration, consumed_samples, observers)
     if recorder is not None:
         write_timeline(args, recorder)
+    if probe is not None and parallel_state.get_data_parallel_rank() == 0 and \
+            parallel_state.get_tensor_model_parallel_rank() == 0:
+        write_stage_report(args.activation_memory_file, probe,
+                           parallel_state.get_pipeline_model_parallel_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
     if on_finish is not None:
         on_finish(args, model)
     initialize.destroy_model_parallel()
@@ -277,7 +285,7 @@ def model_shape_from_args(args):
 
 
 def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
-          forward_backward_func, iteration, consumed_samples, recorder=None):
+          forward_backward_func, iteration, consumed_samples, observers=()):
     tensorboard = _TensorBoard(args.tensorboard_dir)
     flops = model_flops_per_iteration(args)
     tokens_per_iteration = args.global_batch_size * args.seq_length
@@ -289,8 +297,8 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
-        if recorder is not None:
-            recorder.reset()  # keep the last iteration only
+        for observer in observers:
+            observer.reset()  # keep the last iteration only
         losses, grad_norm, ok = train_step(args, step_func, train_iterator, model, optimizer,
                                            scheduler, forward_backward_func)
         iteration += 1

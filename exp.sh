@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Experiments.
+#
+#   bash exp.sh            CPU demo, end to end on the built-in corpus (Python's standard
+#                          library): corpus -> BPE tokenizer -> .bin/.idx -> pp=2 training
+#                          with 1F1B and with Seq1F1B (s=4) -> comparison + timelines.
+#   bash exp.sh --dry-run  print the commands instead of running them.
+#
+#   GPU runs in the published style (set any of these; torchrun does the launching):
+#     MODEL=7B SEQ_LEN=32768 TP=8 PP=4 SPLITS=4 MICRO_BATCHES=8 GPUS_PER_NODE=8 NNODES=4 \
+#     NODE_RANK=0 MASTER_ADDR=host0 MASTER_PORT=6000 DATA_PATH=/data/codeparrot_content_document \
+#     VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt bash exp.sh
+#   Without DATA_PATH the GPU runs use --mock-data.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; fi
+run() {
+  echo "+ $*"
+  if [[ $DRY_RUN == 0 ]]; then "$@"; fi
+}
+
+PYTHON=${PYTHON:-python}
+
+if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
+  # ---------------------------------------------------------------- CPU demo
+  DATA=${DATA_DIR:-data}
+  RUNS=${RUNS_DIR:-runs/cpu_demo}
+  run mkdir -p "$DATA" "$RUNS"
+  if [[ ! -f "$DATA/stdlib_content_document.idx" ]]; then
+    run $PYTHON tools/build_code_corpus.py --output "$DATA/stdlib.jsonl" --max-bytes 4000000
+    run $PYTHON tools/train_tokenizer.py --input "$DATA/stdlib.jsonl" --json-key content \
+      --vocab-size 8192 --output-dir "$DATA/tokenizer"
+    run $PYTHON tools/preprocess_data.py --input "$DATA/stdlib.jsonl" --json-keys content \
+      --output-prefix "$DATA/stdlib" --tokenizer-type GPT2BPETokenizer \
+      --vocab-file "$DATA/tokenizer/vocab.json" --merge-file "$DATA/tokenizer/merges.txt" \
+      --append-eod --workers 2
+  fi
+  MODEL_ARGS=(
+    --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 1024
+    --max-position-embeddings 1024 --position-embedding-type rope --swiglu
+    --normalization RMSNorm --untie-embeddings-and-output-weights
+    --attention-dropout 0 --hidden-dropout 0
+    --micro-batch-size 1 --global-batch-size 8 --train-iters 20
+    --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --lr-decay-style cosine
+    --weight-decay 0.1 --clip-grad 1.0 --log-interval 5 --eval-interval 20 --eval-iters 1
+    --data-path "$DATA/stdlib_content_document" --split 98,2,0
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$DATA/tokenizer/vocab.json"
+    --merge-file "$DATA/tokenizer/merges.txt" --seed 1234
+    --pipeline-model-parallel-size 2
+  )
+  for SPLITS in 1 4; do
+    NAME=$([[ $SPLITS == 1 ]] && echo 1f1b || echo seq1f1b_s$SPLITS)
+    run $PYTHON -m torch.distributed.run --nproc-per-node 2 --master-port 29531 \
+      pretrain_gpt.py "${MODEL_ARGS[@]}" --seq1f1b-splits $SPLITS \
+      --timeline-file "$RUNS/timeline_$NAME.json" 2>&1 | tee "$RUNS/$NAME.log" \
+      | grep -v -i "warn"
+  done
+  run $PYTHON tools/draw_timeline.py "$RUNS/timeline_1f1b.json" "$RUNS/timeline_seq1f1b_s4.json" \
+    --titles "1F1B (recorded, CPU)" "Seq1F1B s=4 (recorded, CPU)" -o "$RUNS/timelines.png"
+  if [[ $DRY_RUN == 0 ]]; then
+    echo
+    echo "== 1F1B vs Seq1F1B (pp=2, 8 microbatches of 1024 tokens, CPU) =="
+    for NAME in 1f1b seq1f1b_s4; do
+      echo "$NAME: $(grep '\[summary\]' "$RUNS/$NAME.log")"
+    done
+    echo "timelines: $RUNS/timelines.png"
+  fi
+  exit 0
+fi
+
+# -------------------------------------------------------------------- GPU runs
+MODEL=${MODEL:-7B}
+case $MODEL in
+  1.3B) LAYERS=24; HIDDEN=2048; HEADS=16 ;;
+  2.7B) LAYERS=32; HIDDEN=2560; HEADS=32 ;;
+  7B)   LAYERS=32; HIDDEN=4096; HEADS=32 ;;
+  13B)  LAYERS=40; HIDDEN=5120; HEADS=40 ;;
+  30B)  LAYERS=64; HIDDEN=6144; HEADS=64 ;;
+  *) echo "error: MODEL must be one of 1.3B 2.7B 7B 13B 30B, got $MODEL" >&2; exit 2 ;;
+esac
+SEQ_LEN=${SEQ_LEN:-32768}
+TP=${TP:-8}
+PP=${PP:-4}
+SPLITS=${SPLITS:-4}
+MICRO_BATCHES=${MICRO_BATCHES:-8}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-6000}
+TRAIN_ITERS=${TRAIN_ITERS:-20}
+WORLD=$((GPUS_PER_NODE * NNODES))
+DP=$((WORLD / (TP * PP)))
+if (( DP < 1 || WORLD % (TP * PP) != 0 )); then
+  echo "error: GPUS_PER_NODE x NNODES ($WORLD) must be a multiple of TP x PP ($((TP * PP)))" >&2
+  exit 2
+fi
+GLOBAL_BATCH=$((MICRO_BATCHES * DP))
+if [[ -n "${DATA_PATH:-}" ]]; then
+  DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type GPT2BPETokenizer
+             --vocab-file "${VOCAB_FILE:?set VOCAB_FILE}" --merge-file "${MERGE_FILE:?set MERGE_FILE}")
+else
+  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
+fi
+# the published configuration: GPT-2 vocabulary, RoPE, untied embeddings, FFN 4h GeLU,
+# bf16, flash attention (when installed), sequence parallel
+ARGS=(
+  --num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS
+  --seq-length $SEQ_LEN --max-position-embeddings $SEQ_LEN --position-embedding-type rope
+  --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0
+  --micro-batch-size 1 --global-batch-size $GLOBAL_BATCH --train-iters $TRAIN_ITERS
+  --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --lr-decay-style cosine --clip-grad 1.0
+  --bf16 --tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP
+  --use-distributed-optimizer --log-interval 1 --eval-iters 0 --seed 1234
+  "${DATA_ARGS[@]}"
+)
+LAUNCH=(torchrun --nproc-per-node $GPUS_PER_NODE --nnodes $NNODES --node-rank $NODE_RANK
+        --master-addr $MASTER_ADDR --master-port $MASTER_PORT)
+mkdir -p runs
+for S in 1 $SPLITS; do
+  run "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}" --seq1f1b-splits $S \
+    --seq1f1b-balance-method uniform_comp
+done

@@ -1,0 +1,118 @@
+"""Measure a pipeline stage's activation memory, on CPU as on GPU.
+
+On CPU there is no allocator counter for "activations", so the probe counts what
+activations are: the tensors autograd saved for backward that are still alive.
+During every forward unit it installs ``saved_tensors_hooks`` that register each
+saved tensor's storage (parameters excluded) with a reference count, released when
+autograd drops the saved tensor after backward. At every unit boundary it samples
+the bytes of live storages; the peak over an iteration is the stage's activation
+peak (the KV cache across splits is included: its buffers are what split attention
+saves). On GPU it also reports ``torch.cuda.max_memory_allocated``.
+
+It is an executor observer (``on_unit_start`` / ``on_unit_end``).
+"""
+
+import json
+import weakref
+
+import torch
+
+
+class _Registry:
+    def __init__(self):
+        self.refs = {}  # storage data_ptr -> [count, nbytes]
+        self.live_bytes = 0
+
+    def add(self, key, nbytes):
+        entry = self.refs.get(key)
+        if entry is None:
+            self.refs[key] = [1, nbytes]
+            self.live_bytes += nbytes
+        else:
+            entry[0] += 1
+
+    def drop(self, key):
+        entry = self.refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self.refs[key]
+
+
+class _Saved:
+    """What autograd keeps instead of the tensor; its death releases the storage."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class ActivationMemoryProbe:
+    def __init__(self, model=None):
+        self.registry = _Registry()
+        self.excluded = set()
+        if model is not None:
+            self.exclude_parameters(model)
+        self.peak_bytes = 0
+        self.samples = []  # (unit string, live bytes) at each unit end
+        self._hooks = None
+
+    def exclude_parameters(self, model):
+        for param in model.parameters():
+            self.excluded.add(param.untyped_storage().data_ptr())
+
+    def reset(self):
+        self.peak_bytes = self.registry.live_bytes
+        self.samples = []
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded or storage.nbytes() == 0:
+            return tensor
+        self.registry.add(key, storage.nbytes())
+        holder = _Saved(tensor)
+        weakref.finalize(holder, self.registry.drop, key)
+        return holder
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _sample(self, label):
+        live = self.registry.live_bytes
+        self.samples.append((label, live))
+        self.peak_bytes = max(self.peak_bytes, live)
+
+    # executor observer interface
+    def on_unit_start(self, rank, unit):
+        self._sample(f"before {unit}")
+        if unit.is_forward:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def on_unit_end(self, rank, unit):
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        self._sample(str(unit))
+
+    def report(self):
+        out = {"activation_peak_bytes": self.peak_bytes,
+               "samples": [[label, live] for label, live in self.samples]}
+        if torch.cuda.is_available():
+            out["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        return out
+
+
+def write_stage_report(path, probe, pp_rank, group=None):
+    """Gather every pipeline rank's report; the group's rank 0 writes one JSON file."""
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, (pp_rank, probe.report()), group=group)
+    if torch.distributed.get_rank(group) == 0:
+        stages = [report for _, report in sorted(gathered, key=lambda item: item[0])]
+        with open(path, "w") as handle:
+            json.dump({"stages": stages}, handle)

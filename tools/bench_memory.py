@@ -1,0 +1,130 @@
+"""Stage activation peaks of 1F1B and Seq1F1B, measured side by side in one run.
+
+    python tools/bench_memory.py                      # CPU: pp=4 over gloo, s in {2, 4, 8}
+    python tools/bench_memory.py --splits 2 4 8 --seq-length 2048 --json out.json
+
+Each configuration trains the same model with ``pretrain_gpt.py
+--activation-memory-file``: the probe counts the bytes autograd holds for backward
+(parameters excluded), sampled at every pipeline unit boundary of the last
+iteration (see megatron/schedules/memory_probe.py). Stage 0's peak is compared with
+
+* the paper's ratio ``(s + p - 1) / (s p)`` (activations only), and
+* the same walk over stage 0's unit list with the KV cache counted: each in-flight
+  split holds its share ``l_j / L`` of a microbatch's non-K/V activations
+  ``M - K``, and each microbatch whose split-0 backward has not run yet holds one
+  full-sequence K/V buffer ``K`` per layer (M is measured under 1F1B as peak / p;
+  K = 2 L b g d bytes per layer).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.schedules.units import seq1f1b_rank_units  # noqa: E402
+from megatron.seqsplit.plan import plan_splits  # noqa: E402
+
+
+def run_probe(args, splits, out_path):
+    model = [
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq_length),
+        "--max-position-embeddings", str(args.seq_length), "--position-embedding-type", "rope",
+        "--micro-batch-size", "1", "--global-batch-size", str(args.microbatches),
+        "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+        "--pipeline-model-parallel-size", str(args.pp),
+        "--seq1f1b-splits", str(splits), "--activation-memory-file", out_path,
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
+           "--master-port", str(args.master_port), os.path.join(ROOT, "pretrain_gpt.py")] + model
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return json.load(open(out_path))["stages"]
+
+
+def predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes):
+    """Walk stage 0's units: in-flight split shares of M - K plus live K/V buffers."""
+    total = sum(lengths)
+    alive_units, alive_mb, peak = set(), set(), 0.0
+    for unit in seq1f1b_rank_units(0, p, m, s):
+        if unit.is_forward:
+            alive_units.add((unit.microbatch, unit.split))
+            alive_mb.add(unit.microbatch)
+        else:
+            alive_units.discard((unit.microbatch, unit.split))
+            if unit.split == 0:
+                alive_mb.discard(unit.microbatch)
+        now = (sum((per_microbatch - kv_bytes) * lengths[j] / total for _, j in alive_units)
+               + (kv_bytes * len(alive_mb) if s > 1 else 0))
+        peak = max(peak, now)
+    return peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--master-port", type=int, default=29571)
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+
+    p, m = args.pp, args.microbatches
+    layers_per_stage = args.num_layers // p
+    head_dim = args.hidden_size // args.heads
+    kv_bytes = 2 * args.seq_length * 1 * args.heads * head_dim * 4 * layers_per_stage
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = run_probe(args, 1, os.path.join(tmp, "s1.json"))
+        base_peak = baseline[0]["activation_peak_bytes"]
+        per_microbatch = base_peak / min(p, m)
+        rows.append({"schedule": "1f1b", "splits": 1,
+                     "stage_peaks_bytes": [st["activation_peak_bytes"] for st in baseline]})
+        for s in args.splits:
+            stages = run_probe(args, s, os.path.join(tmp, f"s{s}.json"))
+            lengths = plan_splits(args.seq_length, s, "average")
+            predicted = predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes)
+            rows.append({"schedule": "seq1f1b", "splits": s,
+                         "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
+                         "paper_ratio": (s + p - 1) / (s * p),
+                         "predicted_ratio_with_kv": predicted / base_peak})
+    command = "python tools/bench_memory.py " + " ".join(sys.argv[1:])
+    print(f"# {command.strip()}")
+    print(f"# pp={p} microbatches={m} layers={args.num_layers} hidden={args.hidden_size} "
+          f"heads={args.heads} seq={args.seq_length} fp32 CPU; stage-0 activation peak")
+    print(f"# M (one microbatch on stage 0, from 1F1B) = {per_microbatch / 2**20:.1f} MiB, "
+          f"K (its K/V) = {kv_bytes / 2**20:.1f} MiB")
+    print("| schedule | s | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | "
+          "predicted with KV cache | measured / predicted | worst stage MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        peak0 = row["stage_peaks_bytes"][0]
+        ratio = peak0 / base_peak
+        worst = max(row["stage_peaks_bytes"]) / 2**20
+        if row["splits"] == 1:
+            print(f"| 1F1B | 1 | {peak0 / 2**20:.1f} | 1.000 | 1.000 | 1.000 | 1.000 | "
+                  f"{worst:.1f} |")
+        else:
+            pred = row["predicted_ratio_with_kv"]
+            print(f"| Seq1F1B | {row['splits']} | {peak0 / 2**20:.1f} | {ratio:.3f} | "
+                  f"{row['paper_ratio']:.3f} | {pred:.3f} | {ratio / pred:.3f} | {worst:.1f} |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"command": command, "runs": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
