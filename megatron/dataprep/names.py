@@ -1,0 +1,7 @@
+"""Names shared by the light modules (CLI checks, tokenizer training) and the tokenizers.
+
+Kept apart so those light modules need not import megatron-core (seconds on a CPU box).
+"""
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+GPT2_EOD_TOKEN = "<|endoftext|>"

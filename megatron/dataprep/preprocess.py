@@ -1,0 +1,289 @@
+"""`tools/preprocess_data.py`: JSON lines (or a saved HF dataset) -> megatron `.bin/.idx`.
+
+The main process reads raw lines and writes results in input order; worker processes
+decode, parse and tokenize. Flags follow Megatron-LM's tool.
+"""
+
+import argparse
+import multiprocessing
+import os
+import signal
+import sys
+import warnings
+from collections import deque
+from contextlib import contextmanager
+
+from megatron.dataprep.inputs import InputError, check_columns, iter_chunks, resolve_inputs
+from megatron.dataprep.names import TOKENIZER_TYPES
+
+PROG = "preprocess_data.py"
+
+
+class UsageError(ValueError):
+    """A flag is missing or wrong; raised before any input is read."""
+
+
+class DataError(RuntimeError):
+    """Bad input under --strict, or nothing left to write."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the whole usage block
+        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, nargs="+",
+                   help="JSONL file(s) (.gz too), a quoted glob, or a save_to_disk directory")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to extract; each gets its own output (default: text)")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="split documents into sentences (nltk Punkt, no download)")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="with --split-sentences, keep the whitespace between sentences")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True,
+                   help=f"one of {', '.join(TOKENIZER_TYPES)}")
+    g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    g.add_argument("--tokenizer-model", help="HF tokenizer.json or its directory")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, eod = N")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token to every document")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes <prefix>_<key>_document.bin/.idx (or _sentence)")
+    g.add_argument("--dataset-impl", default="mmap",
+                   help="accepted for compatibility; only mmap exists in megatron-core")
+    g.add_argument("--strict", action="store_true",
+                   help="stop at the first bad input line instead of skipping it")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
+    g.add_argument("--chunk-size", type=int, default=64,
+                   help="documents per task sent to a worker (default 64)")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="print progress every this many documents (default 1000)")
+    return p
+
+
+def output_prefix(args, key: str) -> str:
+    level = "sentence" if args.split_sentences else "document"
+    return f"{args.output_prefix}_{key}_{level}"
+
+
+def check_args(args):
+    """Everything a user can get wrong, before reading any input. Returns the sources."""
+    if args.tokenizer_type not in TOKENIZER_TYPES:
+        raise UsageError(f"--tokenizer-type: unknown {args.tokenizer_type!r}; choose one of "
+                         f"{', '.join(TOKENIZER_TYPES)}")
+    if args.dataset_impl != "mmap":
+        raise UsageError(f"--dataset-impl: {args.dataset_impl!r} is not supported; megatron-core "
+                         f"reads only mmap (drop the flag or pass mmap)")
+    for flag, value in (("--workers", args.workers), ("--chunk-size", args.chunk_size),
+                        ("--log-interval", args.log_interval)):
+        if value < 1:
+            raise UsageError(f"{flag}: must be at least 1, got {value}")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise UsageError(f"--json-keys: {' '.join(args.json_keys)} names a key twice")
+    if args.keep_newlines and not args.split_sentences:
+        raise UsageError("--keep-newlines: only means something with --split-sentences")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        _need_file(args.vocab_file, "--vocab-file", "GPT-2 vocab.json")
+        _need_file(args.merge_file, "--merge-file", "GPT-2 merges.txt")
+    elif args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise UsageError("--tokenizer-model: HuggingFaceTokenizer needs a tokenizer.json "
+                         "file or a directory holding one")
+    elif args.tokenizer_type == "NullTokenizer" and (args.vocab_size or 0) < 1:
+        raise UsageError("--vocab-size: NullTokenizer needs --vocab-size N (ids 0..N-1)")
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--output-prefix: directory {out_dir} does not exist; "
+                         f"create it first (mkdir -p {out_dir})")
+    if not os.access(out_dir, os.W_OK):
+        raise UsageError(f"--output-prefix: directory {out_dir} is not writable")
+    sources = resolve_inputs(args.input)
+    check_columns(sources, args.json_keys)
+    return sources
+
+
+def _need_file(path, flag, what):
+    if not path:
+        raise UsageError(f"{flag}: required by GPT2BPETokenizer ({what}; "
+                         f"tools/train_tokenizer.py writes one)")
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag}: {path} does not exist (expected {what})")
+
+
+def _tokenizer_args(args) -> dict:
+    return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                vocab_size=args.vocab_size)
+
+
+def load_tokenizer(args):
+    with _quiet():
+        from megatron.dataprep.tokenizer import build_tokenizer
+    tokenizer = build_tokenizer(**_tokenizer_args(args))
+    if args.append_eod:
+        try:
+            tokenizer.eod
+        except NotImplementedError as exc:
+            raise UsageError(f"--append-eod: {exc}") from None
+    return tokenizer
+
+
+# ---- worker processes -----------------------------------------------------------------
+
+_ENCODER = None
+
+
+def _init_worker(spec: dict) -> None:
+    global _ENCODER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers means cores
+    _ENCODER = _make_encoder(spec)
+
+
+def _encode_chunk(chunk):
+    return _ENCODER(chunk)
+
+
+def _make_encoder(spec: dict):
+    from megatron.dataprep.encode import ChunkEncoder
+    from megatron.dataprep.tokenizer import build_tokenizer
+
+    splitter = None
+    if spec["split_sentences"]:
+        from megatron.dataprep.sentences import SentenceSplitter
+
+        splitter = SentenceSplitter(keep_newlines=spec["keep_newlines"])
+    return ChunkEncoder(build_tokenizer(**spec["tokenizer"]), spec["keys"], spec["dtype"],
+                        append_eod=spec["append_eod"], splitter=splitter)
+
+
+@contextmanager
+def _worker_pool(workers: int, spec: dict):
+    # Forked workers inherit the imports. TOKENIZERS_PARALLELISM set at fork time keeps
+    # HF tokenizers from warning about a fork after the parent used its thread pool.
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,))
+    finally:
+        if old is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    try:
+        yield pool
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
+
+
+def _ordered(pool, chunks, window: int):
+    """Results in input order, with at most `window` chunks in flight (bounded memory)."""
+    pending = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# ---- the run --------------------------------------------------------------------------
+
+def run(args, sources, tokenizer):
+    """Preprocess; returns the Report. Raises DataError; leaves no output on any failure."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    from megatron.dataprep.report import Report
+    from megatron.dataprep.writer import AtomicIndexedWriter
+
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    spec = dict(tokenizer=_tokenizer_args(args), keys=args.json_keys, dtype=dtype,
+                append_eod=args.append_eod, split_sentences=args.split_sentences,
+                keep_newlines=args.keep_newlines)
+    report = Report(args.json_keys, args.log_interval)
+    writers = {}
+    try:
+        for key in args.json_keys:
+            writers[key] = AtomicIndexedWriter(output_prefix(args, key), dtype)
+        with _worker_pool(args.workers, spec) as pool:
+            chunks = iter_chunks(sources, args.json_keys, args.chunk_size)
+            for result in _ordered(pool, chunks, window=4 * args.workers):
+                _consume(result, sources[result.source], writers, report, args.strict)
+        for key, writer in writers.items():
+            if writer.documents == 0:
+                raise DataError(f"no document left to write for key {key!r}; nothing written")
+        for writer in writers.values():
+            writer.commit()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    report.summary({k: output_prefix(args, k) for k in args.json_keys})
+    return report
+
+
+def _consume(result, source, writers, report, strict: bool) -> None:
+    if strict and result.skips:
+        s = result.skips[0]
+        key = f" (key {s.key!r})" if s.key else ""
+        detail = f": {s.detail}" if s.detail else ""
+        raise DataError(f"--strict: {source.where(s.number)}{key}: {s.reason}{detail}; "
+                        f"stopped, nothing written (drop --strict to skip such lines)")
+    for s in result.skips:
+        for key in ([s.key] if s.key else writers):
+            report.skip(key, s.reason, source.where(s.number))
+    for key, out in result.outputs.items():
+        writer = writers[key]
+        ids, lengths, at, seq = out.ids, out.sequence_lengths, 0, 0
+        for count in out.sequences_per_document.tolist():
+            lens = lengths[seq:seq + count]
+            size = int(lens.sum())
+            writer.add_document(ids[at:at + size], lens.tolist())
+            at += size
+            seq += count
+        report.written[key] = writer.documents
+        report.tokens[key] = writer.tokens
+    report.advance(result.items, result.text_bytes)
+
+
+@contextmanager
+def _quiet():
+    # megatron-core warns at import about optional GPU libraries a CPU machine lacks.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sources = check_args(args)
+        tokenizer = load_tokenizer(args)
+    except (UsageError, InputError, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up on kill too
+    try:
+        run(args, sources, tokenizer)
+    except DataError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; temporary files removed, nothing written", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    return 0

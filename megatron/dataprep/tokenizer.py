@@ -1,0 +1,257 @@
+"""Tokenizers for preprocessing and training, behind one entry point: `build_tokenizer`.
+
+All three subclass megatron-core's `MegatronTokenizerBase` (the type `GPTDatasetConfig`
+expects) and carry `unique_identifiers`, which megatron-core's datasets hash into their
+cache file names. Nothing here downloads anything.
+"""
+
+import json
+import os
+from collections import OrderedDict
+from typing import List, Optional, Sequence
+
+from megatron.core.tokenizers import MegatronTokenizerBase
+from megatron.dataprep.names import GPT2_EOD_TOKEN, TOKENIZER_TYPES
+
+# Tried in order when a tokenizer.json says nothing about its end-of-document token.
+_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built from the given files or options."""
+
+
+class _Tokenizer(MegatronTokenizerBase):
+    """What every tokenizer here shares: batch encoding and megatron-core's identifiers."""
+
+    def __init__(self, path: Optional[str], **identity) -> None:
+        super().__init__(path, {})
+        self._identity = identity
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        ids = OrderedDict(cls=type(self).__name__, path=self.path)
+        ids.update((k, str(v)) for k, v in self._identity.items())
+        return ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """Encode many texts; the same ids as `tokenize` on each."""
+        return [self.tokenize(t) for t in texts]
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no chat template")
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def pad(self) -> int:
+        # megatron-core's datasets fall back to their own pad sentinel when this raises.
+        raise NotImplementedError(f"{type(self).__name__} has no pad token")
+
+
+class _HFTokenizer(_Tokenizer):
+    """Wraps a `tokenizers.Tokenizer`."""
+
+    def __init__(self, hf, path, eod: Optional[int], pad: Optional[int], **identity):
+        super().__init__(path, **identity)
+        self._hf = hf
+        self._eod = eod
+        self._pad = pad
+        self._add_special = True
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._hf.encode(text, add_special_tokens=self._add_special).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        # encode_batch_fast skips offset bookkeeping; the ids are identical.
+        encs = self._hf.encode_batch_fast(list(texts), add_special_tokens=self._add_special)
+        return [e.ids for e in encs]
+
+    def detokenize(self, ids) -> str:
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab(self) -> dict:
+        return self._hf.get_vocab(with_added_tokens=True)
+
+    @property
+    def inv_vocab(self) -> dict:
+        return {i: t for t, i in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        if self._eod is None:
+            # NotImplementedError: what megatron-core's datasets expect of a missing token.
+            raise NotImplementedError(
+                f"tokenizer {self.path} has no end-of-document token "
+                f"(looked for eos_token in tokenizer_config.json and {', '.join(_EOD_CANDIDATES)})"
+            )
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        if self._pad is None:
+            return super().pad
+        return self._pad
+
+
+class GPT2BPETokenizer(_HFTokenizer):
+    """GPT-2's byte-level BPE from `vocab.json` + `merges.txt`.
+
+    As in GPT-2's own encoder (and Megatron-LM's), `<|endoftext|>` is only the eod id: a
+    literal "<|endoftext|>" inside a text is encoded as ordinary bytes, so a document can
+    never smuggle an end-of-document into the middle of itself.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        _require_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
+        _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as exc:  # the Rust error names neither flag nor file
+            raise TokenizerError(
+                f"--vocab-file/--merge-file: cannot read {vocab_file} + {merge_file} as GPT-2 "
+                f"BPE files: {exc}"
+            ) from exc
+        hf = Tokenizer(model)
+        # GPT-2's pre-tokenisation regex on the byte-to-unicode alphabet, no prefix space.
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
+        eod = hf.token_to_id(GPT2_EOD_TOKEN)
+        if eod is None:
+            raise TokenizerError(
+                f"--vocab-file: {vocab_file} has no {GPT2_EOD_TOKEN} token; GPT-2 vocabularies "
+                f"end with it (tools/train_tokenizer.py adds it)"
+            )
+        super().__init__(hf, vocab_file, eod=eod, pad=None, merge_file=merge_file)
+
+
+class HuggingFaceTokenizer(_HFTokenizer):
+    """Any HF `tokenizer.json` (a file, or a directory holding one).
+
+    Encoding applies the tokenizer's own post-processor (e.g. a BOS), as Megatron-LM's
+    HuggingFaceTokenizer does. The eod id is `eos_token` from a `tokenizer_config.json`
+    beside it, else the first of a few usual end tokens found in the vocabulary.
+    """
+
+    def __init__(self, tokenizer_model: str):
+        from tokenizers import Tokenizer
+
+        path = tokenizer_model
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        _require_file(path, "--tokenizer-model", "a HF tokenizer.json or a directory with one")
+        try:
+            hf = Tokenizer.from_file(path)
+        except Exception as exc:
+            raise TokenizerError(f"--tokenizer-model: cannot load {path}: {exc}") from exc
+        config = _read_tokenizer_config(os.path.dirname(path))
+        eod = _special_id(hf, config.get("eos_token"), _EOD_CANDIDATES)
+        pad = _special_id(hf, config.get("pad_token"), _PAD_CANDIDATES)
+        super().__init__(hf, path, eod=eod, pad=pad)
+
+
+class NullTokenizer(_Tokenizer):
+    """Text is whitespace-separated integer ids, as Megatron-LM's NullTokenizer.
+
+    Megatron-LM's convention: `--vocab-size N` means text ids 0..N-1, eod = N, and the
+    tokenizer's `vocab_size` is N + 1 (room for the eod).
+    """
+
+    def __init__(self, vocab_size: int):
+        if vocab_size is None or int(vocab_size) < 1:
+            raise TokenizerError("--vocab-size: NullTokenizer needs --vocab-size N (N >= 1)")
+        self._n = int(vocab_size)
+        super().__init__(None, vocab_size=self._n)
+
+    def tokenize(self, text: str) -> List[int]:
+        ids = []
+        for word in text.split():
+            try:
+                i = int(word)
+            except ValueError:
+                raise ValueError(f"NullTokenizer: {word[:20]!r} is not an integer id") from None
+            if not 0 <= i < self._n:
+                raise ValueError(f"NullTokenizer: id {i} outside 0..{self._n - 1} (--vocab-size)")
+            ids.append(i)
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def vocab(self):
+        raise NotImplementedError("NullTokenizer has no vocabulary")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n + 1
+
+    @property
+    def eod(self) -> int:
+        return self._n
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+    tokenizer_model: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+):
+    """Build one of TOKENIZER_TYPES; raises TokenizerError naming the flag to fix."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise TokenizerError(
+                "--vocab-file/--merge-file: GPT2BPETokenizer needs both (vocab.json and "
+                "merges.txt; tools/train_tokenizer.py writes a pair)"
+            )
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise TokenizerError(
+                "--tokenizer-model: HuggingFaceTokenizer needs a tokenizer.json file or a "
+                "directory holding one (nothing is downloaded)"
+            )
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    raise TokenizerError(
+        f"--tokenizer-type: unknown {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
+    )
+
+
+def _require_file(path: str, flag: str, what: str) -> None:
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{flag}: {path} does not exist (expected {what})")
+
+
+def _read_tokenizer_config(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    # Special tokens appear either as strings or as {"content": ...} objects.
+    return {
+        k: (v.get("content") if isinstance(v, dict) else v)
+        for k, v in config.items()
+        if k in ("eos_token", "pad_token")
+    }
+
+
+def _special_id(hf, preferred: Optional[str], candidates: Sequence[str]) -> Optional[int]:
+    for token in ((preferred,) if preferred else ()) + tuple(candidates):
+        token_id = hf.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
