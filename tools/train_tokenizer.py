@@ -56,7 +56,12 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if counts["used"] == 0:
         p.error(f"--json-key: no line of {args.input} has a non-empty string {args.json_key!r}")
-    print(f"train_tokenizer: {vocab}, {merges} from {counts['used']} documents "
+    with open(vocab, encoding="utf-8") as f:
+        size = len(json.load(f))
+    short = "" if size == args.vocab_size else (
+        f" (asked for {args.vocab_size}: the corpus has too few frequent pairs)")
+    print(f"train_tokenizer: vocabulary of {size}{short}; "
+          f"{vocab}, {merges} from {counts['used']} documents "
           f"(skipped: {counts['unreadable']} unreadable, {counts['no_text']} without text) "
           f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

@@ -11,7 +11,7 @@ FIRST_LOCATIONS = 5  # how many file:line locations a summary lists per reason
 
 
 class Report:
-    def __init__(self, keys: Sequence[str], log_interval: int, stream=sys.stderr):
+    def __init__(self, keys: Sequence[str], log_interval: int, stream=None):
         self.keys = list(keys)
         self.log_interval = log_interval
         self.stream = stream
@@ -64,4 +64,4 @@ class Report:
         return f"{self.read / t:.1f} docs/s, {self.text_bytes / t / 1e6:.2f} MB/s"
 
     def _print(self, text: str) -> None:
-        print(f"preprocess_data: {text}", file=self.stream, flush=True)
+        print(f"preprocess_data: {text}", file=self.stream or sys.stderr, flush=True)

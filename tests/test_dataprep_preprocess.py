@@ -1,0 +1,320 @@
+"""tools/preprocess_data.py: round trips, keys, sentences, bad input, atomic output, inputs."""
+
+import gzip
+import json
+import os
+
+import numpy
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron.dataprep import writer as writer_module
+from megatron.dataprep.tokenizer import build_tokenizer
+from test_dataprep_fixtures import (  # noqa: F401
+    UNICODE_SAMPLES,
+    gpt2,
+    gpt2_args,
+    gpt2_files,
+    outputs,
+    run_preprocess,
+    write_jsonl,
+)
+
+
+def documents(prefix):
+    """Each document of <prefix>.bin/.idx as a list of sequences (lists of ids)."""
+    ds = IndexedDataset(str(prefix))
+    bounds = ds.document_indices
+    return [[ds[s].tolist() for s in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# ---- round trips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_round_trip_ids_are_the_tokenizers(tmp_path, gpt2, gpt2_args, workers):
+    texts = UNICODE_SAMPLES * 3
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--workers", workers, "--chunk-size", 2)
+    assert rc == 0
+    docs = documents(tmp_path / "out_text_document")
+    assert [d[0] for d in docs] == [gpt2.tokenize(t) for t in texts]  # input order kept
+    assert [gpt2.detokenize(d[0]) for d in docs] == texts
+    assert IndexedDataset(str(tmp_path / "out_text_document")).index.dtype == numpy.uint16
+
+
+def test_append_eod_and_several_keys(tmp_path, gpt2, gpt2_args, capsys):
+    records = [{"title": f"title {i}", "body": f"body number {i} ✓"} for i in range(5)]
+    records[2] = {"title": "only a title"}
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--json-keys", "title", "body", "--append-eod")
+    assert rc == 0
+    titles = documents(tmp_path / "out_title_document")
+    bodies = documents(tmp_path / "out_body_document")
+    assert [d[0] for d in titles] == [gpt2.tokenize(r["title"]) + [gpt2.eod] for r in records]
+    assert [d[0] for d in bodies] == [
+        gpt2.tokenize(r["body"]) + [gpt2.eod] for r in records if "body" in r
+    ]
+    err = capsys.readouterr().err
+    assert "body: 4 written, 1 skipped" in err and "missing_key: 1" in err and "in.jsonl:3" in err
+
+
+def test_several_files_glob_and_gzip_keep_order(tmp_path, gpt2, gpt2_args):
+    for n in range(3):
+        write_jsonl(tmp_path / f"part{n}.jsonl", [{"text": f"file {n} doc {i}"} for i in range(7)])
+    with gzip.open(tmp_path / "zzz.jsonl.gz", "wb") as f:
+        f.write(json.dumps({"text": "gzipped"}).encode() + b"\n")
+    rc = run_preprocess("--input", str(tmp_path / "part*.jsonl"), str(tmp_path / "zzz.jsonl.gz"),
+                        "--output-prefix", tmp_path / "out", *gpt2_args, "--workers", 2,
+                        "--chunk-size", 3)
+    assert rc == 0
+    expected = [f"file {n} doc {i}" for n in range(3) for i in range(7)] + ["gzipped"]
+    docs = documents(tmp_path / "out_text_document")
+    assert [gpt2.detokenize(d[0]) for d in docs] == expected
+
+
+# ---- sentences ----------------------------------------------------------------------------
+
+
+def test_split_sentences(tmp_path, gpt2, gpt2_args):
+    text = "Hello there. Dr. Smith went home. Did he?\nYes!"
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": text}, {"text": "One sentence only"}])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--split-sentences", "--append-eod")
+    assert rc == 0
+    assert "out_text_sentence.bin" in outputs(tmp_path)
+    docs = documents(tmp_path / "out_text_sentence")
+    sentences = ["Hello there.", "Dr. Smith went home.", "Did he?", "Yes!"]
+    assert docs[0] == [gpt2.tokenize(s) for s in sentences[:-1]] + [
+        gpt2.tokenize(sentences[-1]) + [gpt2.eod]
+    ]
+    assert docs[1] == [gpt2.tokenize("One sentence only") + [gpt2.eod]]
+
+
+def test_split_sentences_keep_newlines_keeps_every_character(tmp_path, gpt2, gpt2_args):
+    text = "  First line.\nSecond one!\n\n  Third?  "
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": text}])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--split-sentences", "--keep-newlines")
+    assert rc == 0
+    (doc,) = documents(tmp_path / "out_text_sentence")
+    assert len(doc) == 3
+    assert "".join(gpt2.detokenize(s) for s in doc) == text
+    assert gpt2.detokenize(doc[0]) == "  First line.\n"
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+BAD_LINES = {
+    "malformed_json": b'{"text": "unterminated',
+    "missing_key": json.dumps({"other": "x"}).encode(),
+    "non_string": json.dumps({"text": 42}).encode(),
+    "invalid_utf8": b'{"text": "bad \xff byte"}',
+    "empty": json.dumps({"text": ""}).encode(),
+    "blank_line": b"   ",
+}
+
+
+def _bad_input(tmp_path, reason):
+    good = [json.dumps({"text": f"good document {i}"}).encode() for i in range(4)]
+    lines = good[:2] + [BAD_LINES[reason]] + good[2:]  # the bad line is line 3
+    return write_jsonl(tmp_path / "in.jsonl", lines)
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_LINES))
+def test_bad_input_lenient_skips_and_reports(tmp_path, gpt2, gpt2_args, reason, capsys):
+    src = _bad_input(tmp_path, reason)
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args)
+    assert rc == 0
+    docs = documents(tmp_path / "out_text_document")
+    assert [gpt2.detokenize(d[0]) for d in docs] == [f"good document {i}" for i in range(4)]
+    err = capsys.readouterr().err
+    assert "5 documents read" in err and "4 written, 1 skipped" in err
+    assert f"{reason}: 1" in err and f"{src}:3" in err
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_LINES))
+def test_bad_input_strict_is_fatal_and_writes_nothing(tmp_path, gpt2_args, reason, capsys):
+    src = _bad_input(tmp_path, reason)
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--strict", "--workers", 2, "--chunk-size", 1)
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"{src}:3" in err and reason in err and "--strict" in err
+    assert outputs(tmp_path) == ["in.jsonl"]
+
+
+def test_lone_surrogate_and_empty_after_encoding(tmp_path, gpt2_args, capsys):
+    lines = [b'{"text": "lone \\ud800 surrogate"}', json.dumps({"text": "fine"}).encode(),
+             json.dumps({"text": " \n "}).encode()]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    # Sentence splitting turns whitespace-only text into no sentence at all.
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--split-sentences")
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert f"invalid_utf8: 1" in err and f"{src}:1" in err
+    assert "empty_after_encoding: 1" in err and f"{src}:3" in err
+    assert len(documents(tmp_path / "out_text_sentence")) == 1
+
+
+def test_many_bad_lines_report_only_the_first_few(tmp_path, gpt2_args, capsys):
+    lines = [b"{broken"] * 12 + [json.dumps({"text": "ok"}).encode()]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 0
+    err = capsys.readouterr().err
+    assert "malformed_json: 12" in err and f"{src}:5, ..." in err and f"{src}:6" not in err
+
+
+def test_nothing_to_write_is_an_error(tmp_path, gpt2_args, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": ""}, {"other": "x"}])
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 1
+    assert "no document left to write" in capsys.readouterr().err
+    assert outputs(tmp_path) == ["in.jsonl"]
+
+
+# ---- atomic output ----------------------------------------------------------------------------
+
+
+def test_failure_at_commit_leaves_no_pair_and_no_temporaries(tmp_path, gpt2_args, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "old text"}] * 3)
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 0
+    assert outputs(tmp_path) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx"]
+
+    real_replace = os.replace
+
+    def failing_replace(a, b):
+        if str(b).endswith(".bin"):
+            raise OSError("disk full (simulated)")
+        return real_replace(a, b)
+
+    monkeypatch.setattr(writer_module.os, "replace", failing_replace)
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "new text"}] * 3)
+    with pytest.raises(OSError, match="simulated"):
+        run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args)
+    # The old .idx is removed before anything is renamed: the old .bin alone is no dataset,
+    # and no new .bin can ever sit beside an .idx that does not describe it.
+    assert outputs(tmp_path) == ["in.jsonl", "out_text_document.bin"]
+
+
+def test_worker_crash_cleans_up(tmp_path, gpt2_args, monkeypatch):
+    from megatron.dataprep import encode
+
+    def boom(self, chunk):
+        raise RuntimeError("worker crashed (simulated)")
+
+    monkeypatch.setattr(encode.ChunkEncoder, "__call__", boom)  # inherited by forked workers
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}] * 10)
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                       "--workers", 2, "--chunk-size", 2)
+    assert outputs(tmp_path) == ["in.jsonl"]
+
+
+# ---- other inputs and tokenizers ----------------------------------------------------------------
+
+
+def test_save_to_disk_input(tmp_path, gpt2, gpt2_args, capsys):
+    import datasets
+
+    rows = {"content": ["first ✓", "second", None, ""], "n": [1, 2, 3, 4]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    rc = run_preprocess("--input", tmp_path / "ds", "--json-keys", "content",
+                        "--output-prefix", tmp_path / "out", *gpt2_args, "--workers", 2)
+    assert rc == 0
+    docs = documents(tmp_path / "out_content_document")
+    assert [d[0] for d in docs] == [gpt2.tokenize("first ✓"), gpt2.tokenize("second")]
+    err = capsys.readouterr().err
+    assert "non_string: 1" in err and "[row 2]" in err and "empty: 1" in err and "[row 3]" in err
+
+
+def test_save_to_disk_missing_column_is_a_flag_error(tmp_path, gpt2_args, capsys):
+    import datasets
+
+    datasets.Dataset.from_dict({"content": ["a"]}).save_to_disk(str(tmp_path / "ds"))
+    rc = run_preprocess("--input", tmp_path / "ds", "--output-prefix", tmp_path / "out",
+                        *gpt2_args)
+    assert rc == 2
+    assert "--json-keys: " in capsys.readouterr().err
+
+
+def test_null_tokenizer(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl",
+                      [{"text": "1 2 3"}, {"text": "4 x"}, {"text": "7\n8"}, {"text": "99"}])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out",
+                        "--tokenizer-type", "NullTokenizer", "--vocab-size", 50, "--append-eod")
+    assert rc == 0
+    assert [d[0] for d in documents(tmp_path / "out_text_document")] == [[1, 2, 3, 50], [7, 8, 50]]
+    err = capsys.readouterr().err
+    assert "encode_error: 2" in err and f"{src}:2" in err and f"{src}:4" in err
+
+
+def test_huggingface_tokenizer(tmp_path, gpt2, gpt2_files):
+    path = str(tmp_path / "tokenizer.json")
+    gpt2._hf.save(path)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in UNICODE_SAMPLES])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out",
+                        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path,
+                        "--append-eod", "--workers", 2)
+    assert rc == 0
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
+    docs = documents(tmp_path / "out_text_document")
+    assert [d[0] for d in docs] == [hf.tokenize(t) + [hf.eod] for t in UNICODE_SAMPLES]
+
+
+# ---- user mistakes: one line naming the flag, before any work ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        (lambda a, t: a.update({"--input": str(t / "missing.jsonl")}), "--input"),
+        (lambda a, t: a.update({"--input": str(t / "nothing*.jsonl")}), "--input"),
+        (lambda a, t: a.update({"--input": str(t)}), "--input"),
+        (lambda a, t: a.update({"--vocab-file": str(t / "no-vocab.json")}), "--vocab-file"),
+        (lambda a, t: a.pop("--merge-file"), "--merge-file"),
+        (lambda a, t: a.update({"--tokenizer-type": "BertTokenizer"}), "--tokenizer-type"),
+        (lambda a, t: a.update({"--output-prefix": str(t / "no" / "dir" / "out")}),
+         "--output-prefix"),
+        (lambda a, t: a.update({"--dataset-impl": "lazy"}), "--dataset-impl"),
+        (lambda a, t: a.update({"--workers": "0"}), "--workers"),
+    ],
+)
+def test_user_mistakes(tmp_path, gpt2_files, change, flag, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}])
+    args = {"--input": src, "--output-prefix": str(tmp_path / "out"),
+            "--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": gpt2_files[0],
+            "--merge-file": gpt2_files[1]}
+    change(args, tmp_path)
+    argv = [x for kv in args.items() for x in kv]
+    assert run_preprocess(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0], err
+    assert outputs(tmp_path) == ["in.jsonl"]
+
+
+def test_append_eod_without_an_eod_token(tmp_path, gpt2, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a a"}])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", "--append-eod",
+                        "--tokenizer-type", "HuggingFaceTokenizer",
+                        "--tokenizer-model", tmp_path / "tokenizer.json")
+    assert rc == 2
+    assert "--append-eod" in capsys.readouterr().err
+
+
+def test_progress_lines(tmp_path, gpt2_args, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(30)])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--log-interval", 10, "--chunk-size", 5)
+    assert rc == 0
+    err = capsys.readouterr().err
+    progress = [l for l in err.splitlines() if "processed" in l]
+    assert len(progress) == 3 and "docs/s" in progress[0] and "MB/s" in progress[0]
+    assert "30 documents read" in err and "30 written, 0 skipped" in err and "tokens" in err
