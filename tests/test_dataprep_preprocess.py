@@ -213,6 +213,21 @@ def test_worker_crash_cleans_up(tmp_path, gpt2_args, monkeypatch):
     assert outputs(tmp_path) == ["in.jsonl"]
 
 
+def test_interrupt_cleans_up(tmp_path, gpt2_args, monkeypatch, capsys):
+    from megatron.dataprep.report import Report
+
+    def interrupted(self, items, text_bytes):
+        raise KeyboardInterrupt  # what Ctrl-C (or SIGTERM, turned into it) raises mid-run
+
+    monkeypatch.setattr(Report, "advance", interrupted)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}] * 10)
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--workers", 2, "--chunk-size", 2)
+    assert rc == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert outputs(tmp_path) == ["in.jsonl"]
+
+
 # ---- other inputs and tokenizers ----------------------------------------------------------------
 
 

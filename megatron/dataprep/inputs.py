@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Union
 
 
+# A chunk also ends at this much raw input, so that a few large documents do not leave
+# one worker busy at the end while the others idle.
+CHUNK_BYTES = 256 * 1024
+
+
 class InputError(ValueError):
     """`--input` does not name usable data."""
 
@@ -110,12 +115,13 @@ def iter_chunks(sources: Sequence[Source], keys: Sequence[str], chunk_size: int)
 def _jsonl_chunks(index: int, path: str, chunk_size: int) -> Iterator[Chunk]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        items, first = [], 1
+        items, first, size = [], 1, 0
         for number, line in enumerate(f, start=1):
             items.append(line)
-            if len(items) == chunk_size:
+            size += len(line)
+            if len(items) == chunk_size or size >= CHUNK_BYTES:
                 yield Chunk(index, first, items)
-                items, first = [], number + 1
+                items, first, size = [], number + 1, 0
         if items:
             yield Chunk(index, first, items)
 

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
     g.add_argument("--chunk-size", type=int, default=64,
-                   help="documents per task sent to a worker (default 64)")
+                   help="documents per task sent to a worker (default 64; a task also "
+                        "ends at 256 KB of input)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every this many documents (default 1000)")
     return p
@@ -222,7 +223,9 @@ def run(args, sources, tokenizer):
             if writer.documents == 0:
                 raise DataError(f"no document left to write for key {key!r}; nothing written")
         for writer in writers.values():
-            writer.commit()
+            writer.finalize()
+        for writer in writers.values():
+            writer.publish()
     except BaseException:
         for writer in writers.values():
             writer.abort()

@@ -1,8 +1,10 @@
 """Write one `.bin/.idx` pair with megatron-core's builder, appearing only when complete.
 
-The builder writes to temporary names in the destination directory; `commit` renames them
-into place, `.idx` last, after removing any older `.idx` first. A run that dies at any
-point therefore never leaves a `.bin` beside an `.idx` that does not describe it.
+The builder writes to temporary names in the destination directory; `finalize` completes
+them (index written, both synced) and `publish` renames them into place, `.idx` last, after
+removing any older `.idx` first. A run that dies at any point therefore never leaves a
+`.bin` beside an `.idx` that does not describe it. With several outputs, finalize them all
+before publishing any, so that a late failure rarely leaves some published and some not.
 """
 
 import os
@@ -30,10 +32,12 @@ class AtomicIndexedWriter:
         self.documents += 1
         self.tokens += int(ids.size)
 
-    def commit(self) -> None:
+    def finalize(self) -> None:
         self._builder.finalize(self._tmp_idx)
         for path in (self._tmp_bin, self._tmp_idx):
             _fsync(path)
+
+    def publish(self) -> None:
         if os.path.exists(self.idx_path):
             os.remove(self.idx_path)
         os.replace(self._tmp_bin, self.bin_path)
@@ -41,7 +45,7 @@ class AtomicIndexedWriter:
         _fsync(os.path.dirname(os.path.abspath(self.idx_path)))
 
     def abort(self) -> None:
-        """Drop everything written so far; safe to call after a failed commit."""
+        """Drop everything not yet published; safe to call at any point."""
         data_file = getattr(self._builder, "data_file", None)
         if data_file is not None and not data_file.closed:
             data_file.close()
