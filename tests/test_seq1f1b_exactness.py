@@ -39,7 +39,7 @@ def splits(n, method="average"):
     return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", method]
 
 
-# name -> (world size, model, batch, layout flags, split flags, extra flags)
+# pp in {1, 2, 4} x tp in {1, 2}; name -> (world size, model, batch, layout flags, split flags, extra flags)
 CASES = {}
 for model, batch in (("A", "mbs2"), ("B", "mbs1")):
     for n, method in ((1, "average"), (2, "average"), (3, "uniform_comp"), (4, "average"),
@@ -49,6 +49,10 @@ for model, batch in (("A", "mbs2"), ("B", "mbs1")):
     for n, method in ((1, "average"), (3, "average"), (4, "uniform_comp")):
         CASES[f"{model}_{batch}_tp2pp2_s{n}_{method}"] = (
             4, model, batch, TP2 + PP2, splits(n, method), [])
+    # tp=2 x pp=4: eight processes
+    for n, method in ((1, "average"), (4, "uniform_comp")):
+        CASES[f"{model}_{batch}_tp2pp4_s{n}_{method}"] = (
+            8, model, batch, TP2 + PP4, splits(n, method), [])
 for n in (1, 3):
     CASES[f"A_mbs2_pp2_s{n}_pertoken"] = (2, "A", "mbs2", PP2, splits(n), PER_TOKEN)
     CASES[f"B_mbs1_pp1_s{n}_pertoken"] = (1, "B", "mbs1", [], splits(n), PER_TOKEN)
@@ -68,7 +72,7 @@ def results(tmp_path_factory):
         sub.mkdir()
         base = flags + BATCHES["mbs1"]
         starts[model] = init_checkpoint(sub, base)
-    by_world = {1: [], 2: [], 4: []}
+    by_world = {1: [], 2: [], 4: [], 8: []}
     references = {}
     for name, (world, model, batch, layout, split_flags, extra) in CASES.items():
         argv = MODELS[model] + BATCHES[batch] + starts[model] + layout + split_flags + extra
