@@ -24,6 +24,7 @@ setup(
         "megatron.seqsplit",
         "megatron.dataprep",
         "megatron.planner",
+        "megatron.benchmarks",
     ],
     install_requires=REQUIREMENTS,
     extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest"]},

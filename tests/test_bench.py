@@ -1,0 +1,171 @@
+"""tools/bench.py and tools/bench_stage_gpu.py: the logic without processes, and one tiny
+end-to-end run of each (pp=2 over gloo; one stage on CPU in fp32)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.benchmarks.pipeline import (  # noqa: E402
+    MEMORY,
+    TIMED,
+    TIMELINE,
+    BenchConfig,
+    build_configs,
+    build_spec,
+    check_targets,
+    format_report,
+    json_report,
+    memory_path,
+    stage_bubbles,
+    summarize,
+    timeline_path,
+)
+from megatron.planner.trace import Timeline, write_timeline  # noqa: E402
+from megatron.schedules.units import seq1f1b_schedule  # noqa: E402
+
+ISSUE_KEYS = {"schedule", "splits", "balance_method", "tokens_per_s", "bubble_fraction",
+              "stage0_activation_peak_bytes", "loss"}
+
+
+def test_configs_and_spec_alternate():
+    configs = build_configs([1, 2, 4], ["average", "uniform_comp"])
+    assert [c.name for c in configs] == [
+        "1f1b", "seq1f1b_s2_average", "seq1f1b_s2_uniform_comp",
+        "seq1f1b_s4_average", "seq1f1b_s4_uniform_comp"]
+    spec = build_spec(configs, ["--x"], runs=3, warmup_iters=2, timed_iters=3, out_dir="/o")
+    timed = [r for r in spec if r["kind"] == TIMED]
+    # rounds of all configurations, alternating, before any instrumented run
+    assert [r["config"] for r in timed] == [c.name for c in configs] * 3
+    assert spec[:len(timed)] == timed
+    for r in timed:
+        argv = r["argv"]
+        assert argv[argv.index("--train-iters") + 1] == "5"
+        assert "--timeline-file" not in argv and "--activation-memory-file" not in argv
+    s4 = next(r for r in timed if r["config"] == "seq1f1b_s4_uniform_comp")["argv"]
+    assert s4[s4.index("--seq1f1b-splits") + 1] == "4"
+    assert s4[s4.index("--seq1f1b-balance-method") + 1] == "uniform_comp"
+    assert "--seq1f1b-splits" not in timed[0]["argv"]
+    kinds = [r["kind"] for r in spec]
+    assert kinds.count(TIMELINE) == kinds.count(MEMORY) == len(configs)
+    tl = next(r for r in spec if r["kind"] == TIMELINE)["argv"]
+    assert tl[tl.index("--train-iters") + 1] == "3"  # warm-up + the recorded iteration
+
+
+def _timeline(p, m, s, f, b, gap=0.0):
+    """A timeline of the schedule with fixed unit times (optionally a gap before each unit)."""
+    from megatron.planner.simulate import simulate
+
+    sim = simulate(seq1f1b_schedule(p, m, s), lambda r, u: f / s if u.is_forward else b / s,
+                   comm=lambda a, c, u: gap)
+    return Timeline([[{"kind": t.unit.kind, "microbatch": t.unit.microbatch,
+                       "split": t.unit.split, "chunk": 0, "start": t.start, "end": t.end}
+                      for t in units] for units in sim.ranks], {})
+
+
+def test_summarize_and_json(tmp_path):
+    p, m = 2, 4
+    configs = [BenchConfig(), BenchConfig(4, "average")]
+    records = []
+    for config, seconds, peak in ((configs[0], 1.0, 1000), (configs[1], 0.8, 600)):
+        for round_index in range(3):
+            records.append({"config": config.name, "kind": TIMED,
+                            "iteration_seconds": [[9.0, seconds + 0.01 * round_index, seconds]] * 2,
+                            "losses": [5.0, 4.0, 3.0]})
+        splits = config.splits
+        write_timeline(timeline_path(str(tmp_path), config), _timeline(p, m, splits, 0.1, 0.3))
+        records.append({"config": config.name, "kind": TIMELINE,
+                        "iteration_seconds": [[9.0, 2.0]] * 2, "losses": [5.0, 4.0]})
+        with open(memory_path(str(tmp_path), config), "w") as handle:
+            json.dump({"stages": [{"activation_peak_bytes": peak},
+                                  {"activation_peak_bytes": peak // 2}]}, handle)
+        records.append({"config": config.name, "kind": MEMORY,
+                        "iteration_seconds": [[9.0, 2.0]] * 2, "losses": [5.0, 4.0]})
+    summary = summarize(configs, records, out_dir=str(tmp_path), tokens_per_iteration=1000,
+                        warmup_iters=1, microbatches=m)
+    base, seq = summary["runs"]
+    # two timed iterations per run, median of the 3 runs
+    assert base["tokens_per_s"] == pytest.approx(2000 / 2.01)
+    assert seq["tokens_per_s_ratio"] == pytest.approx(2.01 / 1.61)
+    # bubble of equal stages: (p-1)/(ms+p-1)
+    assert base["bubble_fraction"] == pytest.approx(1 / 5)
+    assert seq["bubble_fraction"] == pytest.approx(1 / 17)
+    assert len(seq["bubble_fraction_per_stage"]) == p
+    assert seq["stage0_activation_ratio"] == pytest.approx(0.6)
+    assert seq["worst_stage_activation_peak_bytes"] == 600
+    assert seq["compute_ratio_per_stage"] == pytest.approx([1.0, 1.0])
+    # free communication: the replay reproduces the span
+    assert seq["communication_wait_s"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["losses_equal"]
+    report = json_report(summary, {"command": "x"})
+    assert all(ISSUE_KEYS <= set(run) for run in report["runs"])
+    assert report["runs"][0]["schedule"] == "1f1b" and report["runs"][1]["splits"] == 4
+    json.dumps(report)
+    table = format_report(summary)
+    assert "Seq1F1B s=4 average" in table and "Final losses equal" in table
+    (target,) = check_targets(summary)
+    assert target["speed_met"] and target["memory_met"]
+    # a differing loss is reported
+    records[0]["losses"] = [5.0, 4.0, 3.1]
+    bad = summarize(configs, records, out_dir=str(tmp_path), tokens_per_iteration=1000,
+                    warmup_iters=1, microbatches=m)
+    assert not bad["losses_equal"] and "NOT EQUAL" in format_report(bad)
+
+
+def test_stage_bubbles_with_communication_gaps():
+    tl = _timeline(2, 4, 1, 0.1, 0.3, gap=0.05)
+    bubbles = stage_bubbles(tl)
+    assert all(0 < b < 1 for b in bubbles)
+    assert tl.bubble_fraction() == pytest.approx(sum(bubbles) / 2)
+
+
+def _env():
+    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def test_bench_end_to_end(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--num-layers", "2",
+           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+           "--vocab-size", "128", "--splits", "2", "--balance-methods", "uniform_comp",
+           "--runs", "2", "--warmup-iters", "1", "--timed-iters", "1",
+           "--out-dir", str(tmp_path / "runs"), "--json", str(out),
+           "--picture", str(tmp_path / "t.png")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| Seq1F1B s=2 uniform_comp |" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [(r["schedule"], r["splits"]) for r in data["runs"]] == [("1f1b", 1), ("seq1f1b", 2)]
+    for run in data["runs"]:
+        assert ISSUE_KEYS <= set(run)
+        assert run["tokens_per_s"] > 0 and 0 <= run["bubble_fraction"] < 1
+        assert run["stage0_activation_peak_bytes"] > 0 and len(run["tokens_per_s_runs"]) == 2
+    assert data["losses_equal"]
+    assert data["runs"][0]["loss"] == pytest.approx(data["runs"][1]["loss"], rel=1e-5)
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "timeline_seq1f1b_s2_uniform_comp.png").exists()
+
+
+def test_stage_emulation_tiny_cpu(tmp_path):
+    out = tmp_path / "stage.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_stage_gpu.py"), "--tiny",
+           "--device", "cpu", "--splits", "1", "4", "--balance-methods", "average",
+           "--iters", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    runs = {(r["rank"], r["splits"]): r for r in data["stage_runs"]}
+    assert set(runs) == {(0, 1), (0, 4), (1, 1), (1, 4)}
+    for r in runs.values():
+        assert not r["oom"] and r["activation_peak_bytes"] > 0
+        assert len(r["forward_s"]) == len(r["backward_s"]) == r["splits"]
+    # stage 0 of pp=2 holds 2 microbatches under 1F1B, (s + p - 1)/s = 1.25 under s=4
+    assert runs[(0, 4)]["activation_peak_bytes"] < 0.8 * runs[(0, 1)]["activation_peak_bytes"]
+    preds = {p["splits"]: p for p in data["predictions"]}
+    assert preds[4]["bubble_fraction"] < preds[1]["bubble_fraction"]
+    assert "Whole pipeline predicted" in proc.stdout
