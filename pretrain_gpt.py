@@ -13,6 +13,8 @@ import torch
 
 from megatron.core import parallel_state
 
+from megatron.seqsplit.documents import DocumentIdsDataset
+from megatron.seqsplit.split_context import SplitContext
 from megatron.trainer.model import gpt_model_provider
 from megatron.trainer.training import pretrain
 
@@ -40,16 +42,20 @@ def datasets_provider(args):
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        mock=args.mock_data)
+        mock=args.mock_data, create_attention_mask=False)  # the kernels mask causally
+    if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
+        train, valid = (DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
+                        for ds in (train, valid))
     return train, valid, tokenizer
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, args):
     """This stage's share of the next batch (or split): tokens on the first stage,
-    labels and loss mask on the last, nothing in between."""
+    labels and loss mask on the last; with --reset-attention-mask every stage reads
+    it, because attention on every stage needs the document boundaries."""
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
-    if not (first or last):
+    if not (first or last or args.reset_attention_mask):
         return {}
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -70,7 +76,12 @@ def loss_func(loss_mask, output_tensor):
 def forward_step(data_iterator, model, args=None):
     """One microbatch (or, under Seq1F1B, one split of one) through this stage."""
     split = getattr(data_iterator, "split", None)  # SplitContext under Seq1F1B
-    batch = get_batch(data_iterator)
+    batch = get_batch(data_iterator, args)
+    if batch.get("document_ids") is not None:
+        if split is None:  # unsplit: one "split" covering the whole sequence
+            length = batch["document_ids"].shape[1]
+            split = SplitContext(num_splits=1, offset=0, length=length, seq_length=length)
+        split.document_ids = batch["document_ids"]
     output_tensor = model(
         batch.get("tokens"),
         batch.get("position_ids"),

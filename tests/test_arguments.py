@@ -43,7 +43,6 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--seq1f1b-splits", "0"], 1, "--seq1f1b-splits"),
     (["--seq1f1b-splits", "65"], 1, "--seq1f1b-splits"),
     (["--seq1f1b-splits", "4", "--seq1f1b-split-alignment", "3"], 1, "--seq-length"),
-    (["--seq1f1b-splits", "2", "--reset-attention-mask"], 1, "--reset-attention-mask"),
     (["--seq1f1b-splits", "2", "--recompute-granularity", "full", "--recompute-method",
       "uniform"], 1, "--recompute-granularity"),
     (["--recompute-granularity", "full"], 1, "--recompute-method"),

@@ -22,6 +22,8 @@ from functools import partial
 
 import torch
 
+from megatron.seqsplit.documents import document_attention, document_causal_mask
+
 
 @dataclass
 class _Entry:
@@ -171,8 +173,15 @@ def split_causal_attention(
         free_now = store.forward_only if store.forward_only is not None else not tracked
         if free_now and split.split_index == split.num_splits - 1:
             store._release(entry_id)
-    out = backend(
-        _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
-        softmax_scale=softmax_scale, dropout_p=dropout_p,
-    )
+    documents = getattr(split, "document_ids", None)
+    if documents is not None:  # packed documents: per-document causal mask
+        offset = split.offset if split.num_splits > 1 else 0
+        mask = document_causal_mask(documents.to(query.device), offset, query.shape[0])
+        out = document_attention(_to_bhld(query), _to_bhld(k_all), _to_bhld(v_all), mask=mask,
+                                 softmax_scale=softmax_scale, dropout_p=dropout_p)
+    else:
+        out = backend(
+            _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
+            softmax_scale=softmax_scale, dropout_p=dropout_p,
+        )
     return out.permute(2, 0, 1, 3).contiguous()

@@ -31,6 +31,9 @@ class SplitContext(PackedSeqParams):
     length: int = 0
     seq_length: int = 0
     kv_store: Optional[Any] = None  # megatron.seqsplit.kv_cache.KVCacheStore
+    # [b, >= offset + length] document index of every token up to this split's end
+    # (--reset-attention-mask); None means one causal sequence per row
+    document_ids: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         self.qkv_format = "sbhd"
@@ -56,7 +59,9 @@ def slice_batch(batch: dict, offset: int, length: int, seq_length: int) -> dict:
     """
     out = {}
     for key, value in batch.items():
-        if not torch.is_tensor(value):
+        if key == "document_ids":  # keys of the whole prefix are needed, not just the split's
+            out[key] = value[:, :offset + length]
+        elif not torch.is_tensor(value):
             out[key] = value
         elif value.dim() == 4 and value.shape[-1] == seq_length and value.shape[-2] == seq_length:
             out[key] = value[:, :, offset:offset + length, :offset + length]
