@@ -139,7 +139,9 @@ def forward_backward_pipelining_seq1f1b(
         return _hidden_shape(lengths[unit.split], micro_batch_size, config, tp_size)
 
     forward_data_store = []
-    total_num_tokens = torch.zeros([], dtype=torch.int)
+    # megatron-core all-reduces this over NCCL on GPU: keep it on the device
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
     tokens_per_microbatch = {}  # last stage: loss-mask tokens of each microbatch so far
     received_inputs, received_grads = {}, {}
     inputs, outputs, input_grads = {}, {}, {}
@@ -173,7 +175,7 @@ def forward_backward_pipelining_seq1f1b(
                     "microbatch's token count")
             output_tensor, num_tokens, reported = reduced
             forward_data_store.append(reported)
-            num_tokens = torch.as_tensor(num_tokens).to(torch.int).cpu()
+            num_tokens = torch.as_tensor(num_tokens).to(device=device, dtype=torch.int)
             tokens_per_microbatch[unit.microbatch] = (
                 tokens_per_microbatch.get(unit.microbatch, 0) + num_tokens)
             total_num_tokens = total_num_tokens + num_tokens
