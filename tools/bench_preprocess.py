@@ -131,17 +131,17 @@ def main(argv=None) -> int:
         f"{load_after:.1f} after.",
         "",
         "| run | MB/s (best) | MB/s (median) | ratio to bound (best) | wall s | CPU s main "
-        "| CPU s workers | CLI wall incl. start-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU s workers | MB per CPU s | CLI wall incl. start-up |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| HF `encode_batch`, {cores} threads (bound) | {best['bound']:.2f} | "
         f"{median['bound']:.2f} | 1.00 | {fastest['bound'][0]:.2f} | {fastest['bound'][1]:.2f} "
-        f"| - | - |",
+        f"| - | {text_mb / fastest['bound'][1]:.2f} | - |",
     ]
     for w in (1, 2):
         wall, main_cpu, kids_cpu = fastest[w]
         lines.append(f"| preprocess_data.py --workers {w} | {best[w]:.2f} | {median[w]:.2f} | "
                      f"{best[w] / best['bound']:.2f} | {wall:.2f} | {main_cpu:.2f} | "
-                     f"{kids_cpu:.2f} | {cli[w]:.1f} s |")
+                     f"{kids_cpu:.2f} | {text_mb / (main_cpu + kids_cpu):.2f} | {cli[w]:.1f} s |")
     lines += ["", f"Outputs of --workers 1 and 2 identical: {same}.", "", f"Command: `{command}`"]
     table = "\n".join(lines)
     print(table)

@@ -89,8 +89,9 @@ def check_args(args):
             raise UsageError(f"{flag}: must be at least 1, got {value}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise UsageError(f"--json-keys: {' '.join(args.json_keys)} names a key twice")
-    if args.keep_newlines and not args.split_sentences:
-        raise UsageError("--keep-newlines: only means something with --split-sentences")
+    if args.keep_newlines and not args.split_sentences:  # harmless: Megatron-LM ignores it
+        print(f"{PROG}: warning: --keep-newlines has no effect without --split-sentences "
+              f"(documents keep their newlines anyway)", file=sys.stderr)
     if args.tokenizer_type == "GPT2BPETokenizer":
         _need_file(args.vocab_file, "--vocab-file", "GPT-2 vocab.json")
         _need_file(args.merge_file, "--merge-file", "GPT-2 merges.txt")
