@@ -101,6 +101,10 @@ def test_summarize_and_json(tmp_path):
     assert seq["compute_ratio_per_stage"] == pytest.approx([1.0, 1.0])
     # free communication: the replay reproduces the span
     assert seq["communication_wait_s"] == pytest.approx(0.0, abs=1e-9)
+    # equal splits of equal units: the gain is the bubble's, (m + p - 1) / (m + (p - 1) / s)
+    assert seq["schedule_gain"] == pytest.approx(5 / 4.25)
+    assert seq["split_overhead"] == pytest.approx(1.0)
+    assert seq["order_mismatch"] is None and base["order_mismatch"] is None
     assert summary["losses_equal"]
     report = json_report(summary, {"command": "x"})
     assert all(ISSUE_KEYS <= set(run) for run in report["runs"])

@@ -82,8 +82,8 @@ def parse_args(argv=None):
     g.add_argument("--loss-rtol", type=float, default=1e-5,
                    help="largest relative loss difference accepted between schedules")
     g = parser.add_argument_group("model (GPT, RoPE, LayerNorm, GeLU, fp32 on CPU)")
-    g.add_argument("--num-layers", type=int, default=8)
-    g.add_argument("--hidden-size", type=int, default=512)
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--num-attention-heads", type=int, default=8)
     g.add_argument("--seq-length", type=int, default=2048)
     g.add_argument("--vocab-size", type=int, default=1024, help="mock data vocabulary")

@@ -162,6 +162,34 @@ def replay(timeline: Timeline, microbatches: int, splits: int):
                     duration=lambda rank, unit: measured[(rank, unit)])
 
 
+def ideal_split_span(base: Timeline, microbatches: int, splits: int) -> float:
+    """Span of the ``splits``-way schedule if splitting were free: every unit takes 1/s of
+    the 1F1B unit time measured on its rank (mean forward / backward of ``base``)."""
+    means = []
+    for units in base.ranks:
+        fwd = [e["end"] - e["start"] for e in units if e["kind"] == "F"]
+        bwd = [e["end"] - e["start"] for e in units if e["kind"] == "B"]
+        means.append((sum(fwd) / max(len(fwd), 1), sum(bwd) / max(len(bwd), 1)))
+    sim = simulate(seq1f1b_schedule(base.pp_size, microbatches, splits),
+                   duration=lambda rank, unit: means[rank][0 if unit.is_forward else 1] / splits)
+    return sim.makespan
+
+
+def order_mismatch(timeline: Timeline, microbatches: int, splits: int) -> Optional[str]:
+    """None when every rank ran its units in the shared generator's order
+    (``seq1f1b_rank_units``); otherwise where the recorded order first departs from it."""
+    p = timeline.pp_size
+    for rank, units in enumerate(timeline.ranks):
+        recorded = [f"{e['kind']}{e['microbatch']}.{e['split']}" for e in units]
+        expected = [str(u) for u in seq1f1b_schedule(p, microbatches, splits)[rank]]
+        if recorded != expected:
+            i = next((k for k, (a, b) in enumerate(zip(recorded, expected)) if a != b),
+                     min(len(recorded), len(expected)))
+            return (f"rank {rank} unit {i}: ran {' '.join(recorded[max(0, i - 2):i + 3])}, "
+                    f"generator has {' '.join(expected[max(0, i - 2):i + 3])}")
+    return None
+
+
 def unit_breakdown(timeline: Timeline, microbatches: int) -> List[Dict]:
     """Per stage: forward and backward busy seconds, per microbatch, and mean unit times."""
     out = []
@@ -231,6 +259,7 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                 "replay_bubble_fraction": sim.bubble_fraction(),
                 "communication_wait_s": timeline.span - sim.makespan,
                 "stages": unit_breakdown(timeline, microbatches),
+                "order_mismatch": order_mismatch(timeline, microbatches, config.splits),
             })
         if recs[MEMORY]:
             path = memory_path(out_dir, config)
@@ -252,6 +281,14 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                                               / base["stage0_activation_peak_bytes"])
             row["worst_stage_activation_ratio"] = (row["worst_stage_activation_peak_bytes"]
                                                    / base["worst_stage_activation_peak_bytes"])
+        if "timeline_file" in row and "timeline_file" in base:
+            ideal = ideal_split_span(read_timeline(base["timeline_file"]), microbatches,
+                                     row["splits"])
+            row["ideal_span_s"] = ideal
+            # span = base span x (ideal / base replay) x (replay / ideal) x (span / replay)
+            row["schedule_gain"] = base["replay_span_s"] / ideal  # bubble shrinking alone
+            row["split_overhead"] = row["replay_span_s"] / ideal  # longer units
+            row["communication_factor"] = row["pipeline_span_s"] / row["replay_span_s"]
         if "stages" in row and "stages" in base:
             row["compute_ratio_per_stage"] = [
                 (st["forward_s"] + st["backward_s"]) / (b["forward_s"] + b["backward_s"])
@@ -337,9 +374,16 @@ def format_report(summary: Dict) -> str:
     lines.append(f"Final losses {verdict} across schedules: largest relative deviation of any "
                  f"run's per-iteration loss from 1F1B's is {summary['loss_max_rel_deviation']:.2e} "
                  f"(tolerance {summary['loss_rtol']:.0e}).")
+    mismatches = [r for r in rows if r.get("order_mismatch")]
+    if mismatches:
+        lines += ["", "WARNING: the executor did not run the shared generator's unit order "
+                  "(megatron.schedules.units.seq1f1b_rank_units):"]
+        lines += [f"* {r['label']}: {r['order_mismatch']}" for r in mismatches]
+    elif any("stages" in r for r in rows):
+        lines += ["", "Every recorded timeline follows the generator's unit order on every rank."]
     if any("stages" in r for r in rows):
         lines += ["", "Where the time goes (the timeline run of each schedule, last iteration; "
-                  "seconds):", "",
+                  "milliseconds):", "",
                   "| schedule | stage | F per mb | B per mb | compute vs 1F1B | mean F unit | "
                   "mean B unit | span | replayed span | comm./wait | outside pipeline |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -348,17 +392,33 @@ def format_report(summary: Dict) -> str:
                 continue
             ratios = r.get("compute_ratio_per_stage", [None] * len(r["stages"]))
             for i, (st, ratio) in enumerate(zip(r["stages"], ratios)):
-                tail = (f"{r['pipeline_span_s']:.3f} | {r['replay_span_s']:.3f} | "
-                        f"{r['communication_wait_s']:.3f} | {r['outside_pipeline_s']:.3f}"
-                        if i == 0 else " | | | ")
+                tail = (f"{1e3 * r['pipeline_span_s']:.1f} | {1e3 * r['replay_span_s']:.1f} | "
+                        f"{1e3 * r['communication_wait_s']:.1f} | "
+                        f"{1e3 * r['outside_pipeline_s']:.1f}" if i == 0 else " | | | ")
                 lines.append(
                     f"| {r['label'] if i == 0 else ''} | {i} | "
-                    f"{st['forward_per_microbatch_s']:.3f} | {st['backward_per_microbatch_s']:.3f} | "
-                    f"{_ratio(ratio)} | {st['mean_forward_unit_s']:.3f} | "
-                    f"{st['mean_backward_unit_s']:.3f} | {tail} |")
-        lines += ["", "F/B per mb: forward/backward seconds per microbatch (all its splits); "
+                    f"{1e3 * st['forward_per_microbatch_s']:.1f} | "
+                    f"{1e3 * st['backward_per_microbatch_s']:.1f} | "
+                    f"{_ratio(ratio)} | {1e3 * st['mean_forward_unit_s']:.1f} | "
+                    f"{1e3 * st['mean_backward_unit_s']:.1f} | {tail} |")
+        lines += ["", "F/B per mb: forward/backward time per microbatch (all its splits); "
                   "compute vs 1F1B: the stage's busy time over 1F1B's (split overhead); "
                   "replayed span: the planner's simulator run on the measured unit times with "
                   "free communication; comm./wait = span - replayed span; outside pipeline: "
                   "iteration time - span (optimizer step, gradient norm, finalisation)."]
+        lines += ["", "Span decomposition (relative to 1F1B's replayed span):", "",
+                  "| schedule | span s | gain from the schedule alone | split overhead | "
+                  "comm./wait factor | outside pipeline s | iteration s (timeline run) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "ideal_span_s" not in r:
+                continue
+            lines.append(
+                f"| {r['label']} | {r['pipeline_span_s']:.3f} | {r['schedule_gain']:.3f}x | "
+                f"{r['split_overhead']:.3f}x | {r['communication_factor']:.3f}x | "
+                f"{r['outside_pipeline_s']:.3f} | {r['timeline_iteration_s']:.3f} |")
+        lines += ["", "gain from the schedule alone: 1F1B's replayed span over the span the "
+                  "split schedule would have with every unit 1/s of the 1F1B unit (bubble "
+                  "shrinking only); split overhead: the replayed span with the measured split "
+                  "units over that ideal; comm./wait factor: measured span over replayed span."]
     return "\n".join(lines)
