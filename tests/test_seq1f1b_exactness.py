@@ -36,7 +36,14 @@ PER_TOKEN = ["--calculate-per-token-loss"]
 # packed documents (mock documents end with EOD at random lengths, so they cross split
 # edges, are shorter than splits and sometimes end exactly at one)
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
-VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS}
+RECOMPUTE = {
+    "_full_uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "1"],
+    "_full_block": ["--recompute-granularity", "full", "--recompute-method", "block",
+                    "--recompute-num-layers", "2"],
+    "_selective": ["--recompute-granularity", "selective"],
+}
+VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS, **RECOMPUTE}
 
 
 def splits(n, method="average"):
@@ -60,6 +67,12 @@ for model, batch in (("A", "mbs2"), ("B", "mbs1")):
 for n in (1, 3):
     CASES[f"A_mbs2_pp2_s{n}_pertoken"] = (2, "A", "mbs2", PP2, splits(n), PER_TOKEN)
     CASES[f"B_mbs1_pp1_s{n}_pertoken"] = (1, "B", "mbs1", [], splits(n), PER_TOKEN)
+# activation recomputation: the recomputed forward rewrites the same cache slots
+for label, flags in RECOMPUTE.items():
+    for n in (1, 3):
+        CASES[f"B_mbs1_pp2_s{n}_average{label}"] = (2, "B", "mbs1", PP2, splits(n), flags)
+    CASES[f"A_mbs2_pp2_s4_uniform_comp{label}"] = (
+        2, "A", "mbs2", PP2, splits(4, "uniform_comp"), flags)
 for n, method in ((1, "average"), (3, "average"), (4, "uniform_comp")):
     CASES[f"A_mbs2_pp2_s{n}_{method}_docs"] = (2, "A", "mbs2", PP2, splits(n, method), DOCS)
     CASES[f"B_mbs1_pp2_s{n}_{method}_docs"] = (2, "B", "mbs1", PP2, splits(n, method), DOCS)
@@ -102,7 +115,8 @@ def _unsplit_name(name):
     prefix = name.split("_s")[0]
     if name.endswith("pertoken"):
         return f"{prefix}_s1_pertoken"
-    return f"{prefix}_s1_average{'_docs' if name.endswith('_docs') else ''}"
+    label = next((v for v in VARIANTS if v and name.endswith(v)), "")
+    return f"{prefix}_s1_average{label}"
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "_s1_" not in n])

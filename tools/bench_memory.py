@@ -41,7 +41,7 @@ def run_probe(args, splits, out_path):
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
         "--pipeline-model-parallel-size", str(args.pp),
         "--seq1f1b-splits", str(splits), "--activation-memory-file", out_path,
-    ]
+    ] + args.extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
            "--master-port", str(args.master_port), os.path.join(ROOT, "pretrain_gpt.py")] + model
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -80,6 +80,9 @@ def main():
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--master-port", type=int, default=29571)
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="more pretrain_gpt.py flags for every run, e.g. "
+                             "--extra --recompute-granularity selective")
     args = parser.parse_args()
 
     p, m = args.pp, args.microbatches
@@ -104,7 +107,8 @@ def main():
     command = "python tools/bench_memory.py " + " ".join(sys.argv[1:])
     print(f"# {command.strip()}")
     print(f"# pp={p} microbatches={m} layers={args.num_layers} hidden={args.hidden_size} "
-          f"heads={args.heads} seq={args.seq_length} fp32 CPU; stage-0 activation peak")
+          f"heads={args.heads} seq={args.seq_length} fp32 CPU {' '.join(args.extra)}; "
+          "stage-0 activation peak")
     print(f"# M (one microbatch on stage 0, from 1F1B) = {per_microbatch / 2**20:.1f} MiB, "
           f"K (its K/V) = {kv_bytes / 2**20:.1f} MiB")
     print("| schedule | s | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | "

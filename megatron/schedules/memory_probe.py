@@ -7,7 +7,10 @@ saved tensor's storage (parameters excluded) with a reference count, released wh
 autograd drops the saved tensor after backward. At every unit boundary it samples
 the bytes of live storages; the peak over an iteration is the stage's activation
 peak (the KV cache across splits is included: its buffers are what split attention
-saves). On GPU it also reports ``torch.cuda.max_memory_allocated``.
+saves). The KV cache is counted from the executor's store itself (buffers and
+gradient accumulators, once each), so it is included even when a recomputing
+checkpoint runs the first forward without saving anything. On GPU it also reports
+``torch.cuda.max_memory_allocated``.
 
 It is an executor observer (``on_unit_start`` / ``on_unit_end``).
 """
@@ -57,13 +60,14 @@ class ActivationMemoryProbe:
         self.peak_bytes = 0
         self.samples = []  # (unit string, live bytes) at each unit end
         self._hooks = None
+        self.kv_store = None
 
     def exclude_parameters(self, model):
         for param in model.parameters():
             self.excluded.add(param.untyped_storage().data_ptr())
 
     def reset(self):
-        self.peak_bytes = self.registry.live_bytes
+        self.peak_bytes = self._live_bytes()
         self.samples = []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -82,8 +86,19 @@ class ActivationMemoryProbe:
     def _unpack(saved):
         return saved.tensor if isinstance(saved, _Saved) else saved
 
+    def attach_kv_store(self, store):
+        """Called by the executor at the start of each schedule with its KV-cache store."""
+        self.kv_store = store
+
+    def _live_bytes(self):
+        if self.kv_store is None:
+            return self.registry.live_bytes
+        kv = self.kv_store.storage_pointers()
+        saved = sum(nbytes for key, (_, nbytes) in self.registry.refs.items() if key not in kv)
+        return saved + self.kv_store.cached_bytes()
+
     def _sample(self, label):
-        live = self.registry.live_bytes
+        live = self._live_bytes()
         self.samples.append((label, live))
         self.peak_bytes = max(self.peak_bytes, live)
 

@@ -125,6 +125,9 @@ def forward_backward_pipelining_seq1f1b(
                           alignment=settings.alignment, model=settings.model_shape)
     offsets = split_offsets(lengths)
     kv_store = KVCacheStore(forward_only=forward_only)
+    for observer in settings.observers:
+        if hasattr(observer, "attach_kv_store"):
+            observer.attach_kv_store(kv_store)
     split_iterator = SplitDataIterator(data_iterator)
     model_type = get_model_type(model)
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")

@@ -61,6 +61,12 @@ class KVCacheStore:
         """Bytes held by K/V buffers and gradient accumulators of live entries."""
         return sum(e.nbytes() for e in self._entries.values())
 
+    def storage_pointers(self) -> set:
+        """data_ptr of every live buffer's storage (memory probes count them once)."""
+        tensors = (t for e in self._entries.values()
+                   for t in (e.key, e.value, e.grad_key, e.grad_value) if t is not None)
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
     def clear(self) -> None:
         self._entries.clear()
 
