@@ -43,7 +43,8 @@ RECOMPUTE = {
                     "--recompute-num-layers", "2"],
     "_selective": ["--recompute-granularity", "selective"],
 }
-VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS, **RECOMPUTE}
+SP = ["--sequence-parallel"]  # split lengths then align to the TP size
+VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS, "_sp": SP, **RECOMPUTE}
 
 
 def splits(n, method="average"):
@@ -67,6 +68,10 @@ for model, batch in (("A", "mbs2"), ("B", "mbs1")):
 for n in (1, 3):
     CASES[f"A_mbs2_pp2_s{n}_pertoken"] = (2, "A", "mbs2", PP2, splits(n), PER_TOKEN)
     CASES[f"B_mbs1_pp1_s{n}_pertoken"] = (1, "B", "mbs1", [], splits(n), PER_TOKEN)
+# sequence parallel (tp=2): exact against tp=1
+for n, method in ((1, "average"), (2, "average"), (4, "uniform_comp")):
+    CASES[f"B_mbs1_tp2pp2_s{n}_{method}_sp"] = (4, "B", "mbs1", TP2 + PP2, splits(n, method), SP)
+CASES["A_mbs2_tp2pp2_s3_average_sp"] = (4, "A", "mbs2", TP2 + PP2, splits(3), SP)
 # activation recomputation: the recomputed forward rewrites the same cache slots
 for label, flags in RECOMPUTE.items():
     for n in (1, 3):

@@ -9,20 +9,58 @@ Two things differ from megatron-core's ``GPTModel`` with the local spec:
   they read the split's (absolute) ``position_ids``.
 """
 
+import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron.seqsplit.core_attention import SplitCausalAttention
 from megatron.seqsplit.split_context import SplitContext
 
 
-def split_aware_local_spec(normalization: str = "LayerNorm", attention_backend: str = "auto"):
-    """megatron-core's local GPT layer spec with split-aware core attention."""
+class SequenceParallelTorchNorm:
+    """PyTorch LayerNorm / RMSNorm usable under sequence parallelism.
+
+    megatron-core's torch fallback (used without apex) refuses sequence parallel. A
+    norm is per token, so it works on a sequence shard as it is; what sequence
+    parallel needs is that each TP rank's weight gradient (from its own tokens) is
+    summed over the TP group, which megatron-core's ``finalize_model_grads`` does for
+    parameters marked ``sequence_parallel``.
+    """
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                zero_centered_gamma=False, normalization="LayerNorm"):
+        norm_classes = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norm_classes:
+            raise ValueError(f"--normalization {config.normalization} is not supported")
+        norm = norm_classes[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _swap_torch_norms(submodules):
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(submodules, name, None) is WrappedTorchNorm:
+            setattr(submodules, name, SequenceParallelTorchNorm)
+
+
+def split_aware_local_spec(config, normalization: str = "LayerNorm",
+                           attention_backend: str = "auto", vp_stage=None):
+    """megatron-core's local GPT spec with split-aware core attention, as a block spec
+    for this pipeline stage (its final norm, too, must support sequence parallel)."""
     spec = get_gpt_layer_local_spec(normalization=normalization)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SplitCausalAttention, params={"backend_name": attention_backend})
-    return spec
+    _swap_torch_norms(spec.submodules)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=SequenceParallelTorchNorm)
 
 
 class SeqSplitGPTModel(GPTModel):

@@ -314,7 +314,6 @@ def _validate_seq1f1b(args):
              f"positions of --seq-length {args.seq_length}; use fewer splits")
     unsupported = {
         "--transformer-impl transformer_engine": args.transformer_impl == "transformer_engine",
-        "--sequence-parallel": args.sequence_parallel,
     }
     for flag, used in unsupported.items():
         _require(not used, f"{flag} is not supported with --seq1f1b-splits > 1 yet; "

@@ -61,21 +61,21 @@ def transformer_config_from_args(args) -> TransformerConfig:
     )
 
 
-def layer_spec(args):
+def layer_spec(args, config, vp_stage=None):
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
         return get_gpt_layer_with_transformer_engine_spec()
-    return split_aware_local_spec(normalization=args.normalization,
-                                  attention_backend=args.attention_backend)
+    return split_aware_local_spec(config, normalization=args.normalization,
+                                  attention_backend=args.attention_backend, vp_stage=vp_stage)
 
 
 def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """The GPT model of this pipeline stage."""
     return SeqSplitGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
