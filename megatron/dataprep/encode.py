@@ -122,7 +122,7 @@ class ChunkEncoder:
         else:
             pieces = [self.splitter.split(t) for t in texts]
         flat = list(itertools.chain.from_iterable(pieces))
-        encoded = self._tokenize(flat, texts, pieces, numbers, key, skips)
+        encoded = self._tokenize(flat, pieces, numbers, key, skips)
 
         docs: List[List[List[int]]] = []  # document -> sentences -> ids
         at = 0
@@ -140,7 +140,7 @@ class ChunkEncoder:
             docs.append(sentences)
         return _pack(docs, self.dtype)
 
-    def _tokenize(self, flat, texts, pieces, numbers, key, skips) -> List[Optional[List[int]]]:
+    def _tokenize(self, flat, pieces, numbers, key, skips) -> List[Optional[List[int]]]:
         try:
             return self.tokenizer.tokenize_batch(flat)
         except Exception:
@@ -149,7 +149,7 @@ class ChunkEncoder:
         out: List[Optional[List[int]]] = []
         for number, parts in zip(numbers, pieces):
             try:
-                out.extend(self.tokenizer.tokenize(p) for p in parts)
+                out.extend([self.tokenizer.tokenize(p) for p in parts])  # all or none
             except Exception as exc:
                 skips.append(Skip(number, "encode_error", key, str(exc)))
                 out.extend([None] * len(parts))
@@ -159,8 +159,6 @@ class ChunkEncoder:
 def _pack(docs: List[List[List[int]]], dtype) -> KeyOutput:
     sentences = [s for d in docs for s in d]
     lengths = numpy.fromiter((len(s) for s in sentences), numpy.int64, len(sentences))
-    ids = numpy.fromiter(
-        itertools.chain.from_iterable(sentences), dtype, int(lengths.sum())
-    )
+    ids = numpy.fromiter(itertools.chain.from_iterable(sentences), dtype, int(lengths.sum()))
     per_doc = numpy.fromiter((len(d) for d in docs), numpy.int64, len(docs))
     return KeyOutput(ids, lengths, per_doc)
