@@ -35,26 +35,33 @@ ISSUE_KEYS = {"schedule", "splits", "balance_method", "tokens_per_s", "bubble_fr
 
 def test_configs_and_spec_alternate():
     configs = build_configs([1, 2, 4], ["average", "uniform_comp"])
-    assert [c.name for c in configs] == [
+    names = [c.name for c in configs]
+    assert names == [
         "1f1b", "seq1f1b_s2_average", "seq1f1b_s2_uniform_comp",
         "seq1f1b_s4_average", "seq1f1b_s4_uniform_comp"]
-    spec = build_spec(configs, ["--x"], runs=3, warmup_iters=2, timed_iters=3, out_dir="/o")
+    spec = build_spec(configs, ["--x"], runs=3, warmup_iters=2, timed_iters=3, out_dir="/o",
+                      timeline_runs=2, quiet={"threshold": 0.5})
     timed = [r for r in spec if r["kind"] == TIMED]
-    # rounds of all configurations, alternating, before any instrumented run
-    assert [r["config"] for r in timed] == [c.name for c in configs] * 3
-    assert spec[:len(timed)] == timed
+    # every round runs every configuration once, the order rotating from round to round
+    assert [r["config"] for r in timed] == names + names[1:] + names[:1] + names[2:] + names[:2]
+    assert [r["meta"]["round"] for r in timed] == [0] * 5 + [1] * 5 + [2] * 5
     for r in timed:
         argv = r["argv"]
         assert argv[argv.index("--train-iters") + 1] == "5"
         assert "--timeline-file" not in argv and "--activation-memory-file" not in argv
+        assert r["quiet"] == {"threshold": 0.5}
     s4 = next(r for r in timed if r["config"] == "seq1f1b_s4_uniform_comp")["argv"]
     assert s4[s4.index("--seq1f1b-splits") + 1] == "4"
     assert s4[s4.index("--seq1f1b-balance-method") + 1] == "uniform_comp"
     assert "--seq1f1b-splits" not in timed[0]["argv"]
     kinds = [r["kind"] for r in spec]
-    assert kinds.count(TIMELINE) == kinds.count(MEMORY) == len(configs)
-    tl = next(r for r in spec if r["kind"] == TIMELINE)["argv"]
-    assert tl[tl.index("--train-iters") + 1] == "3"  # warm-up + the recorded iteration
+    assert kinds.count(TIMELINE) == 2 * len(configs) and kinds.count(MEMORY) == len(configs)
+    # timeline runs follow their round's timed runs; memory runs come last, unthrottled
+    assert kinds[:10] == [TIMED] * 5 + [TIMELINE] * 5
+    assert kinds[-5:] == [MEMORY] * 5 and all("quiet" not in r for r in spec[-5:])
+    tl = next(r for r in spec if r["kind"] == TIMELINE)
+    assert tl["argv"][tl["argv"].index("--train-iters") + 1] == "3"  # warm-up + recorded
+    assert tl["argv"][tl["argv"].index("--timeline-file") + 1] == tl["meta"]["timeline_file"]
 
 
 def _timeline(p, m, s, f, b, gap=0.0):
@@ -92,6 +99,7 @@ def test_summarize_and_json(tmp_path):
     # two timed iterations per run, median of the 3 runs
     assert base["tokens_per_s"] == pytest.approx(2000 / 2.01)
     assert seq["tokens_per_s_ratio"] == pytest.approx(2.01 / 1.61)
+    assert seq["paired_ratio_median"] == pytest.approx(2.01 / 1.61)
     # bubble of equal stages: (p-1)/(ms+p-1)
     assert base["bubble_fraction"] == pytest.approx(1 / 5)
     assert seq["bubble_fraction"] == pytest.approx(1 / 17)

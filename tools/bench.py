@@ -11,15 +11,21 @@ One torchrun launch (``--pp`` processes) trains the same model on the same data
 (mock by default) with 1F1B and with Seq1F1B for every split count and balance
 method (``megatron.benchmarks.runner``, in-process ``pretrain`` calls):
 
-1. ``--runs`` rounds of timed runs, the configurations alternating inside each
-   round; each run trains ``--warmup-iters`` + ``--timed-iters`` iterations and its
-   tokens/s is measured over the timed ones. No observer is attached, so 1F1B is
-   megatron-core's own schedule function and Seq1F1B this project's executor.
-2. One timeline run per configuration (``--timeline-file``, the last of
-   ``--warmup-iters`` + 1 iterations): bubble per stage (idle / span), per-unit
-   times and the planner's replay of them.
-3. One memory run per configuration (``--activation-memory-file``): activation peak
+1. ``--runs`` rounds; in each, one timed run of every configuration (the order
+   rotates from round to round), each training ``--warmup-iters`` +
+   ``--timed-iters`` iterations, tokens/s measured over the timed ones. No observer
+   is attached, so 1F1B is megatron-core's own schedule function and Seq1F1B this
+   project's executor. Then (first ``--timeline-runs`` rounds) one timeline run of
+   every configuration (``--timeline-file``, the last of ``--warmup-iters`` + 1
+   iterations): bubble per stage (idle / span), per-unit times, the planner's
+   replay of them.
+2. One memory run per configuration (``--activation-memory-file``): activation peak
    per stage (the probe's hooks slow forwards, so nothing is timed from it).
+
+Between runs the runner destroys the process groups a run leaves behind (their gloo
+threads would otherwise pile up and compete for the cores) and records the CPU used
+by other processes during each run; ``--quiet-threshold`` waits for, and retries
+runs disturbed by, other processes.
 
 Prints a Markdown table (tokens/s median and ratio to 1F1B, bubble per stage,
 stage-0 and worst-stage activation peak and ratio, final loss), checks that the
@@ -75,8 +81,19 @@ def parse_args(argv=None):
     g.add_argument("--runs", type=int, default=3, help="timed runs per configuration")
     g.add_argument("--warmup-iters", type=int, default=1)
     g.add_argument("--timed-iters", type=int, default=3)
+    g.add_argument("--timeline-runs", type=int, default=None,
+                   help="timeline runs per configuration, one in each of the first rounds "
+                   "(default: --runs)")
     g.add_argument("--no-instrumented", action="store_true",
                    help="skip the timeline and memory runs (throughput only)")
+    g.add_argument("--quiet-threshold", type=float, default=None,
+                   help="before each timed/timeline run wait until other processes use "
+                   "fewer than this many cores, and repeat a run during which they used "
+                   "more (shared machines); default: no waiting")
+    g.add_argument("--quiet-max-wait", type=float, default=300,
+                   help="longest wait (s) for a quiet machine before a run")
+    g.add_argument("--retries", type=int, default=2,
+                   help="repeats of a run disturbed by other processes (with --quiet-threshold)")
     g.add_argument("--threads-per-process", type=int, default=1,
                    help="OMP_NUM_THREADS of each process (CPU)")
     g.add_argument("--loss-rtol", type=float, default=1e-5,
@@ -211,8 +228,13 @@ def main(argv=None):
                       data_path=args.data_path,
                       tokenizer_args=tokenizer_args(args) if args.data_path else (),
                       extra_args=shlex.split(args.extra_args), seed=args.seed)
+    quiet = None
+    if args.quiet_threshold is not None:
+        quiet = {"threshold": args.quiet_threshold, "max_wait": args.quiet_max_wait,
+                 "retries": args.retries}
     spec = build_spec(configs, base, args.runs, args.warmup_iters, args.timed_iters, out_dir,
-                      instrument=not args.no_instrumented)
+                      instrument=not args.no_instrumented, quiet=quiet,
+                      timeline_runs=args.timeline_runs)
     command = "python tools/bench.py " + " ".join(shlex.quote(a) for a in
                                                   (argv if argv is not None else sys.argv[1:]))
     before = machine_notes(args.threads_per_process)
@@ -225,7 +247,8 @@ def main(argv=None):
             "data": args.data_path or "mock", "runs": args.runs,
             "warmup_iters": args.warmup_iters, "timed_iters": args.timed_iters,
             "machine_before": before, "machine_after": machine_notes(args.threads_per_process),
-            "wall_s": round(time.time() - started, 1), "pretrain_argv": base}
+            "wall_s": round(time.time() - started, 1), "pretrain_argv": base,
+            "quiet": quiet}
     tokens = args.micro_batch_size * args.microbatches * args.seq_length
     summary = summarize(configs, records, out_dir=out_dir, tokens_per_iteration=tokens,
                         warmup_iters=args.warmup_iters, microbatches=args.microbatches,

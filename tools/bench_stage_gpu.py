@@ -74,6 +74,9 @@ def parse_args(argv=None):
     g.add_argument("--iters", type=int, default=2, help="measured iterations per run")
     g.add_argument("--p2p-gbps", type=float, default=None,
                    help="price each p2p message at this bandwidth (GB/s) in the prediction")
+    g.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="unit times from the wall clock, or from this process's CPU time "
+                   "(CPU device on a shared machine: counts work, not waiting for a core)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
     g.add_argument("--json", default=None)
@@ -120,6 +123,8 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    if args.clock == "cpu" and args.device.startswith("cuda"):
+        p.error("--clock cpu is for CPU runs (GPU units are timed on the wall clock)")
     if args.dtype == "bf16" and not args.device.startswith("cuda"):
         p.error("--dtype bf16 needs a CUDA device (CPU runs fp32)")
     if args.ranks is None:
@@ -267,7 +272,8 @@ def main(argv=None):
         for splits, method in configs:
             lengths = split_lengths_for(targs, splits, method, shape)
             run = measure(emulator, args.microbatches, splits, method or "average", lengths,
-                          warmup_iters=args.warmup_iters, iters=args.iters, seed=args.seed)
+                          warmup_iters=args.warmup_iters, iters=args.iters, seed=args.seed,
+                          clock=time.process_time if args.clock == "cpu" else time.perf_counter)
             runs.setdefault((splits, method), {})[rank] = run
             results.append(run.to_dict())
             status = "OOM" if run.oom else (f"act. peak {_gib(run.activation_peak_bytes)} GiB, "
@@ -300,6 +306,7 @@ def main(argv=None):
           f" x {args.kv_channels}, FFN {args.ffn_hidden_size // args.tp_shard}"
           f"{', TP shard 1/' + str(args.tp_shard) if args.tp_shard > 1 else ''}), "
           f"m={args.microbatches} x {args.micro_batch_size} x {args.seq_length} tokens; "
+          f"{args.clock} clock; "
           f"{time.time() - started:.0f} s")
     print()
     print(report(args, results, predictions))

@@ -99,36 +99,61 @@ def _iteration_flags(iterations: int) -> List[str]:
     return ["--train-iters", str(iterations), "--log-interval", str(iterations)]
 
 
+def round_order(configs: Sequence[BenchConfig], round_index: int) -> List[BenchConfig]:
+    """Round ``k`` starts at configuration ``k mod n``: over the rounds each configuration
+    runs early and late, so a machine that slows down or speeds up favours none."""
+    k = round_index % len(configs)
+    return list(configs[k:]) + list(configs[:k])
+
+
 def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: int,
                warmup_iters: int, timed_iters: int, out_dir: str,
-               instrument: bool = True) -> List[Dict]:
-    """Runs for ``megatron.benchmarks.runner``, in execution order."""
+               instrument: bool = True, quiet: Optional[Dict] = None,
+               timeline_runs: Optional[int] = None) -> List[Dict]:
+    """Runs for ``megatron.benchmarks.runner``, in execution order.
+
+    Round ``k`` (of ``runs``) is one timed run of every configuration (order rotated
+    by ``round_order``) followed, for the first ``timeline_runs`` rounds (default all),
+    by one timeline run of every configuration; one memory run per configuration ends
+    the list (memory does not depend on the machine's speed). ``quiet`` (the runner's
+    ``{"threshold", "max_wait", "retries"}``) applies to the timed and timeline runs,
+    whose wall times other processes on the host would distort."""
     if runs < 1 or timed_iters < 1 or warmup_iters < 0:
         raise ValueError("need runs >= 1, timed iterations >= 1, warm-up iterations >= 0")
+    timeline_runs = runs if timeline_runs is None else timeline_runs
     spec = []
-    for round_index in range(runs):
-        for config in configs:
-            spec.append({
-                "name": f"{config.name}#{round_index}", "config": config.name, "kind": TIMED,
-                "argv": list(base_argv) + config.flags()
-                + _iteration_flags(warmup_iters + timed_iters)})
+
+    def add(entry):
+        if quiet and entry["kind"] != MEMORY:
+            entry["quiet"] = dict(quiet)
+        spec.append(entry)
+
+    for k in range(runs):
+        order = round_order(configs, k)
+        for config in order:
+            add({"name": f"{config.name}#{k}", "config": config.name, "kind": TIMED,
+                 "meta": {"round": k},
+                 "argv": list(base_argv) + config.flags()
+                 + _iteration_flags(warmup_iters + timed_iters)})
+        if instrument and k < timeline_runs:
+            for config in order:
+                path = timeline_path(out_dir, config, k)
+                add({"name": f"{config.name}:timeline#{k}", "config": config.name,
+                     "kind": TIMELINE, "meta": {"round": k, "timeline_file": path},
+                     "argv": list(base_argv) + config.flags()
+                     + _iteration_flags(warmup_iters + 1) + ["--timeline-file", path]})
     if instrument:
         for config in configs:
-            spec.append({
-                "name": f"{config.name}:timeline", "config": config.name, "kind": TIMELINE,
-                "argv": list(base_argv) + config.flags()
-                + _iteration_flags(warmup_iters + 1)
-                + ["--timeline-file", timeline_path(out_dir, config)]})
-        for config in configs:
-            spec.append({
-                "name": f"{config.name}:memory", "config": config.name, "kind": MEMORY,
-                "argv": list(base_argv) + config.flags() + _iteration_flags(2)
-                + ["--activation-memory-file", memory_path(out_dir, config)]})
+            path = memory_path(out_dir, config)
+            add({"name": f"{config.name}:memory", "config": config.name, "kind": MEMORY,
+                 "meta": {"memory_file": path},
+                 "argv": list(base_argv) + config.flags() + _iteration_flags(2)
+                 + ["--activation-memory-file", path]})
     return spec
 
 
-def timeline_path(out_dir: str, config: BenchConfig) -> str:
-    return os.path.join(out_dir, f"timeline_{config.name}.json")
+def timeline_path(out_dir: str, config: BenchConfig, round_index: int = 0) -> str:
+    return os.path.join(out_dir, f"timeline_{config.name}_{round_index}.json")
 
 
 def memory_path(out_dir: str, config: BenchConfig) -> str:
@@ -149,17 +174,22 @@ def stage_bubbles(timeline: Timeline) -> List[float]:
     return [1.0 - sum(e["end"] - e["start"] for e in units) / span for units in timeline.ranks]
 
 
+def recorded_order(timeline: Timeline) -> List[List[Unit]]:
+    """Each rank's units in the order they ran (by start time)."""
+    return [[Unit(e["kind"], e["microbatch"], e["split"], e["chunk"])
+             for e in sorted(units, key=lambda e: e["start"])] for units in timeline.ranks]
+
+
 def replay(timeline: Timeline, microbatches: int, splits: int):
-    """The planner's simulator run on the measured unit durations (no communication cost):
-    the span the schedule would have if messages were free and instantaneous."""
-    p = timeline.pp_size
+    """The planner's simulator run on the measured unit durations, in the order the units
+    ran, with free communication: the span the run would have had if messages cost
+    nothing. (``microbatches`` and ``splits`` are implied by the timeline.)"""
     measured = {}
     for rank, units in enumerate(timeline.ranks):
         for e in units:
             measured[(rank, Unit(e["kind"], e["microbatch"], e["split"], e["chunk"]))] = (
                 e["end"] - e["start"])
-    return simulate(seq1f1b_schedule(p, microbatches, splits),
-                    duration=lambda rank, unit: measured[(rank, unit)])
+    return simulate(recorded_order(timeline), duration=lambda rank, unit: measured[(rank, unit)])
 
 
 def ideal_split_span(base: Timeline, microbatches: int, splits: int) -> float:
@@ -206,24 +236,75 @@ def unit_breakdown(timeline: Timeline, microbatches: int) -> List[Dict]:
     return out
 
 
+def _median_dicts(dicts: Sequence[Dict]) -> Dict:
+    return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}
+
+
+def timeline_metrics(path: str, microbatches: int, splits: int, iteration_s: float) -> Dict:
+    """Bubble, span, replay and per-stage unit times of one recorded timeline."""
+    timeline = read_timeline(path)
+    sim = replay(timeline, microbatches, splits)
+    return {
+        "timeline_file": path,
+        "bubble_fraction": timeline.bubble_fraction(),
+        "bubble_fraction_per_stage": stage_bubbles(timeline),
+        "pipeline_span_s": timeline.span,
+        "timeline_iteration_s": iteration_s,
+        "outside_pipeline_s": iteration_s - timeline.span,
+        "replay_span_s": sim.makespan,
+        "replay_bubble_fraction": sim.bubble_fraction(),
+        "communication_wait_s": timeline.span - sim.makespan,
+        "stages": unit_breakdown(timeline, microbatches),
+        "order_mismatch": order_mismatch(timeline, microbatches, splits),
+    }
+
+
+def _aggregate_timelines(runs: List[Dict]) -> Dict:
+    """Median of every scalar (element-wise for per-stage values) over timeline runs;
+    ``timeline_file`` is the run whose span is the median (the one drawn)."""
+    spans = sorted(runs, key=lambda r: r["pipeline_span_s"])
+    out = {"timeline_file": spans[(len(spans) - 1) // 2]["timeline_file"],
+           "timeline_files": [r["timeline_file"] for r in runs], "timeline_runs": len(runs),
+           "order_mismatch": next((r["order_mismatch"] for r in runs if r["order_mismatch"]),
+                                  None)}
+    for key in ("bubble_fraction", "pipeline_span_s", "timeline_iteration_s",
+                "outside_pipeline_s", "replay_span_s", "replay_bubble_fraction",
+                "communication_wait_s"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["bubble_fraction_runs"] = [r["bubble_fraction"] for r in runs]
+    out["bubble_fraction_per_stage"] = [statistics.median(v) for v in
+                                        zip(*(r["bubble_fraction_per_stage"] for r in runs))]
+    out["stages"] = [_median_dicts(list(stage)) for stage in zip(*(r["stages"] for r in runs))]
+    return out
+
+
 def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_dir: str,
               tokens_per_iteration: int, warmup_iters: int, microbatches: int,
               loss_rtol: float = 1e-5) -> Dict:
-    """Everything ``tools/bench.py`` prints and writes, from the runner's records."""
+    """Everything ``tools/bench.py`` prints and writes, from the runner's records.
+
+    Throughput: tokens/s of each timed run over its timed iterations; the median over
+    runs, its ratio to 1F1B's median, and the median of the per-round ratios (each run
+    against 1F1B's run of the same round: robust to a machine whose speed drifts).
+    Timelines: every scalar is the median over the timeline runs; the comparisons with
+    1F1B (compute per stage, the span decomposition) pair each run with 1F1B's run of
+    the same round."""
     by_config = {c.name: {TIMED: [], TIMELINE: [], MEMORY: []} for c in configs}
     for record in records:
         by_config[record["config"]][record["kind"]].append(record)
     reference_losses = None
-    rows = []
+    rows, per_round = [], {}
     for config in configs:
         recs = by_config[config.name]
         if not recs[TIMED]:
             raise ValueError(f"no timed run of {config.name}")
-        throughputs, timed_ms = [], []
-        for record in recs[TIMED]:
+        throughputs, timed_ms, rounds = [], [], {}
+        for i, record in enumerate(recs[TIMED]):
             timed = iteration_times(record)[warmup_iters:]
             throughputs.append(tokens_per_iteration * len(timed) / sum(timed))
             timed_ms.append(1000 * sum(timed) / len(timed))
+            rounds[record.get("meta", {}).get("round", i)] = throughputs[-1]
+        per_round[config.name] = rounds
         losses = recs[TIMED][0]["losses"]
         if reference_losses is None:
             reference_losses = losses
@@ -234,6 +315,7 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
             "tokens_per_s": statistics.median(throughputs),
             "tokens_per_s_runs": throughputs,
             "ms_per_iteration_runs": timed_ms,
+            "foreign_cores_runs": [r.get("foreign_cores") for r in recs[TIMED]],
             "loss": losses[-1] if losses else None,
             "losses": losses,
         }
@@ -244,25 +326,20 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                 deviation = max(deviation, abs(value - ref) / max(abs(ref), 1e-12))
         row["loss_max_rel_deviation"] = deviation
         if recs[TIMELINE]:
-            path = timeline_path(out_dir, config)
-            timeline = read_timeline(path)
-            sim = replay(timeline, microbatches, config.splits)
-            last_iteration = iteration_times(recs[TIMELINE][0])[-1]
-            row.update({
-                "timeline_file": path,
-                "bubble_fraction": timeline.bubble_fraction(),
-                "bubble_fraction_per_stage": stage_bubbles(timeline),
-                "pipeline_span_s": timeline.span,
-                "timeline_iteration_s": last_iteration,
-                "outside_pipeline_s": last_iteration - timeline.span,
-                "replay_span_s": sim.makespan,
-                "replay_bubble_fraction": sim.bubble_fraction(),
-                "communication_wait_s": timeline.span - sim.makespan,
-                "stages": unit_breakdown(timeline, microbatches),
-                "order_mismatch": order_mismatch(timeline, microbatches, config.splits),
-            })
+            runs = []
+            for i, record in enumerate(recs[TIMELINE]):
+                meta = record.get("meta", {})
+                path = meta.get("timeline_file") or timeline_path(out_dir, config, i)
+                metrics = timeline_metrics(path, microbatches, config.splits,
+                                           iteration_times(record)[-1])
+                metrics["round"] = meta.get("round", i)
+                metrics["foreign_cores"] = record.get("foreign_cores")
+                runs.append(metrics)
+            row["_timeline_runs"] = runs
+            row.update(_aggregate_timelines(runs))
         if recs[MEMORY]:
-            path = memory_path(out_dir, config)
+            path = recs[MEMORY][0].get("meta", {}).get("memory_file") or memory_path(out_dir,
+                                                                                     config)
             with open(path) as handle:
                 stages = json.load(handle)["stages"]
             peaks = [st["activation_peak_bytes"] for st in stages]
@@ -276,23 +353,40 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
     base = rows[0]
     for row in rows:
         row["tokens_per_s_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+        paired = [t / per_round[base["name"]][k] for k, t in per_round[row["name"]].items()
+                  if k in per_round[base["name"]]]
+        row["paired_ratio_runs"] = paired
+        row["paired_ratio_median"] = statistics.median(paired) if paired else None
         if "stage0_activation_peak_bytes" in row and "stage0_activation_peak_bytes" in base:
             row["stage0_activation_ratio"] = (row["stage0_activation_peak_bytes"]
                                               / base["stage0_activation_peak_bytes"])
             row["worst_stage_activation_ratio"] = (row["worst_stage_activation_peak_bytes"]
                                                    / base["worst_stage_activation_peak_bytes"])
-        if "timeline_file" in row and "timeline_file" in base:
-            ideal = ideal_split_span(read_timeline(base["timeline_file"]), microbatches,
-                                     row["splits"])
-            row["ideal_span_s"] = ideal
-            # span = base span x (ideal / base replay) x (replay / ideal) x (span / replay)
-            row["schedule_gain"] = base["replay_span_s"] / ideal  # bubble shrinking alone
-            row["split_overhead"] = row["replay_span_s"] / ideal  # longer units
-            row["communication_factor"] = row["pipeline_span_s"] / row["replay_span_s"]
-        if "stages" in row and "stages" in base:
-            row["compute_ratio_per_stage"] = [
-                (st["forward_s"] + st["backward_s"]) / (b["forward_s"] + b["backward_s"])
-                for st, b in zip(row["stages"], base["stages"])]
+        if "_timeline_runs" in row and "_timeline_runs" in base and row is not base:
+            base_runs = {r["round"]: r for r in base["_timeline_runs"]}
+            gains, overheads, comms, computes = [], [], [], []
+            for r in row["_timeline_runs"]:
+                b = base_runs.get(r["round"])
+                if b is None:
+                    continue
+                ideal = ideal_split_span(read_timeline(b["timeline_file"]), microbatches,
+                                         row["splits"])
+                # span = base replay x (ideal / base replay) x (replay / ideal) x (span / replay)
+                gains.append(b["replay_span_s"] / ideal)  # bubble shrinking alone
+                overheads.append(r["replay_span_s"] / ideal)  # longer units
+                comms.append(r["pipeline_span_s"] / r["replay_span_s"])
+                computes.append([(st["forward_s"] + st["backward_s"])
+                                 / (bs["forward_s"] + bs["backward_s"])
+                                 for st, bs in zip(r["stages"], b["stages"])])
+            if gains:
+                row["schedule_gain"] = statistics.median(gains)
+                row["split_overhead"] = statistics.median(overheads)
+                row["communication_factor"] = statistics.median(comms)
+                row["compute_ratio_per_stage"] = [statistics.median(v) for v in zip(*computes)]
+    if "_timeline_runs" in base:
+        base["compute_ratio_per_stage"] = [1.0] * len(base["stages"])
+    for row in rows:
+        row.pop("_timeline_runs", None)
     worst = max(row["loss_max_rel_deviation"] for row in rows)
     return {"runs": rows, "loss_max_rel_deviation": worst, "loss_rtol": loss_rtol,
             "losses_equal": worst <= loss_rtol}
@@ -343,6 +437,11 @@ def _loss(value):
     return "n/a" if value is None else f"{value:.6f}"
 
 
+def _loads(values):
+    values = [v for v in (values or []) if v is not None]
+    return " ".join(f"{v:.2f}" for v in values) if values else "n/a"
+
+
 def _ratio(value):
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -352,10 +451,11 @@ def format_report(summary: Dict) -> str:
     rows = summary["runs"]
     p = max((len(r.get("bubble_fraction_per_stage", [])) for r in rows), default=0)
     lines = [
-        "| schedule | tokens/s (median) | runs | ratio to 1F1B | bubble (stages "
+        "| schedule | tokens/s (median) | runs | ratio to 1F1B | paired ratio (median) | "
+        "bubble (stages "
         + ", ".join(str(i) for i in range(p)) + ") | stage-0 act. peak MiB | ratio | "
-        "worst-stage act. peak MiB | ratio | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "worst-stage act. peak MiB | ratio | final loss | other processes (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         runs = " ".join(f"{t:.0f}" for t in r["tokens_per_s_runs"])
@@ -364,11 +464,12 @@ def format_report(summary: Dict) -> str:
                   f"{_pct(r['bubble_fraction'])} ({', '.join(_pct(b) for b in bubbles)})")
         lines.append(
             f"| {r['label']} | {r['tokens_per_s']:.1f} | {runs} | {r['tokens_per_s_ratio']:.3f} | "
+            f"{_ratio(r.get('paired_ratio_median'))} | "
             f"{bubble} | {_mib(r.get('stage0_activation_peak_bytes'))} | "
             f"{_ratio(r.get('stage0_activation_ratio'))} | "
             f"{_mib(r.get('worst_stage_activation_peak_bytes'))} | "
             f"{_ratio(r.get('worst_stage_activation_ratio'))} | "
-            f"{_loss(r['loss'])} |")
+            f"{_loss(r['loss'])} | {_loads(r.get('foreign_cores_runs'))} |")
     lines.append("")
     verdict = "equal" if summary["losses_equal"] else "NOT EQUAL"
     lines.append(f"Final losses {verdict} across schedules: largest relative deviation of any "
@@ -381,9 +482,13 @@ def format_report(summary: Dict) -> str:
         lines += [f"* {r['label']}: {r['order_mismatch']}" for r in mismatches]
     elif any("stages" in r for r in rows):
         lines += ["", "Every recorded timeline follows the generator's unit order on every rank."]
+    lines += ["", "paired ratio: median over rounds of (this run's tokens/s / 1F1B's run of "
+              "the same round); bubble: idle / span per stage in the recorded timelines "
+              "(median over the timeline runs); other processes: CPU cores used by other "
+              "processes on the host during each timed run."]
     if any("stages" in r for r in rows):
-        lines += ["", "Where the time goes (the timeline run of each schedule, last iteration; "
-                  "milliseconds):", "",
+        lines += ["", "Where the time goes (timeline runs, last iteration of each; medians over "
+                  "the runs; milliseconds):", "",
                   "| schedule | stage | F per mb | B per mb | compute vs 1F1B | mean F unit | "
                   "mean B unit | span | replayed span | comm./wait | outside pipeline |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,11 @@ SPEC is a JSON list of runs ``{"name": str, "config": str, "kind": str, "argv": 
 ``megatron.trainer.training.pretrain`` with ``pretrain_gpt``'s providers, so every
 configuration trains the same model on the same data from the same seed. OUT
 (written by the last rank) lists, per run, its name, config, kind, the wall time of
-every ``train_step`` on every rank and the per-iteration losses.
+every ``train_step`` on every rank, the per-iteration losses and the CPU load of
+other processes on the host during the run (``foreign_cores``). A run with
+``"quiet": {"threshold": C, "max_wait": S, "retries": N}`` first waits (up to S
+seconds) until other processes use fewer than C cores, and is repeated (up to N
+times) when they used C or more during it; the last attempt is kept.
 
 Timing: ``train_step`` (forward-backward of all microbatches + optimizer step) is
 timed on every rank by wrapping ``megatron.trainer.training.train_step`` for the
@@ -19,6 +23,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import sys
 import time
 import warnings
@@ -56,34 +61,153 @@ def timed_train_steps(durations):
         training.train_step = original
 
 
+def system_busy_seconds():
+    """CPU seconds all processes of this host spent busy so far (None off Linux)."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = handle.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    values = [int(v) for v in fields[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    busy = sum(values[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds():
+    """CPU seconds of this process (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ForeignLoad:
+    """CPU cores busy with work other than this launch's processes, over an interval.
+
+    Every rank calls ``start`` and ``stop`` together (collectives); ``stop`` returns
+    (host busy CPU seconds - CPU seconds of all ranks) / wall seconds, i.e. the average
+    number of cores other processes used, or None where /proc/stat is missing.
+    All ranks must share one host (the CPU benchmark)."""
+
+    def start(self):
+        torch.distributed.barrier(group=_GROUP)
+        self.t0, self.sys0, self.own0 = time.perf_counter(), system_busy_seconds(), own_cpu_seconds()
+
+    def stop(self):
+        torch.distributed.barrier(group=_GROUP)
+        wall = time.perf_counter() - self.t0
+        sys1, own = system_busy_seconds(), own_cpu_seconds() - self.own0
+        total = torch.tensor([own], dtype=torch.float64)
+        torch.distributed.all_reduce(total, group=_GROUP)
+        if self.sys0 is None or sys1 is None or wall <= 0:
+            return None
+        return max(0.0, (sys1 - self.sys0 - total.item()) / wall)
+
+
+def wait_for_quiet(threshold, max_wait, probe_s=1.0):
+    """Sleep until other processes use fewer than ``threshold`` cores over ``probe_s``
+    (or ``max_wait`` seconds passed); returns (seconds waited, last foreign load)."""
+    meter, waited, load = ForeignLoad(), 0.0, None
+    while True:
+        meter.start()
+        time.sleep(probe_s)
+        load = meter.stop()
+        decision = torch.tensor([1.0 if (load is None or load < threshold
+                                         or waited >= max_wait) else 0.0])
+        torch.distributed.broadcast(decision, src=0, group=_GROUP)  # rank 0's reading decides
+        if decision.item() == 1.0:
+            return waited, load
+        waited += probe_s
+
+
+def destroy_leftover_groups():
+    """Destroy every process group but the default one and the runner's own.
+
+    ``pretrain`` leaves the default group up so that one process can train several
+    configurations, and megatron-core's ``destroy_model_parallel`` only forgets its
+    groups: they stay registered in torch.distributed, and every gloo group keeps its
+    I/O threads. Over a few dozen runs that is thousands of threads competing with
+    the measured processes for the cores, so the runner destroys them after each run.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map.keys()):
+        if group is not default and group is not _GROUP:
+            c10d.destroy_process_group(group)
+    gc.collect()
+
+
+def thread_count():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
 def run_one(run):
     """Train one configuration; returns (per-iteration seconds on this rank, losses)."""
     durations = []
     with timed_train_steps(durations):
         result = training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                                    pretrain_gpt.forward_step, argv=run["argv"])
-    gc.collect()
+    destroy_leftover_groups()
     return durations, list(result.losses)
+
+
+_GROUP = None  # a gloo group for the runner's own (CPU tensor) collectives
+
+
+def init_processes():
+    """The default process group as the trainer would create it (torchrun's env), plus a
+    gloo group for the load meter; ``pretrain`` then finds the default group ready."""
+    global _GROUP
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0"))
+                                  % torch.cuda.device_count())
+        torch.distributed.init_process_group(backend=backend)
+    _GROUP = torch.distributed.new_group(backend="gloo")
 
 
 def main(spec_path, out_path):
     runs = json.load(open(spec_path))
     results = []
+    init_processes()
+    world = torch.distributed.get_world_size()
     for index, run in enumerate(runs):
-        durations, losses = run_one(run)
-        world = torch.distributed.get_world_size()
+        quiet = run.get("quiet")  # {"threshold": cores, "max_wait": s, "retries": n}
+        attempts = []
+        for attempt in range((quiet or {}).get("retries", 0) + 1):
+            waited = 0.0
+            if quiet:
+                waited, _ = wait_for_quiet(quiet["threshold"], quiet.get("max_wait", 300))
+            meter = ForeignLoad()
+            meter.start()
+            durations, losses = run_one(run)
+            foreign = meter.stop()
+            attempts.append({"foreign_cores": foreign, "waited_s": waited})
+            if not quiet or foreign is None or foreign < quiet["threshold"]:
+                break
         gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, (durations, losses))
+        torch.distributed.all_gather_object(gathered, (durations, losses), group=_GROUP)
         if torch.distributed.get_rank() == world - 1:
             all_losses = next((l for _, l in reversed(gathered) if l), [])
             entry = {"name": run["name"], "config": run.get("config", run["name"]),
-                     "kind": run.get("kind", "timed"),
-                     "iteration_seconds": [d for d, _ in gathered], "losses": all_losses}
+                     "kind": run.get("kind", "timed"), "meta": run.get("meta", {}),
+                     "iteration_seconds": [d for d, _ in gathered], "losses": all_losses,
+                     "foreign_cores": attempts[-1]["foreign_cores"], "attempts": attempts,
+                     "threads_after": thread_count()}
             results.append(entry)
             per_iter = [max(step) for step in zip(*entry["iteration_seconds"])]
+            load = entry["foreign_cores"]
             print(f"[bench] {index + 1}/{len(runs)} {run['name']}: ms/iteration "
                   f"{' '.join(f'{1000 * t:.0f}' for t in per_iter)} | final loss "
-                  f"{all_losses[-1] if all_losses else float('nan'):.6f}", flush=True)
+                  f"{all_losses[-1] if all_losses else float('nan'):.6f} | other processes "
+                  f"{'n/a' if load is None else f'{load:.2f}'} cores | threads {entry['threads_after']}"
+                  f"{f' (attempt {len(attempts)})' if len(attempts) > 1 else ''}", flush=True)
             with open(out_path + ".partial", "w") as handle:
                 json.dump(results, handle)
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:

@@ -200,8 +200,11 @@ def _sync(device):
 
 def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_method: str,
             lengths: Sequence[int], warmup_iters: int = 1, iters: int = 2,
-            seed: int = 1234) -> StageRun:
-    """Warm up, then time ``iters`` iterations of the stage and measure its activation peak."""
+            seed: int = 1234, clock=time.perf_counter) -> StageRun:
+    """Warm up, then time ``iters`` iterations of the stage and measure its activation peak.
+
+    ``clock``: ``time.perf_counter`` (wall) or ``time.process_time`` (this process's CPU
+    time: on a shared CPU it counts the work, not the waiting for a core)."""
     from megatron.planner.trace import TimelineRecorder
 
     device = emulator.device
@@ -221,7 +224,7 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
         for _ in range(iters):
             recorder = TimelineRecorder(rank=emulator.rank,
                                         sync=(lambda: _sync(device)) if device.type == "cuda" else None,
-                                        clock=time.perf_counter)
+                                        clock=clock)
             emulator.run_iteration(microbatches, splits, lengths, batches, observers=[recorder])
             records.append(recorder.events)
         _sync(device)
