@@ -172,9 +172,14 @@ def _worker_pool(workers: int, spec: dict):
     # HF tokenizers from warning about a fork after the parent used its thread pool.
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Workers must die on the SIGTERM that Pool.terminate() sends: forked with the main
+    # process's SIGTERM -> KeyboardInterrupt handler they can hang in the task queue's
+    # lock instead, and terminate() then waits for them forever.
+    old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,))
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         if old is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
