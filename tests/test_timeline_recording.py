@@ -11,7 +11,8 @@ FLAGS = TINY_MODEL + ["--global-batch-size", "3", "--micro-batch-size", "1",
 def test_timeline_of_1f1b_and_seq1f1b(tmp_path):
     runs = [
         {"name": "plain", "argv": FLAGS},
-        {"name": "s1", "argv": FLAGS + ["--timeline-file", str(tmp_path / "s1.json")]},
+        {"name": "s1", "argv": FLAGS + ["--timeline-file", str(tmp_path / "s1.json"),
+                                        "--tensorboard-dir", str(tmp_path / "tb")]},
         {"name": "s3", "argv": FLAGS + ["--seq1f1b-splits", "3", "--timeline-file",
                                         str(tmp_path / "s3.json")]},
     ]
@@ -28,3 +29,5 @@ def test_timeline_of_1f1b_and_seq1f1b(tmp_path):
                 (k, mb, j) for k in "FB" for mb in range(3) for j in range(splits)}
             assert all(u["end"] >= u["start"] >= 0 for u in units)
         assert (tmp_path / f"{name}.chrome.json").exists()
+    # TensorBoard scalars from the last pipeline stage
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
