@@ -119,6 +119,9 @@ def parse_args(argv=None):
     g.add_argument("--json", default=None, help="write the results as JSON here")
     g.add_argument("--picture", default=None,
                    help="also draw all timelines on one time axis here (PNG)")
+    g.add_argument("--report-only", action="store_true",
+                   help="do not train: summarise the records an earlier run left in --out-dir "
+                   "(same schedule flags)")
     g.add_argument("--master-port", type=int, default=None)
     args = parser.parse_args(argv)
     for name in ("pp", "microbatches", "runs", "timed_iters", "threads_per_process"):
@@ -187,6 +190,16 @@ def launch(args, spec, out_dir):
         return json.load(handle)
 
 
+def _shrink_png(path, colors=64):
+    """Re-save a PNG with a small palette (the pictures have few colours)."""
+    try:
+        from PIL import Image
+    except ImportError:  # matplotlib depends on Pillow; keep the full PNG otherwise
+        return
+    image = Image.open(path).convert("RGB")
+    image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
 def draw_pictures(summary, out_dir, picture, meta):
     from megatron.planner import draw
     from megatron.planner.trace import read_timeline
@@ -212,7 +225,8 @@ def draw_pictures(summary, out_dir, picture, meta):
         drawn.append(combined)
         if picture:
             os.makedirs(os.path.dirname(os.path.abspath(picture)), exist_ok=True)
-            draw.draw_timelines(timelines, picture, titles, suptitle=suptitle, dpi=72)
+            draw.draw_timelines(timelines, picture, titles, suptitle=suptitle, dpi=64)
+            _shrink_png(picture)
             drawn.append(picture)
     return drawn
 
@@ -237,10 +251,26 @@ def main(argv=None):
                       timeline_runs=args.timeline_runs)
     command = "python tools/bench.py " + " ".join(shlex.quote(a) for a in
                                                   (argv if argv is not None else sys.argv[1:]))
-    before = machine_notes(args.threads_per_process)
-    started = time.time()
-    records = launch(args, spec, out_dir)
-    meta = {"command": command.strip(), "pp": args.pp, "microbatches": args.microbatches,
+    meta_path = os.path.join(out_dir, "meta.json")
+    if args.report_only:
+        with open(os.path.join(out_dir, "records.json")) as handle:
+            records = json.load(handle)
+        with open(meta_path) as handle:
+            meta = json.load(handle)
+        before = meta["machine_before"]
+    else:
+        before = machine_notes(args.threads_per_process)
+        started = time.time()
+        records = launch(args, spec, out_dir)
+        meta = run_meta(args, command, base, before, started, quiet)
+        with open(meta_path, "w") as handle:
+            json.dump(meta, handle, indent=1)
+    report(args, configs, records, meta, out_dir)
+    return 0 if summary_ok(out_dir) else 1
+
+
+def run_meta(args, command, base, before, started, quiet):
+    return {"command": command.strip(), "pp": args.pp, "microbatches": args.microbatches,
             "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length,
             "num_layers": args.num_layers, "hidden_size": args.hidden_size,
             "num_attention_heads": args.num_attention_heads,
@@ -249,10 +279,21 @@ def main(argv=None):
             "machine_before": before, "machine_after": machine_notes(args.threads_per_process),
             "wall_s": round(time.time() - started, 1), "pretrain_argv": base,
             "quiet": quiet}
+
+
+def summary_ok(out_dir):
+    with open(os.path.join(out_dir, "summary.json")) as handle:
+        return json.load(handle)["losses_equal"]
+
+
+def report(args, configs, records, meta, out_dir):
+    before = meta["machine_before"]
     tokens = args.micro_batch_size * args.microbatches * args.seq_length
     summary = summarize(configs, records, out_dir=out_dir, tokens_per_iteration=tokens,
                         warmup_iters=args.warmup_iters, microbatches=args.microbatches,
-                        loss_rtol=args.loss_rtol)
+                        loss_rtol=args.loss_rtol, disturbed_cores=args.quiet_threshold)
+    with open(os.path.join(out_dir, "summary.json"), "w") as handle:
+        json.dump(json_report(summary, meta), handle, indent=1)
     print(f"# {meta['command']}")
     print(f"# pp={args.pp} m={args.microbatches} x {args.micro_batch_size} x "
           f"{args.seq_length} tokens; {args.num_layers} layers, hidden {args.hidden_size}, "
@@ -269,7 +310,10 @@ def main(argv=None):
         print()
         for t in targets:
             ratio = t["stage0_activation_ratio"]
-            print(f"target {t['label']}: tokens/s x{t['tokens_per_s_ratio']:.3f} "
+            paired = t["paired_ratio_undisturbed"]
+            print(f"target {t['label']}: tokens/s paired x"
+                  f"{'n/a' if paired is None else f'{paired:.3f}'} (undisturbed rounds; ratio "
+                  f"of medians x{t['tokens_per_s_ratio']:.3f}) "
                   f"(>= {t['speed_target']}: {'met' if t['speed_met'] else 'MISSED'}), "
                   f"stage-0 activation x{'n/a' if ratio is None else f'{ratio:.3f}'} "
                   f"(<= {t['memory_target']}: {'met' if t['memory_met'] else 'MISSED'})")
@@ -278,16 +322,14 @@ def main(argv=None):
         print(f"\ntimeline pictures: {', '.join(os.path.relpath(p) for p in drawn)}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        report = json_report(summary, meta)
-        report["targets"] = targets
+        data = json_report(summary, meta)
+        data["targets"] = targets
         with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+            json.dump(data, handle, indent=1)
         print(f"json: {args.json}")
     if not summary["losses_equal"]:
         print(f"ERROR: losses differ across schedules by {summary['loss_max_rel_deviation']:.2e}"
               f" (> {args.loss_rtol:.0e})", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":
