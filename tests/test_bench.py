@@ -145,7 +145,7 @@ def test_bench_end_to_end(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--num-layers", "2",
            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
            "--vocab-size", "128", "--splits", "2", "--balance-methods", "uniform_comp",
-           "--runs", "2", "--warmup-iters", "1", "--timed-iters", "1",
+           "--runs", "2", "--timeline-runs", "1", "--warmup-iters", "1", "--timed-iters", "1",
            "--out-dir", str(tmp_path / "runs"), "--json", str(out),
            "--picture", str(tmp_path / "t.png")]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

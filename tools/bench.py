@@ -84,6 +84,9 @@ def parse_args(argv=None):
     g.add_argument("--timeline-runs", type=int, default=None,
                    help="timeline runs per configuration, one in each of the first rounds "
                    "(default: --runs)")
+    g.add_argument("--unit-cpu-runs", type=int, default=0,
+                   help="extra timeline runs per configuration that time each unit with its "
+                   "thread's CPU time (work without waiting for a core; CPU diagnosis)")
     g.add_argument("--no-instrumented", action="store_true",
                    help="skip the timeline and memory runs (throughput only)")
     g.add_argument("--quiet-threshold", type=float, default=None,
@@ -248,7 +251,7 @@ def main(argv=None):
                  "retries": args.retries}
     spec = build_spec(configs, base, args.runs, args.warmup_iters, args.timed_iters, out_dir,
                       instrument=not args.no_instrumented, quiet=quiet,
-                      timeline_runs=args.timeline_runs)
+                      timeline_runs=args.timeline_runs, unit_cpu_runs=args.unit_cpu_runs)
     command = "python tools/bench.py " + " ".join(shlex.quote(a) for a in
                                                   (argv if argv is not None else sys.argv[1:]))
     meta_path = os.path.join(out_dir, "meta.json")

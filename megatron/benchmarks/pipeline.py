@@ -29,7 +29,7 @@ from megatron.planner.simulate import simulate
 from megatron.planner.trace import Timeline, read_timeline
 from megatron.schedules.units import Unit, seq1f1b_schedule
 
-TIMED, TIMELINE, MEMORY = "timed", "timeline", "memory"
+TIMED, TIMELINE, MEMORY, UNIT_CPU = "timed", "timeline", "memory", "unit_cpu"
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def round_order(configs: Sequence[BenchConfig], round_index: int) -> List[BenchC
 def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: int,
                warmup_iters: int, timed_iters: int, out_dir: str,
                instrument: bool = True, quiet: Optional[Dict] = None,
-               timeline_runs: Optional[int] = None) -> List[Dict]:
+               timeline_runs: Optional[int] = None, unit_cpu_runs: int = 0) -> List[Dict]:
     """Runs for ``megatron.benchmarks.runner``, in execution order.
 
     Round ``k`` (of ``runs``) is one timed run of every configuration (order rotated
@@ -142,6 +142,14 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
                      "kind": TIMELINE, "meta": {"round": k, "timeline_file": path},
                      "argv": list(base_argv) + config.flags()
                      + _iteration_flags(warmup_iters + 1) + ["--timeline-file", path]})
+    for k in range(unit_cpu_runs if instrument else 0):
+        for config in round_order(configs, k):
+            path = os.path.join(out_dir, f"unitcpu_{config.name}_{k}.json")
+            add({"name": f"{config.name}:unit-cpu#{k}", "config": config.name,
+                 "kind": UNIT_CPU, "meta": {"round": k, "timeline_file": path,
+                                            "clock": "thread"},
+                 "argv": list(base_argv) + config.flags()
+                 + _iteration_flags(warmup_iters + 1) + ["--timeline-file", path]})
     if instrument:
         for config in configs:
             path = memory_path(out_dir, config)
@@ -293,7 +301,7 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
     Timelines: every scalar is the median over the timeline runs; the comparisons with
     1F1B (compute per stage, the span decomposition) pair each run with 1F1B's run of
     the same round."""
-    by_config = {c.name: {TIMED: [], TIMELINE: [], MEMORY: []} for c in configs}
+    by_config = {c.name: {TIMED: [], TIMELINE: [], MEMORY: [], UNIT_CPU: []} for c in configs}
     for record in records:
         by_config[record["config"]][record["kind"]].append(record)
     reference_losses = None
@@ -345,6 +353,12 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                 runs.append(metrics)
             row["_timeline_runs"] = runs
             row.update(_aggregate_timelines(runs))
+        if recs[UNIT_CPU]:
+            per_run = []
+            for record in recs[UNIT_CPU]:
+                timeline = read_timeline(record["meta"]["timeline_file"])
+                per_run.append(unit_breakdown(timeline, microbatches))
+            row["unit_cpu_stages"] = [_median_dicts(list(st)) for st in zip(*per_run)]
         if recs[MEMORY]:
             path = recs[MEMORY][0].get("meta", {}).get("memory_file") or memory_path(out_dir,
                                                                                      config)
@@ -397,6 +411,12 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                 row["compute_ratio_per_stage"] = [statistics.median(v) for v in zip(*computes)]
     if "_timeline_runs" in base:
         base["compute_ratio_per_stage"] = [1.0] * len(base["stages"])
+    if "unit_cpu_stages" in base:
+        for row in rows:
+            if "unit_cpu_stages" in row:
+                row["unit_cpu_ratio_per_stage"] = [
+                    (st["forward_s"] + st["backward_s"]) / (b["forward_s"] + b["backward_s"])
+                    for st, b in zip(row["unit_cpu_stages"], base["unit_cpu_stages"])]
     for row in rows:
         row.pop("_timeline_runs", None)
     worst = max(row["loss_max_rel_deviation"] for row in rows)
@@ -554,4 +574,19 @@ def format_report(summary: Dict) -> str:
                   "split schedule would have with every unit 1/s of the 1F1B unit (bubble "
                   "shrinking only); split overhead: the replayed span with the measured split "
                   "units over that ideal; comm./wait factor: measured span over replayed span."]
+    if any("unit_cpu_stages" in r for r in rows):
+        lines += ["", "Unit compute in thread CPU time (the thread's own work, without waiting "
+                  "for a core; medians over the unit-CPU runs; milliseconds):", "",
+                  "| schedule | stage | F per mb | B per mb | CPU-time compute vs 1F1B | "
+                  "wall-clock compute vs 1F1B |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            if "unit_cpu_stages" not in r:
+                continue
+            walls = r.get("compute_ratio_per_stage") or [None] * len(r["unit_cpu_stages"])
+            cpus = r.get("unit_cpu_ratio_per_stage") or [None] * len(r["unit_cpu_stages"])
+            for i, (st, cpu, wall) in enumerate(zip(r["unit_cpu_stages"], cpus, walls)):
+                lines.append(f"| {r['label'] if i == 0 else ''} | {i} | "
+                             f"{1e3 * st['forward_per_microbatch_s']:.1f} | "
+                             f"{1e3 * st['backward_per_microbatch_s']:.1f} | {_ratio(cpu)} | "
+                             f"{_ratio(wall)} |")
     return "\n".join(lines)

@@ -146,10 +146,37 @@ def thread_count():
         return None
 
 
+@contextlib.contextmanager
+def thread_clock_timelines(enabled):
+    """With ``enabled``, ``--timeline-file`` records each unit with the CPU time of the
+    thread that runs it (``time.thread_time``) instead of the wall clock: durations are
+    the unit's own work, without the time the thread waited for a core. Start times of
+    different ranks are then on unrelated clocks (only durations mean something)."""
+    if not enabled:
+        yield
+        return
+    from megatron.planner.trace import TimelineRecorder
+
+    original = training.timeline_recorder
+
+    def recorder(args):
+        made = original(args)
+        if made is not None:
+            made = TimelineRecorder(rank=made.rank, sync=made.sync, clock=time.thread_time)
+        return made
+
+    training.timeline_recorder = recorder
+    try:
+        yield
+    finally:
+        training.timeline_recorder = original
+
+
 def run_one(run):
     """Train one configuration; returns (per-iteration seconds on this rank, losses)."""
     durations = []
-    with timed_train_steps(durations):
+    thread_clock = run.get("meta", {}).get("clock") == "thread"
+    with timed_train_steps(durations), thread_clock_timelines(thread_clock):
         result = training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                                    pretrain_gpt.forward_step, argv=run["argv"])
     destroy_leftover_groups()
