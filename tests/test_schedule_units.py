@@ -129,6 +129,14 @@ def test_every_unit_once_and_no_deadlock(p, m, s):
 
 
 @pytest.mark.parametrize("p,m,s", SHAPES)
+def test_actions_run_exactly_the_generators_unit_order(p, m, s):
+    """The executor's action list computes the units in the generator's order."""
+    for rank, units in enumerate(seq1f1b_schedule(p, m, s)):
+        actions = seq1f1b_rank_actions(rank, p, m, s)
+        assert [a for a in actions if isinstance(a, Unit)] == units
+
+
+@pytest.mark.parametrize("p,m,s", SHAPES)
 def test_forward_only_runs_every_forward_in_order(p, m, s):
     order = run_rendezvous(p, m, s, forward_only=True)
     assert len(order) == m * s * p

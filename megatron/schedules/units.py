@@ -132,7 +132,8 @@ CommStep = Tuple[CommOp, ...]
 
 
 def lower_to_actions(
-    units: List[Unit], rank: int, pp_size: int, forward_only: bool = False
+    units: List[Unit], rank: int, pp_size: int, forward_only: bool = False,
+    num_warmup: int = None,
 ):
     """Interleave a rank's compute units with the p2p steps that feed them.
 
@@ -165,9 +166,12 @@ def lower_to_actions(
             actions += step(CommOp(SEND_FORWARD, unit))
         return actions
 
-    warmup = 0
-    while warmup < len(units) and units[warmup].is_forward:
-        warmup += 1
+    # The warm-up count must be given: it cannot be read off the unit list, whose first
+    # steady forward also precedes the first backward (and W warm-up forwards + 1 steady
+    # pair looks exactly like W + 1 warm-up forwards, yet pairs its messages differently).
+    if num_warmup is None:
+        raise ValueError("lower_to_actions needs num_warmup for a training schedule")
+    warmup = num_warmup
     steady = len(forwards) - warmup
     actions = []
     for unit in forwards[:warmup]:
@@ -207,4 +211,6 @@ def seq1f1b_rank_actions(
         units = forward_only_rank_units(num_microbatches, num_splits)
     else:
         units = seq1f1b_rank_units(rank, pp_size, num_microbatches, num_splits)
-    return lower_to_actions(units, rank, pp_size, forward_only=forward_only)
+    warmup = (None if forward_only
+              else num_warmup_units(rank, pp_size, num_microbatches, num_splits))
+    return lower_to_actions(units, rank, pp_size, forward_only=forward_only, num_warmup=warmup)
