@@ -211,6 +211,7 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
     run = StageRun(emulator.rank, emulator.role, splits, balance_method if splits > 1 else None,
                    list(lengths))
     batches = emulator.make_batches(microbatches, torch.Generator().manual_seed(seed))
+    failure = None
     try:
         for _ in range(warmup_iters):
             emulator.run_iteration(microbatches, splits, lengths, batches)
@@ -237,7 +238,10 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
             emulator.run_iteration(microbatches, splits, lengths, batches, observers=[probe])
             run.activation_peak_bytes = probe.peak_bytes
     except torch.OutOfMemoryError as err:  # the stage does not fit: that is a result
-        run.oom, run.error = True, str(err).splitlines()[0]
+        failure = str(err).splitlines()[0]
+    if failure is not None:
+        # outside the except block: the traceback (and the tensors its frames hold) is gone
+        run.oom, run.error = True, failure
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
