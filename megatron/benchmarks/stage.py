@@ -153,6 +153,9 @@ class StageEmulator:
         b, h, L = args.micro_batch_size, args.hidden_size, args.seq_length
         offsets = split_offsets(list(lengths))
         kv_store = KVCacheStore(forward_only=False)
+        for observer in observers:  # as the executor does: the probe counts the cache's
+            if hasattr(observer, "attach_kv_store"):  # buffers and gradient accumulators
+                observer.attach_kv_store(kv_store)
         iterator = SplitDataIterator(_Sequence(batches)) if splits > 1 else _Sequence(batches)
         generator = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
         inputs, outputs = {}, {}
