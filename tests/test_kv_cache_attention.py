@@ -268,7 +268,8 @@ def test_split_before_split0_is_an_error():
 def test_get_backend():
     assert get_backend("sdpa").name == "sdpa"
     assert get_backend("auto", torch.device("cpu"), torch.float32).name == "sdpa"
-    assert available_backends("cpu", torch.bfloat16) == ["sdpa"]
+    assert get_backend("flex").name == "flex"
+    assert available_backends("cpu", torch.bfloat16) == ["sdpa", "flex"]
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("xformers")
     if "flash" not in available_backends("cuda", torch.bfloat16):

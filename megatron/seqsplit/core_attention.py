@@ -51,6 +51,10 @@ class SplitCausalAttention(MegatronModule):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         # chosen once, at build time
         self.backend = get_backend(backend_name, device=device, dtype=config.params_dtype)
+        if self.dropout_p > 0.0 and not self.backend.supports_dropout:
+            raise ValueError(
+                f"attention backend {self.backend.name!r} has no attention dropout; "
+                f"set --attention-dropout 0 (got {self.dropout_p}) or pick another backend")
 
     def forward(
         self,

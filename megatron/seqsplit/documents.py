@@ -7,10 +7,21 @@ L x L mask, slices per split, and gives the attention mask of any query range ov
 any key prefix: query ``i`` sees key ``j`` iff ``j <= i`` and both are in the same
 document. A split that starts mid-document sees its document's earlier tokens through
 the KV cache and never a token of an earlier document.
+
+Attention backends receive the ids of the key prefix, ``[b, lk]``, whose last ``lq``
+positions are the queries, and turn them into what their kernel wants:
+
+* SDPA: a dense boolean ``[b, 1, lq, lk]`` mask (``document_causal_mask``);
+* FlexAttention: a ``mask_mod`` closure over the ids (``document_mask_mod``);
+* flash-attn varlen: per-document query and key boundaries (``varlen_document_layout``).
+
+Ids must be non-decreasing along a row (documents are contiguous runs), as
+``document_ids`` makes them.
 """
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
@@ -49,8 +60,70 @@ def document_causal_mask(doc_ids: torch.Tensor, q_offset: int, q_length: int) ->
     return (same_document & causal)[:, None]
 
 
-def document_attention(q, k, v, *, mask, softmax_scale, dropout_p=0.0):
-    """SDPA with an explicit mask; q [b, hq, lq, d], k/v [b, g, lk, d]."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale,
-        enable_gqa=q.shape[1] != k.shape[1])
+def document_mask_mod(doc_ids: torch.Tensor, q_length: int):
+    """FlexAttention ``mask_mod`` for queries = the last ``q_length`` of ``doc_ids`` [b, lk].
+
+    Bottom-right aligned causal (query ``i`` is absolute position ``lk - q_length + i``)
+    and same document. The closure indexes the id tensor, which FlexAttention supports
+    both eagerly and under ``torch.compile``.
+    """
+    offset = doc_ids.shape[1] - q_length
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_pos = q_idx + offset
+        return (kv_idx <= q_pos) & (doc_ids[b, q_pos] == doc_ids[b, kv_idx])
+
+    return mask_mod
+
+
+@dataclass
+class VarlenLayout:
+    """Documents of one split as flash-attn variable-length sequences.
+
+    Rows are flattened: queries of row ``r`` are packed rows ``r * lq .. (r+1) * lq - 1``
+    (all of the split's queries), keys of row ``r`` are its positions
+    ``key_starts[r] .. lk - 1`` (documents that ended before the split have no query and
+    are left out). Sequence ``i`` is one (row, document) pair with queries
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``;
+    its queries are the last of its keys, so flash-attn's causal mask (bottom-right per
+    sequence) is exactly the per-document causal mask.
+    """
+
+    cu_seqlens_q: torch.Tensor  # int32 [n + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [n + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    key_starts: list  # [b] first key position kept per row
+
+
+def varlen_document_layout(doc_ids: torch.Tensor, q_length: int) -> VarlenLayout:
+    """Query/key boundaries for ``doc_ids`` [b, lk] whose last ``q_length`` are queries."""
+    b, lk = doc_ids.shape
+    offset = lk - q_length
+    if q_length < 1 or offset < 0:
+        raise ValueError(f"need 1 <= q_length <= {lk}, got {q_length}")
+    device = doc_ids.device
+    pos = torch.arange(lk, device=device).expand(b, lk)
+    starts = torch.ones(b, lk, dtype=torch.bool, device=device)  # a document starts here
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    # first kept key per row: the start of the document holding the first query
+    key_start = torch.where(starts[:, :offset + 1], pos[:, :offset + 1], 0).amax(dim=1)
+    # sequences start at the first query and at every document start inside the split
+    seq_start = starts.clone()
+    seq_start[:, :offset] = False
+    seq_start[:, offset] = True
+    rows, cols = seq_start.nonzero(as_tuple=True)  # row-major: sorted within and across rows
+    q_starts = rows * q_length + (cols - offset)
+    key_lengths = lk - key_start
+    row_key_base = torch.cumsum(key_lengths, 0) - key_lengths
+    k_cols = torch.where(cols == offset, key_start[rows], cols)  # first sequence: from its doc start
+    k_starts = row_key_base[rows] + (k_cols - key_start[rows])
+    total_q = torch.tensor([b * q_length], device=device)
+    total_k = key_lengths.sum().reshape(1)
+    cu_q = torch.cat([q_starts, total_q]).to(torch.int32)
+    cu_k = torch.cat([k_starts, total_k]).to(torch.int32)
+    # flash-attn takes the maxima and the key gather the row starts as Python ints: one
+    # host sync here (nonzero above is the other); computed per layer, tiny next to attention
+    host = torch.cat([cu_q.diff().max().reshape(1), cu_k.diff().max().reshape(1),
+                      key_start.to(cu_q.dtype)]).tolist()
+    return VarlenLayout(cu_q, cu_k, host[0], host[1], host[2:])

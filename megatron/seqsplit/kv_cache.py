@@ -22,8 +22,6 @@ from functools import partial
 
 import torch
 
-from megatron.seqsplit.documents import document_attention, document_causal_mask
-
 
 @dataclass
 class _Entry:
@@ -158,7 +156,9 @@ def split_causal_attention(
 
     query [l, b, hq, d], key/value [l, b, g, d] (RoPE applied, groups not expanded);
     returns [l, b, hq, d]. `split` has microbatch_id, split_index, num_splits, offset,
-    length, seq_length; None (or num_splits == 1) means plain causal attention.
+    length, seq_length and optionally document_ids [b, >= offset + length] (packed
+    documents: per-document causal attention); None (or num_splits == 1) means
+    attention over the given query/key/value alone.
     """
     if split is None or split.num_splits == 1:
         k_all, v_all = key, value
@@ -180,14 +180,10 @@ def split_causal_attention(
         if free_now and split.split_index == split.num_splits - 1:
             store._release(entry_id)
     documents = getattr(split, "document_ids", None)
-    if documents is not None:  # packed documents: per-document causal mask
-        offset = split.offset if split.num_splits > 1 else 0
-        mask = document_causal_mask(documents.to(query.device), offset, query.shape[0])
-        out = document_attention(_to_bhld(query), _to_bhld(k_all), _to_bhld(v_all), mask=mask,
-                                 softmax_scale=softmax_scale, dropout_p=dropout_p)
-    else:
-        out = backend(
-            _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
-            softmax_scale=softmax_scale, dropout_p=dropout_p,
-        )
+    if documents is not None:  # packed documents: the document of every key
+        documents = documents[:, :k_all.shape[0]].to(query.device)
+    out = backend(
+        _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
+        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents,
+    )
     return out.permute(2, 0, 1, 3).contiguous()
