@@ -44,7 +44,9 @@ RECOMPUTE = {
     "_selective": ["--recompute-granularity", "selective"],
 }
 SP = ["--sequence-parallel"]  # split lengths then align to the TP size
-VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS, "_sp": SP, **RECOMPUTE}
+DOCS_RECOMPUTE = {f"_docs{label}": DOCS + flags for label, flags in RECOMPUTE.items()}
+VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS, "_sp": SP, **RECOMPUTE,
+            **DOCS_RECOMPUTE}
 
 
 def splits(n, method="average"):
@@ -78,9 +80,20 @@ for label, flags in RECOMPUTE.items():
         CASES[f"B_mbs1_pp2_s{n}_average{label}"] = (2, "B", "mbs1", PP2, splits(n), flags)
     CASES[f"A_mbs2_pp2_s4_uniform_comp{label}"] = (
         2, "A", "mbs2", PP2, splits(4, "uniform_comp"), flags)
-for n, method in ((1, "average"), (3, "average"), (4, "uniform_comp")):
+# packed documents: s in {2, 3, 4}, tp in {1, 2}, micro-batch size 1 and 2
+for n, method in ((1, "average"), (2, "average"), (3, "average"), (4, "uniform_comp")):
     CASES[f"A_mbs2_pp2_s{n}_{method}_docs"] = (2, "A", "mbs2", PP2, splits(n, method), DOCS)
     CASES[f"B_mbs1_pp2_s{n}_{method}_docs"] = (2, "B", "mbs1", PP2, splits(n, method), DOCS)
+for n, method in ((1, "average"), (2, "average"), (4, "uniform_comp")):
+    for model, batch in (("A", "mbs2"), ("B", "mbs1")):
+        CASES[f"{model}_{batch}_tp2pp2_s{n}_{method}_docs"] = (
+            4, model, batch, TP2 + PP2, splits(n, method), DOCS)
+# packed documents with each recomputation mode (and the unsplit run with the same flags)
+for (label, flags), (model, batch, n, method) in zip(DOCS_RECOMPUTE.items(), (
+        ("A", "mbs2", 4, "uniform_comp"), ("B", "mbs1", 2, "average"), ("B", "mbs1", 4, "average"))):
+    for n_, method_ in ((1, "average"), (n, method)):
+        CASES[f"{model}_{batch}_pp2_s{n_}_{method_}{label}"] = (
+            2, model, batch, PP2, splits(n_, method_), flags)
 CASES["B_mbs1_pp1_s3_average"] = (1, "B", "mbs1", [], splits(3), [])
 
 
@@ -120,7 +133,7 @@ def _unsplit_name(name):
     prefix = name.split("_s")[0]
     if name.endswith("pertoken"):
         return f"{prefix}_s1_pertoken"
-    label = next((v for v in VARIANTS if v and name.endswith(v)), "")
+    label = max((v for v in VARIANTS if name.endswith(v)), key=len)  # "_docs_selective"
     return f"{prefix}_s1_average{label}"
 
 
