@@ -146,3 +146,21 @@ def test_backward_runs_splits_in_reverse_and_chunks_in_reverse():
     backwards = [u for u in units if u.kind == BACKWARD and u.microbatch == 0]
     assert [(u.chunk, u.split) for u in backwards] == [
         (1, 2), (1, 1), (1, 0), (0, 2), (0, 1), (0, 0)]
+
+
+def test_planner_names_interleaved_seq1f1b():
+    from megatron.planner.cli import build_parser, config_from_args
+    from megatron.planner.predict import PlanError, predict
+
+    flags = ["--model", "7B", "--seq-length", "32768", "--tensor-model-parallel-size", "8",
+             "--pipeline-model-parallel-size", "4", "--global-batch-size", "8",
+             "--seq1f1b-splits", "4"]
+    vp = ["--num-layers-per-virtual-pipeline-stage", "4"]
+    named = predict(config_from_args(build_parser().parse_args(
+        flags + vp + ["--schedule", "interleaved-seq1f1b"])))
+    implied = predict(config_from_args(build_parser().parse_args(flags + vp)))
+    plain = predict(config_from_args(build_parser().parse_args(flags)))
+    assert named.pipeline_time_s == implied.pipeline_time_s
+    assert named.bubble_fraction < plain.bubble_fraction  # interleaving shrinks the bubble
+    with pytest.raises(PlanError, match="virtual"):
+        config_from_args(build_parser().parse_args(flags + ["--schedule", "interleaved-seq1f1b"]))
