@@ -12,6 +12,7 @@ NCCL and on CPUs over gloo.
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.seqsplit.documents import DocumentIdsDataset
 from megatron.seqsplit.split_context import SplitContext
@@ -49,12 +50,13 @@ def datasets_provider(args):
     return train, valid, tokenizer
 
 
-def get_batch(data_iterator, args):
+def get_batch(data_iterator, args, vp_stage=None):
     """This stage's share of the next batch (or split): tokens on the first stage,
     labels and loss mask on the last; with --reset-attention-mask every stage reads
-    it, because attention on every stage needs the document boundaries."""
-    first = parallel_state.is_pipeline_first_stage()
-    last = parallel_state.is_pipeline_last_stage()
+    it, because attention on every stage needs the document boundaries. With virtual
+    stages, "first" and "last" are those of the model chunk (``vp_stage``)."""
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if not (first or last or args.reset_attention_mask):
         return {}
     batch = next(data_iterator)
@@ -76,7 +78,7 @@ def loss_func(loss_mask, output_tensor):
 def forward_step(data_iterator, model, args=None):
     """One microbatch (or, under Seq1F1B, one split of one) through this stage."""
     split = getattr(data_iterator, "split", None)  # SplitContext under Seq1F1B
-    batch = get_batch(data_iterator, args)
+    batch = get_batch(data_iterator, args, get_attr_wrapped_model(model, "vp_stage"))
     if batch.get("document_ids") is not None:
         if split is None:  # unsplit: one "split" covering the whole sequence
             length = batch["document_ids"].shape[1]

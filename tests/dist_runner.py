@@ -36,11 +36,32 @@ def _unwrap(module):
 
 def gather_full_parameters(args, model):
     """Every parameter in the tp=1, pp=1 layout, on the last rank (None elsewhere)."""
-    module = _unwrap(model[0])
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    layer_offset = (parallel_state.get_pipeline_model_parallel_rank()
-                    * args.num_layers // args.pipeline_model_parallel_size)
+    pp_size, pp_rank = (args.pipeline_model_parallel_size,
+                        parallel_state.get_pipeline_model_parallel_rank())
+    layers_per_chunk = args.num_layers // (pp_size * len(model))
+    local = {}
+    for chunk_index, chunk in enumerate(model):
+        # chunk c of rank r is global stage c * pp + r
+        layer_offset = (chunk_index * pp_size + pp_rank) * layers_per_chunk
+        local.update(_chunk_parameters(args, _unwrap(chunk), layer_offset, tp_group, tp_size))
+    everything = [None] * torch.distributed.get_world_size()
+    keep = (parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    torch.distributed.all_gather_object(everything, local if keep else {})
+    if torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+        return None
+    merged = {}
+    for part in everything:
+        for name, tensor in part.items():
+            if name == "output_layer.weight" and not args.untie_embeddings_and_output_weights:
+                continue  # the last stage's copy of the tied embedding
+            merged[name] = tensor
+    return merged
+
+
+def _chunk_parameters(args, module, layer_offset, tp_group, tp_size):
     local = {}
     for name, param in module.named_parameters():
         tensor = param.detach().float().cpu()
@@ -55,19 +76,7 @@ def gather_full_parameters(args, model):
             tensor = torch.cat(shards, dim=dim)
         name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
         local[name] = tensor
-    everything = [None] * torch.distributed.get_world_size()
-    keep = (parallel_state.get_data_parallel_rank() == 0
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
-    torch.distributed.all_gather_object(everything, local if keep else {})
-    if torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
-        return None
-    merged = {}
-    for part in everything:
-        for name, tensor in part.items():
-            if name == "output_layer.weight" and not args.untie_embeddings_and_output_weights:
-                continue  # the last stage's copy of the tied embedding
-            merged[name] = tensor
-    return merged
+    return local
 
 
 def main(spec_path, out_path):

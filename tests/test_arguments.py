@@ -25,6 +25,16 @@ def test_good_flags_parse():
     assert args.ffn_hidden_size == 256 and args.num_query_groups == 4
 
 
+def test_virtual_stages_from_either_flag():
+    for flag, value in (("--num-layers-per-virtual-pipeline-stage", "1"),
+                        ("--virtual-pipeline-model-parallel-size", "2")):
+        args = parse(["--pipeline-model-parallel-size", "2", flag, value,
+                      "--seq1f1b-splits", "2"], world_size=2)
+        assert args.virtual_pipeline_model_parallel_size == 2
+    args = parse(["--pipeline-model-parallel-size", "2"], world_size=2)
+    assert args.virtual_pipeline_model_parallel_size is None
+
+
 def test_aliases_from_the_original_seq1f1b_code():
     args = parse(["--pipe-sp-splits", "4", "--pipe-sp-strategy", "uniform_comp"])
     assert args.seq1f1b_splits == 4 and args.seq1f1b_balance_method == "uniform_comp"
@@ -51,6 +61,14 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--micro-batch-size", "two"], 1, "--micro-batch-size"),
     (["--data-path", "/nonexistent/prefix"], 1, "--data-path"),
     (["--save-interval", "5"], 1, "--save"),
+    (["--virtual-pipeline-model-parallel-size", "2"], 1, "--pipeline-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "3"], 2,
+     "--num-layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "3"], 2, "--global-batch-size"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--virtual-pipeline-model-parallel-size", "2"], 2,
+     "--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_mistakes_name_the_flag(extra, world, flag):
     with pytest.raises(ArgumentError, match=flag):

@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="optional check: must equal TP x PP x DP")
 
     s = ap.add_argument_group("schedule")
-    s.add_argument("--schedule", choices=SCHEDULES,
+    s.add_argument("--schedule", choices=SCHEDULES + ("interleaved-seq1f1b",),
                    help="default: seq1f1b when --seq1f1b-splits is given (>1 or auto), "
-                   "interleaved-1f1b with virtual stages, else 1f1b")
+                   "interleaved-1f1b with virtual stages, else 1f1b; seq1f1b with virtual "
+                   "stages is interleaved Seq1F1B (interleaved-seq1f1b names it explicitly)")
     s.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     s.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    help="interleaved schedule group size (megatron-core default: PP size)")
@@ -159,6 +160,12 @@ def config_from_args(args) -> PlanConfig:
     gbs = args.global_batch_size or micro * dp * 2 * pp
     schedule = args.schedule
     splits = args.seq1f1b_splits
+    if schedule == "interleaved-seq1f1b":
+        if chunks < 2:
+            raise PlanError("--schedule interleaved-seq1f1b needs "
+                            "--num-layers-per-virtual-pipeline-stage smaller than the layers "
+                            "per pipeline stage (at least 2 virtual stages)")
+        schedule = "seq1f1b"  # Seq1F1B over the interleaved order of the chunks
     if schedule is None:
         if splits == "auto" or (isinstance(splits, int) and splits > 1):
             schedule = "seq1f1b"

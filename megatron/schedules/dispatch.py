@@ -17,8 +17,16 @@ def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "av
     With one split it *is* megatron-core's function (1F1B, or no pipelining when pp=1),
     unless observers (timeline, memory probes) are attached: then our executor runs
     the s = 1 schedule, which is megatron's 1F1B unit for unit, so it can be observed.
+
+    With virtual stages (``vp_size > 1``) our executor always runs, also for one split:
+    it runs megatron-core's interleaved unit order (``megatron.schedules.interleaved``)
+    and is tested exact against the unsplit single-process run. megatron-core 0.16.1's
+    own interleaved function did not reproduce the single-process losses on our CPU/gloo
+    setup (pp=2: batched p2p swaps a gradient and an activation between the same two
+    ranks; unbatched, the first iteration still differed), so it is not used.
     """
-    if seq1f1b_splits <= 1 and not observers:
+    interleaved = vp_size is not None and vp_size > 1
+    if seq1f1b_splits <= 1 and not observers and not interleaved:
         return mcore_schedules.get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
     settings = Seq1F1BSettings(num_splits=seq1f1b_splits, balance_method=balance_method,
                                alignment=alignment, model_shape=model_shape,

@@ -175,3 +175,16 @@ def interleaved_schedule(
         )
         for rank in range(pp_size)
     ]
+
+
+def interleaved_forward_only_units(
+    num_microbatches: int,
+    num_chunks: int,
+    num_splits: int = 1,
+    pp_size: int = 1,
+    group_size: Optional[int] = None,
+) -> List[Unit]:
+    """Evaluation: every rank runs the forwards in schedule-table order."""
+    group = min(default_group_size(pp_size, group_size), num_microbatches)
+    table = schedule_table(num_microbatches, num_chunks, group, num_splits)
+    return [Unit(FORWARD, mb, split, chunk) for mb, split, chunk in table]

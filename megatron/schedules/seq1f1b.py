@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
+from megatron.schedules.messages import RECV, SEND, Message, checked_chunked_programs, producer
 from megatron.schedules.units import (
     RECV_BACKWARD,
     RECV_FORWARD,
@@ -101,12 +102,15 @@ def forward_backward_pipelining_seq1f1b(
 ):
     """Run one iteration of Seq1F1B. Returns the loss functions' reported values
     (last pipeline stage) as megatron-core's schedules do; an empty list elsewhere."""
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("Seq1F1B without virtual stages takes one model chunk")
-        model = model[0]
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
+    chunks = list(model) if isinstance(model, list) else [model]
+    num_chunks = len(chunks)
+    iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
+    if len(iterators) == 1 and num_chunks > 1:
+        iterators = iterators * num_chunks
+    if len(iterators) != num_chunks:
+        raise ValueError(f"{num_chunks} model chunks need {num_chunks} data iterators, "
+                         f"got {len(iterators)}")
+    model = chunks[0]
     if collect_non_loss_data:
         raise ValueError("collect_non_loss_data is not supported with --seq1f1b-splits > 1")
     if decoder_seq_length is not None or adjust_tensor_shapes_fn is not None:
@@ -119,7 +123,14 @@ def forward_backward_pipelining_seq1f1b(
         p2p_communicator = P2PCommunicator(pp_group=pp_group, config=config)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     rank, pp_size = pp_group.rank(), pp_group.size()
-    is_first, is_last = rank == 0, rank == pp_size - 1
+    if num_chunks > 1 and pp_size < 2:
+        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    # first/last *global* stage: where data enters and where the loss is computed
+    is_first = rank == 0
+    is_last = rank == pp_size - 1
+
+    def holds_loss(unit):
+        return is_last and unit.chunk == num_chunks - 1
 
     lengths = plan_splits(seq_length, settings.num_splits, settings.balance_method,
                           alignment=settings.alignment, model=settings.model_shape)
@@ -128,9 +139,9 @@ def forward_backward_pipelining_seq1f1b(
     for observer in settings.observers:
         if hasattr(observer, "attach_kv_store"):
             observer.attach_kv_store(kv_store)
-    split_iterator = SplitDataIterator(data_iterator)
+    split_iterators = [SplitDataIterator(iterator) for iterator in iterators]
     model_type = get_model_type(model)
-    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    set_input_tensors = [get_attr_wrapped_model(chunk, "set_input_tensor") for chunk in chunks]
 
     def context(unit: Unit) -> SplitContext:
         return SplitContext(
@@ -150,26 +161,33 @@ def forward_backward_pipelining_seq1f1b(
     inputs, outputs, input_grads = {}, {}, {}
     forward_outputs = {}  # outputs waiting to be sent downstream
 
-    no_sync = config.no_sync_func or contextlib.nullcontext
-    sync_guard = no_sync()
-    if not forward_only:
-        sync_guard.__enter__()  # gradients reduce once, in finalize_model_grads
-    actions = seq1f1b_rank_actions(rank, pp_size, num_microbatches, settings.num_splits,
-                                   forward_only=forward_only)
+    sync_guard = contextlib.ExitStack()
+    if not forward_only:  # gradients reduce once, in finalize_model_grads
+        no_sync = config.no_sync_func or contextlib.nullcontext
+        for chunk_no_sync in (no_sync if isinstance(no_sync, list) else [no_sync]):
+            sync_guard.enter_context(chunk_no_sync())
+    if num_chunks == 1:
+        actions = seq1f1b_rank_actions(rank, pp_size, num_microbatches, settings.num_splits,
+                                       forward_only=forward_only)
+    else:
+        actions = checked_chunked_programs(
+            pp_size, num_microbatches, num_chunks, settings.num_splits,
+            getattr(config, "microbatch_group_size_per_vp_stage", None), forward_only)[rank]
     last_backward = next((a for a in reversed(actions)
                           if isinstance(a, Unit) and not a.is_forward), None)
 
     def run_forward(unit: Unit):
         nonlocal total_num_tokens
         input_tensor = received_inputs.pop(unit, None)
-        set_input_tensor([input_tensor])
+        set_input_tensors[unit.chunk]([input_tensor])
+        split_iterator = split_iterators[unit.chunk]
         split_iterator.split = context(unit)
         enable_autocast = getattr(config, "enable_autocast", False)
         autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if enable_autocast
                     else contextlib.nullcontext())
         with autocast:
-            output_tensor, loss_func = forward_step_func(split_iterator, model)
-        if is_last:
+            output_tensor, loss_func = forward_step_func(split_iterator, chunks[unit.chunk])
+        if holds_loss(unit):
             reduced = loss_func(output_tensor)
             if len(reduced) != 3:
                 raise ValueError(
@@ -182,20 +200,20 @@ def forward_backward_pipelining_seq1f1b(
             tokens_per_microbatch[unit.microbatch] = (
                 tokens_per_microbatch.get(unit.microbatch, 0) + num_tokens)
             total_num_tokens = total_num_tokens + num_tokens
-        if not is_last:
+        if not holds_loss(unit):
             forward_outputs[unit] = output_tensor  # until sent
         if not forward_only:
             inputs[unit] = input_tensor
             outputs[unit] = output_tensor
 
     def run_backward(unit: Unit):
-        forward_unit = Unit("F", unit.microbatch, unit.split)
+        forward_unit = Unit("F", unit.microbatch, unit.split, unit.chunk)
         input_tensor = inputs.pop(forward_unit)
         output_tensor = outputs.pop(forward_unit)
-        if is_last:
+        if holds_loss(unit):
             output_tensor = _normalise_loss(output_tensor, unit.microbatch)
         if unit == last_backward:
-            sync_guard.__exit__(None, None, None)
+            sync_guard.close()
         grad = backward_step(input_tensor, output_tensor, received_grads.pop(unit, None),
                              model_type, config)
         input_grads[unit] = grad
@@ -231,6 +249,38 @@ def forward_backward_pipelining_seq1f1b(
         else:
             raise AssertionError(f"unexpected communication step {step}")
 
+    def run_batch(batch):
+        """Chunked programs: one batch_isend_irecv of sends and receives, each op with
+        its own shape (see megatron.schedules.messages)."""
+        ops, arrivals = [], []
+        for message in batch:
+            peer = torch.distributed.get_global_rank(pp_group, message.peer)
+            if message.kind == SEND:
+                _, produced = producer(message.unit, message.peer, pp_size, num_chunks)
+                if produced.is_forward:
+                    tensor = forward_outputs[produced]
+                else:
+                    tensor = input_grads.pop(produced)
+                ops.append(torch.distributed.P2POp(torch.distributed.isend, tensor, peer,
+                                                   pp_group))
+            else:
+                tensor = torch.empty(shape(message.unit), requires_grad=True, device=device,
+                                     dtype=config.pipeline_dtype)
+                ops.append(torch.distributed.P2POp(torch.distributed.irecv, tensor, peer,
+                                                   pp_group))
+                arrivals.append((message.unit, tensor))
+        for request in torch.distributed.batch_isend_irecv(ops):
+            request.wait()
+        if config.batch_p2p_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()  # as megatron-core: guard against batch_isend_irecv races
+        for unit, tensor in arrivals:
+            (received_inputs if unit.is_forward else received_grads)[unit] = tensor
+        for message in batch:
+            if message.kind == SEND:
+                _, produced = producer(message.unit, message.peer, pp_size, num_chunks)
+                if produced.is_forward:
+                    _release(produced)
+
     def _to_send(unit):
         return forward_outputs[unit]
 
@@ -248,10 +298,12 @@ def forward_backward_pipelining_seq1f1b(
                 run_forward(action)
             else:
                 run_backward(action)
-                if is_first:
+                if is_first and action.chunk == 0:
                     input_grads.pop(action, None)  # nothing to send upstream
             for observer in settings.observers:
                 observer.on_unit_end(rank, action)
+        elif isinstance(action[0], Message):
+            run_batch(action)
         else:
             run_comm(action)
 
@@ -261,7 +313,7 @@ def forward_backward_pipelining_seq1f1b(
                                  "microbatch's backward")
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
-                [model], total_num_tokens if config.calculate_per_token_loss else None,
+                chunks, total_num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     kv_store.clear()
     return forward_data_store

@@ -82,6 +82,13 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved schedule: layers per model chunk (virtual stage)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="interleaved schedule: model chunks per pipeline rank")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
+                   default=None, help="interleaved schedule: microbatches each chunk runs "
+                                      "before the next chunk starts (default: the pp size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -173,6 +180,7 @@ def validate_args(args, world_size: int, cuda_available: bool):
     _require(args.num_layers % pp == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp})")
+    _validate_virtual_pipeline(args)
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
@@ -274,6 +282,38 @@ def validate_args(args, world_size: int, cuda_available: bool):
 
     _validate_seq1f1b(args)
     return args
+
+
+def _validate_virtual_pipeline(args):
+    """Interleaved 1F1B flags, with megatron-core's constraints checked up front."""
+    pp = args.pipeline_model_parallel_size
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    vp = args.virtual_pipeline_model_parallel_size
+    if per_stage is not None:
+        _require(vp is None, "give --num-layers-per-virtual-pipeline-stage or "
+                             "--virtual-pipeline-model-parallel-size, not both")
+        _require(per_stage >= 1, "--num-layers-per-virtual-pipeline-stage must be >= 1")
+        _require(args.num_layers % (pp * per_stage) == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by "
+                 f"--pipeline-model-parallel-size ({pp}) x "
+                 f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
+        vp = args.num_layers // (pp * per_stage)
+    if vp is None or vp == 1:
+        args.virtual_pipeline_model_parallel_size = None  # the group size is then unused
+        return
+    _require(vp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vp}")
+    _require(pp >= 2, "virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    _require(args.num_layers % (pp * vp) == 0,
+             f"--num-layers ({args.num_layers}) must be divisible by "
+             f"--pipeline-model-parallel-size ({pp}) x virtual stages ({vp})")
+    args.virtual_pipeline_model_parallel_size = vp
+    from megatron.schedules.interleaved import check_interleaved_shape
+
+    try:
+        check_interleaved_shape(pp, args.num_microbatches, vp,
+                                args.microbatch_group_size_per_virtual_pipeline_stage)
+    except ValueError as err:
+        raise ArgumentError(str(err))
 
 
 def _check_data_path(data_path):

@@ -70,11 +70,18 @@ def unwrap_model(module):
     return module
 
 
+def _model_key(model, index):
+    return "model" if len(model) == 1 else f"model{index}"
+
+
 def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng,
                         loading=False, with_optimizer=True):
-    model_sd = unwrap_model(model[0]).sharded_state_dict()
+    # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual stages (their
+    # tensors carry global layer numbers, so a checkpoint reshards across layouts)
+    model_sd = {_model_key(model, i): unwrap_model(chunk).sharded_state_dict()
+                for i, chunk in enumerate(model)}
     state = {
-        "model": model_sd,
+        **model_sd,
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
@@ -82,7 +89,8 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "layout": list(_layout()),
     }
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd["model"] if len(model) == 1 else model_sd, is_loading=loading)
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
@@ -146,7 +154,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=not args.no_load_optim)
     state = dist_checkpointing.load(template, path)
-    unwrap_model(model[0]).load_state_dict(state["model"])
+    for i, chunk in enumerate(model):
+        unwrap_model(chunk).load_state_dict(state[_model_key(model, i)])
     if not args.no_load_optim:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -37,6 +37,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=(
+            args.microbatch_group_size_per_virtual_pipeline_stage
+            or args.pipeline_model_parallel_size),
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -55,7 +59,11 @@ def transformer_config_from_args(args) -> TransformerConfig:
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,
         deallocate_pipeline_outputs=True,
-        batch_p2p_comm=True,
+        # Megatron-LM's defaults: interleaved schedules overlap p2p with compute through
+        # unbatched isend/irecv. (Batched p2p with pp=2 pairs a gradient send with an
+        # activation receive between the same two ranks: silently wrong data.)
+        overlap_p2p_comm=bool(args.virtual_pipeline_model_parallel_size),
+        batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         batch_p2p_sync=on_gpu,  # the sync is a torch.cuda.synchronize
         timers=None,
     )
@@ -84,6 +92,7 @@ def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_sta
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
     )
 
 

@@ -48,22 +48,34 @@ def print_last_rank(message):
 
 
 def build_model(args, config, model_provider):
-    """This stage's model chunk, wrapped for mixed precision and megatron-core DDP."""
-    pre_process = parallel_state.is_pipeline_first_stage()
-    post_process = parallel_state.is_pipeline_last_stage()
-    model = model_provider(args, config, pre_process=pre_process, post_process=post_process)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    if args.bf16 or args.fp16:
-        model = Float16Module(config, model)
+    """This rank's model chunks (one, or one per virtual stage), each wrapped for mixed
+    precision and megatron-core DDP."""
+    num_chunks = args.virtual_pipeline_model_parallel_size or 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    model.broadcast_params()
-    return [model]
+    chunks = []
+    for index in range(num_chunks):
+        vp_stage = index if num_chunks > 1 else None
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
+        kwargs = {"vp_stage": vp_stage} if num_chunks > 1 else {}
+        model = model_provider(args, config, pre_process=pre_process,
+                               post_process=post_process, **kwargs)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if args.bf16 or args.fp16:
+            model = Float16Module(config, model)
+        # as Megatron-LM: only the first chunk's gradient buffer is bucketed
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                        disable_bucketing=index > 0)
+        model.broadcast_params()
+        chunks.append(model)
+    return chunks
 
 
 def build_optimizer(args, model):
@@ -201,7 +213,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     model = build_model(args, config, model_provider)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = ([chunk.no_sync for chunk in model] if len(model) > 1
+                           else model[0].no_sync)
     if args.bf16 or args.fp16:
         config.grad_scale_func = optimizer.scale_loss
 
@@ -211,7 +224,9 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
             args, model, optimizer, scheduler)
 
     recorder = timeline_recorder(args)
-    probe = ActivationMemoryProbe(model[0]) if args.activation_memory_file else None
+    probe = ActivationMemoryProbe() if args.activation_memory_file else None
+    for chunk in (model if probe is not None else []):
+        probe.exclude_parameters(chunk)
     observers = [o for o in (recorder, probe) if o is not None]
     forward_backward_func = get_forward_backward_func(
         seq1f1b_splits=args.seq1f1b_splits,
@@ -219,12 +234,15 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         alignment=args.seq1f1b_alignment,
         model_shape=model_shape_from_args(args),
         observers=observers,
+        pp_size=args.pipeline_model_parallel_size,
+        vp_size=args.virtual_pipeline_model_parallel_size,
     )
     step_func = functools.partial(forward_step_func, args=args)
-    train_iterator = MicrobatchIterator(train_ds, args.micro_batch_size, consumed_samples,
-                                        num_microbatches=args.num_microbatches)
-    valid_iterator = (MicrobatchIterator(valid_ds, args.micro_batch_size, 0,
-                                         num_microbatches=args.num_microbatches)
+    train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(
+        train_ds, args.micro_batch_size, consumed_samples,
+        num_microbatches=args.num_microbatches))
+    valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
+        valid_ds, args.micro_batch_size, 0, num_microbatches=args.num_microbatches))
                       if valid_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
@@ -243,6 +261,12 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         on_finish(args, model)
     initialize.destroy_model_parallel()
     return result
+
+
+def chunk_iterators(model, make_iterator):
+    """One data iterator, or one per model chunk as megatron-core's interleaved schedule
+    wants (each chunk reads the microbatches it needs from its own copy)."""
+    return make_iterator() if len(model) == 1 else [make_iterator() for _ in model]
 
 
 def timeline_recorder(args):
