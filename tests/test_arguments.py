@@ -25,6 +25,13 @@ def test_good_flags_parse():
     assert args.ffn_hidden_size == 256 and args.num_query_groups == 4
 
 
+def test_every_attention_backend_is_a_choice():
+    for name in ("auto", "sdpa", "flash", "flex"):
+        assert parse(["--attention-backend", name]).attention_backend == name
+    with pytest.raises(ArgumentError, match="--attention-backend"):
+        parse(["--attention-backend", "xformers"])
+
+
 def test_virtual_stages_from_either_flag():
     for flag, value in (("--num-layers-per-virtual-pipeline-stage", "1"),
                         ("--virtual-pipeline-model-parallel-size", "2")):

@@ -36,6 +36,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from megatron.seqsplit.attention_backends import BACKEND_NAMES  # noqa: E402
+
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=256,
             vocab_size=512, pp=2, microbatches=4)
 
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--tp-shard", type=int, default=1,
                    help="build one TP rank's share of each layer (no collectives)")
-    g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash"], default="auto")
+    g.add_argument("--attention-backend", choices=["auto", *BACKEND_NAMES], default="auto")
     g.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="default bf16 on CUDA, fp32 on CPU")
     g = p.add_argument_group("schedule")

@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from megatron.seqsplit.attention_backends import BACKEND_NAMES
+
 
 class ArgumentError(ValueError):
     """A flag value the run cannot work with; the message names the flag and the fix."""
@@ -52,8 +54,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
-    g.add_argument("--attention-backend", choices=["auto", "sdpa", "flash"], default="auto",
-                   help="core attention kernel (local layer spec)")
+    g.add_argument("--attention-backend", choices=["auto", *BACKEND_NAMES], default="auto",
+                   help="core attention kernel (local layer spec); auto: flash when usable, "
+                        "else sdpa; flex is opt-in and has no dropout")
 
     g = parser.add_argument_group("batch and training")
     g.add_argument("--micro-batch-size", type=int, default=1)
