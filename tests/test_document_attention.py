@@ -55,10 +55,16 @@ def emulated_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def make_backend(name):
     if name == "flash_emulated":
         return FlashAttnBackend(kernels=(None, emulated_varlen))
+    if name == "chunked":  # the chunked KV cache's own kernel (sdpa only for one split)
+        return get_backend("sdpa")
     return get_backend(name)
 
 
-BACKENDS = available_backends("cpu", torch.float64) + ["flash_emulated"]
+def kv_cache_of(name):
+    return "chunked" if name == "chunked" else "buffer"
+
+
+BACKENDS = available_backends("cpu", torch.float64) + ["flash_emulated", "chunked"]
 
 
 @dataclass
@@ -123,7 +129,8 @@ def test_split_document_attention_matches_per_document(backend_name, lengths, he
         part = [t[offset:offset + length].detach().requires_grad_() for t in (q, k, v)]
         split = Split(0, j, len(lengths), offset, length, L, ids[:, :offset + length])
         outputs.append(split_causal_attention(*part, split=split, store=store, layer_key=1,
-                                              backend=backend, softmax_scale=scale))
+                                              backend=backend, softmax_scale=scale,
+                                              kv_cache=kv_cache_of(backend_name)))
         leaves.append(part)
         offset += length
     torch.testing.assert_close(torch.cat(outputs), expected, rtol=0, atol=1e-10)
@@ -271,13 +278,13 @@ def test_core_attention_with_flex_needs_dropout_zero():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs CUDA here")
-@pytest.mark.parametrize("name", ["sdpa", "flex"])
+@pytest.mark.parametrize("name", ["sdpa", "flex", "chunked"])
 def test_document_attention_cuda_bf16(name):
     """bf16 on CUDA against the float64 CPU reference (untested without a GPU)."""
-    _compare_on_cuda(get_backend(name), torch.bfloat16, atol=2e-2)
+    _compare_on_cuda(make_backend(name), torch.bfloat16, atol=2e-2, kv_cache=kv_cache_of(name))
 
 
-def _compare_on_cuda(backend, dtype, atol):
+def _compare_on_cuda(backend, dtype, atol, kv_cache="buffer"):
     torch.manual_seed(0)
     L, b, heads, groups, d, scale = TOKENS.shape[1], TOKENS.shape[0], 4, 2, 64, 0.125
     q = torch.randn(L, b, heads, d, dtype=torch.float64, requires_grad=True)
@@ -293,7 +300,8 @@ def _compare_on_cuda(backend, dtype, atol):
                 for t in (q, k, v)]
         split = Split(0, j, len(lengths), offset, length, L, ids[:, :offset + length])
         outputs.append(split_causal_attention(*part, split=split, store=store, layer_key=1,
-                                              backend=backend, softmax_scale=scale))
+                                              backend=backend, softmax_scale=scale,
+                                              kv_cache=kv_cache))
         leaves.append(part)
         offset += length
     torch.testing.assert_close(torch.cat(outputs).double().cpu(), expected.detach(),

@@ -16,6 +16,9 @@ from megatron.seqsplit.plan import split_offsets
 
 DTYPE = torch.float64
 BACKENDS = available_backends(torch.device("cpu"), DTYPE)
+# (backend, KV-cache layout): every backend over the buffer cache, and the chunked cache
+# (its own log-sum-exp kernel; the backend only serves unsplit calls)
+CASES = [f"{name}/buffer" for name in BACKENDS] + ["sdpa/chunked"]
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 LENGTHS = [[3, 4], [5, 5], [4, 1, 3, 2], [1, 6], [2, 3, 1, 1, 5], [1, 1, 1]]
 D = 8
@@ -66,23 +69,31 @@ def reference_grads(q, k, v, w):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def attention_of(case):
+    """split_causal_attention bound to one "backend/layout" case."""
+    name, layout = case.split("/")
+    backend = get_backend(name)
+
+    def attend(q, k, v, **kwargs):
+        return split_causal_attention(q, k, v, backend=backend, softmax_scale=SCALE,
+                                      kv_cache=layout, **kwargs)
+    return attend
+
+
 class SplitRun:
     """Forward/backward of one microbatch split by split, each split on its own leaves."""
 
-    def __init__(self, q, k, v, w, lengths, store, backend, mb=0, layer_key=0):
+    def __init__(self, q, k, v, w, lengths, store, case, mb=0, layer_key=0):
         self.q, self.k, self.v, self.w = q, k, v, w
         self.splits = splits_of(lengths, mb)
-        self.store, self.backend, self.layer_key = store, backend, layer_key
+        self.store, self.attend, self.layer_key = store, attention_of(case), layer_key
         self.leaves, self.outs = [], []
 
     def forward(self, j):
         s = self.splits[j]
         sl = slice(s.offset, s.offset + s.length)
         leaves = [t[sl].clone().requires_grad_() for t in (self.q, self.k, self.v)]
-        out = split_causal_attention(
-            *leaves, split=s, store=self.store, layer_key=self.layer_key,
-            backend=self.backend, softmax_scale=SCALE,
-        )
+        out = self.attend(*leaves, split=s, store=self.store, layer_key=self.layer_key)
         self.leaves.append(leaves)
         self.outs.append(out)
 
@@ -101,14 +112,14 @@ def assert_close(got, want, atol=1e-10):
         torch.testing.assert_close(g, w.to(g.dtype), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
 @pytest.mark.parametrize("b", [1, 2])
 @pytest.mark.parametrize("hq,g", HEADS)
-def test_split_attention_matches_full(backend_name, lengths, b, hq, g):
+def test_split_attention_matches_full(case, lengths, b, hq, g):
     q, k, v, w = make_inputs(sum(lengths), b, hq, g)
     store = KVCacheStore()
-    run = SplitRun(q, k, v, w, lengths, store, get_backend(backend_name))
+    run = SplitRun(q, k, v, w, lengths, store, case)
     for j in range(len(lengths)):
         run.forward(j)
     assert store.num_entries() == 1
@@ -119,13 +130,13 @@ def test_split_attention_matches_full(backend_name, lengths, b, hq, g):
     assert_close(run.results(), reference_grads(q, k, v, w))
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_two_microbatches_interleaved(backend_name):
-    backend, store = get_backend(backend_name), KVCacheStore()
+@pytest.mark.parametrize("case", CASES)
+def test_two_microbatches_interleaved(case):
+    store = KVCacheStore()
     runs = []
     for mb, lengths in enumerate([[4, 2, 3], [2, 2, 5]]):
         q, k, v, w = make_inputs(9, 2, 4, 2, seed=mb + 10)
-        runs.append((SplitRun(q, k, v, w, lengths, store, backend, mb=mb), (q, k, v, w)))
+        runs.append((SplitRun(q, k, v, w, lengths, store, case, mb=mb), (q, k, v, w)))
     for run, _ in runs:
         for j in range(3):
             run.forward(j)
@@ -137,10 +148,10 @@ def test_two_microbatches_interleaved(backend_name):
         assert_close(run.results(), reference_grads(*inputs))
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_two_layers_chained(backend_name):
+@pytest.mark.parametrize("case", CASES)
+def test_two_layers_chained(case):
     """Layer 2 consumes layer 1's output: gradients cross splits through both caches."""
-    backend, store = get_backend(backend_name), KVCacheStore()
+    attention, store = attention_of(case), KVCacheStore()
     L, b, hq, g, lengths = 10, 2, 4, 2, [4, 3, 2, 1]
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(L, b, hq * D, generator=gen, dtype=DTYPE)
@@ -162,8 +173,8 @@ def test_two_layers_chained(backend_name):
     xs, outs = [], []
     for s in splits_of(lengths):
         xj = x[s.offset:s.offset + s.length].clone().requires_grad_()
-        attend = lambda layer, q, k, v, s=s: split_causal_attention(
-            q, k, v, split=s, store=store, layer_key=layer, backend=backend, softmax_scale=SCALE)
+        attend = lambda layer, q, k, v, s=s: attention(
+            q, k, v, split=s, store=store, layer_key=layer)
         xs.append(xj)
         outs.append(model(xj, attend))
     assert store.num_entries() == 2
@@ -173,9 +184,9 @@ def test_two_layers_chained(backend_name):
     assert_close([torch.cat([t.grad for t in xs])], [xr.grad])
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode", "no_requires_grad"])
-def test_forward_only_frees_after_last_split(backend_name, grad_mode):
+def test_forward_only_frees_after_last_split(case, grad_mode):
     q, k, v, _ = make_inputs(9, 2, 4, 1)
     lengths, store = [4, 3, 2], KVCacheStore()
     want = reference_attention(q, k, v)
@@ -184,9 +195,8 @@ def test_forward_only_frees_after_last_split(backend_name, grad_mode):
     with ctx() if ctx else torch.enable_grad():
         for s in splits_of(lengths):
             sl = slice(s.offset, s.offset + s.length)
-            outs.append(split_causal_attention(
-                q[sl], k[sl], v[sl], split=s, store=store, layer_key="l0",
-                backend=get_backend(backend_name), softmax_scale=SCALE))
+            outs.append(attention_of(case)(q[sl], k[sl], v[sl], split=s, store=store,
+                                           layer_key="l0"))
             expected_entries = 0 if s.split_index == len(lengths) - 1 else 1
             assert store.num_entries() == expected_entries
     assert_close([torch.cat(outs)], [want])
@@ -219,8 +229,9 @@ def test_no_split_is_plain_causal_attention(backend_name):
         assert_close([out.detach()] + [t.grad for t in leaves], reference_grads(q, k, v, w))
 
 
+@pytest.mark.parametrize("case", ["sdpa/buffer", "sdpa/chunked"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_activation_recomputation(reentrant):
+def test_activation_recomputation(reentrant, case):
     """Checkpointed splits recompute forward during backward and still get exact grads.
 
     The reentrant checkpoint's first forward runs under no_grad, so the store must be
@@ -228,12 +239,11 @@ def test_activation_recomputation(reentrant):
     """
     q, k, v, w = make_inputs(10, 2, 4, 2)
     store = KVCacheStore(forward_only=False if reentrant else None)
-    backend, leaves, outs = get_backend("sdpa"), [], []
+    attention, leaves, outs = attention_of(case), [], []
     for s in splits_of([4, 3, 2, 1]):
         sl = slice(s.offset, s.offset + s.length)
         split_leaves = [t[sl].clone().requires_grad_() for t in (q, k, v)]
-        attend = lambda *qkv, s=s: split_causal_attention(
-            *qkv, split=s, store=store, layer_key=0, backend=backend, softmax_scale=SCALE)
+        attend = lambda *qkv, s=s: attention(*qkv, split=s, store=store, layer_key=0)
         outs.append(checkpoint(attend, *split_leaves, use_reentrant=reentrant))
         leaves.append(split_leaves)
     for s in reversed(splits_of([4, 3, 2, 1])):
@@ -241,12 +251,13 @@ def test_activation_recomputation(reentrant):
     assert store.num_entries() == 0
     grads = [torch.cat([split_leaves[i].grad for split_leaves in leaves]) for i in range(3)]
     assert_close(grads, reference_grads(q, k, v, w)[1:])
+    assert store.cached_bytes() == 0
 
 
 def test_bfloat16_accumulates_prefix_gradients_in_float32():
     q, k, v, w = make_inputs(12, 1, 4, 2)
     store = KVCacheStore()
-    run = SplitRun(*(t.bfloat16() for t in (q, k, v, w)), [3] * 4, store, get_backend("sdpa"))
+    run = SplitRun(*(t.bfloat16() for t in (q, k, v, w)), [3] * 4, store, "sdpa/buffer")
     for j in range(4):
         run.forward(j)
     run.backward(3)
@@ -281,7 +292,7 @@ def run_and_measure(num_splits, L=64, b=1, hq=4, g=2):
     """Peak cached bytes and the bytes of storages saved for backward, by kind."""
     q, k, v, w = make_inputs(L, b, hq, g)
     store = KVCacheStore()
-    run = SplitRun(q, k, v, w, [L // num_splits] * num_splits, store, get_backend("sdpa"))
+    run = SplitRun(q, k, v, w, [L // num_splits] * num_splits, store, "sdpa/buffer")
     saved = {}
 
     def pack(t):
@@ -319,3 +330,96 @@ def test_memory_does_not_grow_with_splits():
         assert sum(saved["mask"]) <= L * L * itemsize
     # q/out/softmax statistics are partitioned among splits: no growth with s.
     assert sum(results[8][2]["other"]) <= sum(results[2][2]["other"])
+
+
+def test_chunked_cache_holds_split_chunks_and_saves_no_mask():
+    """The chunked layout: K/V allocated split by split, no lq x lk mask or prefix copy saved."""
+    L, b, hq, g, lengths = 48, 2, 4, 2, [8, 16, 24]
+    q, k, v, w = make_inputs(L, b, hq, g)
+    store = KVCacheStore()
+    run = SplitRun(q, k, v, w, lengths, store, "sdpa/chunked")
+    itemsize = torch.finfo(DTYPE).bits // 8
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    cached, filled = [], 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for j, length in enumerate(lengths):
+            run.forward(j)
+            filled += length
+            cached.append(store.cached_bytes())
+            assert cached[-1] == 2 * filled * b * g * D * itemsize  # only what has run
+    # each split saves exactly its query [l, b, hq, d], output [b, hq, l, d] and LSE
+    # [b, hq, l]: no K/V (the cache holds them), no mask, no concatenated prefix
+    assert saved == [shape for length in lengths
+                     for shape in ((length, b, hq, D), (b, hq, length, D), (b, hq, length))]
+    for j in reversed(range(len(lengths))):
+        run.backward(j)
+    assert store.num_entries() == 0
+    assert_close(run.results(), reference_grads(q, k, v, w))
+
+
+@pytest.mark.parametrize("max_block_elements", [1, 200, 10 ** 9])
+def test_lse_kernel_query_blocks_and_chunks(max_block_elements):
+    """Blocked queries and uneven chunks give the same result as one causal softmax."""
+    from megatron.seqsplit.lse_attention import lse_attention_backward, lse_attention_forward
+
+    gen = torch.Generator().manual_seed(5)
+    b, hq, g, lk, lq = 2, 6, 3, 23, 9
+    q = torch.randn(b, hq, lq, D, generator=gen, dtype=DTYPE, requires_grad=True)
+    k = torch.randn(b, g, lk, D, generator=gen, dtype=DTYPE, requires_grad=True)
+    v = torch.randn(b, g, lk, D, generator=gen, dtype=DTYPE, requires_grad=True)
+    grad = torch.randn(b, hq, lq, D, generator=gen, dtype=DTYPE)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(hq // g, 1), v.repeat_interleave(hq // g, 1),
+        attn_mask=torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), scale=SCALE)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    cuts = [0, 5, 6, 14, 20, lk]
+    keys = [k.detach()[:, :, a:e] for a, e in zip(cuts, cuts[1:])]
+    values = [v.detach()[:, :, a:e] for a, e in zip(cuts, cuts[1:])]
+    out, lse = lse_attention_forward(q.detach(), keys, values, softmax_scale=SCALE,
+                                     max_block_elements=max_block_elements)
+    dq, dks, dvs = lse_attention_backward(grad, q.detach(), out, lse, keys, values,
+                                          softmax_scale=SCALE,
+                                          max_block_elements=max_block_elements)
+    assert_close([out, dq, torch.cat(dks, 2), torch.cat(dvs, 2)],
+                 [want.detach(), *want_grads])
+
+
+def test_chunked_cache_bfloat16_accumulates_in_float32():
+    q, k, v, w = make_inputs(12, 1, 4, 2)
+    store = KVCacheStore()
+    run = SplitRun(*(t.bfloat16() for t in (q, k, v, w)), [3] * 4, store, "sdpa/chunked")
+    for j in range(4):
+        run.forward(j)
+    run.backward(3)
+    chunk = 3 * 1 * 2 * D
+    # four bf16 K and V chunks; fp32 gradients left for the three earlier chunks
+    assert store.cached_bytes() == 2 * 4 * chunk * 2 + 2 * 3 * chunk * 4
+    for j in (2, 1, 0):
+        run.backward(j)
+    assert_close(run.results(), reference_grads(q, k, v, w), atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["sdpa/buffer", "sdpa/chunked"]
+                         + (["flash/buffer"] if "flash" in available_backends("cuda", torch.bfloat16)
+                            else []))
+def test_split_attention_cuda_bf16(case):
+    """bf16 on CUDA against the float64 CPU reference (GPU check of issue #3 / #8)."""
+    L, b, hq, g, lengths = 512, 2, 8, 2, [128, 192, 192]
+    q, k, v, w = make_inputs(L, b, hq, g)
+    run = SplitRun(*(t.to("cuda", torch.bfloat16) for t in (q, k, v, w)), lengths,
+                   KVCacheStore(), case)
+    for j in range(len(lengths)):
+        run.forward(j)
+    for j in reversed(range(len(lengths))):
+        run.backward(j)
+    got = [t.double().cpu() for t in run.results()]
+    want = reference_grads(q, k, v, w)
+    for name, g_, w_ in zip(["out", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(g_, w_, rtol=0, atol=3e-2 * max(1.0, w_.abs().max().item()),
+                                   msg=name)

@@ -47,6 +47,12 @@ SP = ["--sequence-parallel"]  # split lengths then align to the TP size
 DOCS_RECOMPUTE = {f"_docs{label}": DOCS + flags for label, flags in RECOMPUTE.items()}
 VARIANTS = {"": [], "_pertoken": PER_TOKEN, "_docs": DOCS, "_sp": SP, **RECOMPUTE,
             **DOCS_RECOMPUTE}
+# the chunked KV cache (per-split chunks merged by log-sum-exp) on top of a variant; at
+# s = 1 it changes nothing, so its references are the variant's own
+CHUNKED = ["--seq1f1b-kv-cache", "chunked"]
+CHUNKED_VARIANTS = {"": [], "_docs": DOCS, "_full_uniform": RECOMPUTE["_full_uniform"],
+                    "_selective": RECOMPUTE["_selective"]}
+VARIANTS.update({f"{label}_chunked": flags + CHUNKED for label, flags in CHUNKED_VARIANTS.items()})
 
 
 def splits(n, method="average"):
@@ -95,6 +101,19 @@ for (label, flags), (model, batch, n, method) in zip(DOCS_RECOMPUTE.items(), (
         CASES[f"{model}_{batch}_pp2_s{n_}_{method_}{label}"] = (
             2, model, batch, PP2, splits(n_, method_), flags)
 CASES["B_mbs1_pp1_s3_average"] = (1, "B", "mbs1", [], splits(3), [])
+# chunked KV cache: GQA and MHA, mbs 1 and 2, pp 2 and 4, tp 2, packed documents,
+# full and selective recomputation
+for name, world, layout, n, method, label in (
+        ("B_mbs1_pp2", 2, PP2, 4, "average", ""),
+        ("A_mbs2_pp2", 2, PP2, 3, "uniform_comp", ""),
+        ("B_mbs1_pp4", 4, PP4, 3, "average", ""),
+        ("B_mbs1_tp2pp2", 4, TP2 + PP2, 2, "average", ""),
+        ("A_mbs2_pp2", 2, PP2, 4, "uniform_comp", "_docs"),
+        ("B_mbs1_pp2", 2, PP2, 3, "average", "_full_uniform"),
+        ("B_mbs1_pp2", 2, PP2, 2, "average", "_selective")):
+    model, batch = name.split("_")[:2]
+    CASES[f"{name}_s{n}_{method}{label}_chunked"] = (
+        world, model, batch, layout, splits(n, method), VARIANTS[f"{label}_chunked"])
 
 
 def variant(extra):
@@ -102,7 +121,7 @@ def variant(extra):
 
 
 def reference_name(model, batch, extra):
-    return f"ref_{model}_{batch}{variant(extra)}"
+    return f"ref_{model}_{batch}{variant(extra).removesuffix('_chunked')}"
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +139,8 @@ def results(tmp_path_factory):
         argv = MODELS[model] + BATCHES[batch] + starts[model] + layout + split_flags + extra
         by_world[world].append({"name": name, "argv": argv, "params": True})
         ref = reference_name(model, batch, extra)
-        references[ref] = MODELS[model] + BATCHES[batch] + starts[model] + extra
+        ref_extra = extra[:-len(CHUNKED)] if extra[-len(CHUNKED):] == CHUNKED else extra
+        references[ref] = MODELS[model] + BATCHES[batch] + starts[model] + ref_extra
     for ref, argv in references.items():
         by_world[1].append({"name": ref, "argv": argv, "params": True})
     out = {}
@@ -134,7 +154,7 @@ def _unsplit_name(name):
     if name.endswith("pertoken"):
         return f"{prefix}_s1_pertoken"
     label = max((v for v in VARIANTS if name.endswith(v)), key=len)  # "_docs_selective"
-    return f"{prefix}_s1_average{label}"
+    return f"{prefix}_s1_average{label.removesuffix('_chunked')}"
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "_s1_" not in n])

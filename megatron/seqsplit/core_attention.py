@@ -18,7 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.seqsplit.attention_backends import get_backend
-from megatron.seqsplit.kv_cache import split_causal_attention
+from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS, split_causal_attention
 from megatron.seqsplit.split_context import SplitContext
 
 
@@ -36,6 +36,7 @@ class SplitCausalAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
         backend_name: str = "auto",
+        kv_cache: str = "buffer",
     ):
         super().__init__(config=config)
         if attention_type != "self" or attn_mask_type != AttnMaskType.causal:
@@ -51,6 +52,12 @@ class SplitCausalAttention(MegatronModule):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         # chosen once, at build time
         self.backend = get_backend(backend_name, device=device, dtype=config.params_dtype)
+        if kv_cache not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"unknown KV-cache layout {kv_cache!r}; use one of {KV_CACHE_LAYOUTS}")
+        if kv_cache == "chunked" and self.dropout_p > 0.0:
+            raise ValueError("the chunked KV cache has no attention dropout; set "
+                             f"--attention-dropout 0 (got {self.dropout_p})")
+        self.kv_cache = kv_cache
         if self.dropout_p > 0.0 and not self.backend.supports_dropout:
             raise ValueError(
                 f"attention backend {self.backend.name!r} has no attention dropout; "
@@ -77,6 +84,7 @@ class SplitCausalAttention(MegatronModule):
             backend=self.backend,
             softmax_scale=self.softmax_scale,
             dropout_p=dropout_p,
+            kv_cache=self.kv_cache,
         )
         if dropout_p > 0.0:
             # heads are split across TP ranks: use the model-parallel RNG stream, as

@@ -31,13 +31,15 @@ class _Entry:
     grad_key: torch.Tensor | None = None  # prefix gradients left by later splits
     grad_value: torch.Tensor | None = None
 
-    def nbytes(self) -> int:
-        tensors = (self.key, self.value, self.grad_key, self.grad_value)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    def tensors(self):
+        return [t for t in (self.key, self.value, self.grad_key, self.grad_value) if t is not None]
 
 
 class KVCacheStore:
     """K/V prefix buffers keyed by (microbatch_id, layer_key); one per forward-backward pass.
+
+    Entries are this module's full-sequence buffers or `kv_chunks`' per-split chunks
+    (whichever the attention layer uses); the store only needs their `tensors()`.
 
     `forward_only`: when are entries freed after the last split's forward?
       None  - when that forward recorded no autograd graph (evaluation); otherwise by
@@ -56,17 +58,24 @@ class KVCacheStore:
         return len(self._entries)
 
     def cached_bytes(self) -> int:
-        """Bytes held by K/V buffers and gradient accumulators of live entries."""
-        return sum(e.nbytes() for e in self._entries.values())
+        """Bytes held by K/V buffers (or chunks) and gradient accumulators of live entries."""
+        return sum(t.numel() * t.element_size()
+                   for e in self._entries.values() for t in e.tensors())
 
     def storage_pointers(self) -> set:
         """data_ptr of every live buffer's storage (memory probes count them once)."""
-        tensors = (t for e in self._entries.values()
-                   for t in (e.key, e.value, e.grad_key, e.grad_value) if t is not None)
-        return {t.untyped_storage().data_ptr() for t in tensors}
+        return {t.untyped_storage().data_ptr()
+                for e in self._entries.values() for t in e.tensors()}
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def lookup(self, entry_id):
+        return self._entries.get(entry_id)
+
+    def insert(self, entry_id, entry):
+        self._entries[entry_id] = entry
+        return entry
 
     def _entry(self, entry_id, split, key: torch.Tensor) -> _Entry:
         entry = self._entries.get(entry_id)
@@ -145,12 +154,29 @@ class _PrefixKV(torch.autograd.Function):
         return gk, gv, None, None, None
 
 
+def release_after_last_forward(store, entry_id, split, tracked: bool) -> None:
+    """Free an entry after its last split's forward when no backward will need it."""
+    free_now = store.forward_only if store.forward_only is not None else not tracked
+    if free_now and split.split_index == split.num_splits - 1:
+        store._release(entry_id)
+
+
+def key_documents(split, num_keys: int, device):
+    """Packed documents: the document of each of the first `num_keys` keys, or None."""
+    documents = getattr(split, "document_ids", None)
+    return None if documents is None else documents[:, :num_keys].to(device)
+
+
 def _to_bhld(x):  # megatron [l, b, h, d] -> kernel [b, h, l, d] (a view)
     return x.permute(1, 2, 0, 3)
 
 
+KV_CACHE_LAYOUTS = ("buffer", "chunked")
+
+
 def split_causal_attention(
-    query, key, value, *, split, store, layer_key, backend, softmax_scale, dropout_p=0.0
+    query, key, value, *, split, store, layer_key, backend, softmax_scale, dropout_p=0.0,
+    kv_cache="buffer",
 ):
     """Causal attention of one split over its microbatch's cached prefix.
 
@@ -158,10 +184,22 @@ def split_causal_attention(
     returns [l, b, hq, d]. `split` has microbatch_id, split_index, num_splits, offset,
     length, seq_length and optionally document_ids [b, >= offset + length] (packed
     documents: per-document causal attention); None (or num_splits == 1) means
-    attention over the given query/key/value alone.
+    attention over the given query/key/value alone, with `backend`.
+    `kv_cache`: "buffer" (this module: one full-sequence buffer, `backend` attends over
+    its prefix) or "chunked" (`kv_chunks`: per-split chunks merged by log-sum-exp).
     """
     if split is None or split.num_splits == 1:
         k_all, v_all = key, value
+    elif kv_cache == "chunked":
+        if dropout_p > 0.0:
+            raise ValueError("the chunked KV cache has no attention dropout: set "
+                             "--attention-dropout 0 or use --seq1f1b-kv-cache buffer")
+        from megatron.seqsplit.kv_chunks import chunked_split_attention  # imports this module
+
+        return chunked_split_attention(query, key, value, split=split, store=store,
+                                       layer_key=layer_key, softmax_scale=softmax_scale)
+    elif kv_cache != "buffer":
+        raise ValueError(f"unknown KV-cache layout {kv_cache!r}; use one of {KV_CACHE_LAYOUTS}")
     else:
         if key.shape[0] != split.length or split.offset + split.length > split.seq_length:
             raise ValueError(
@@ -176,12 +214,8 @@ def split_causal_attention(
             k_all, v_all = _PrefixKV.apply(key, value, entry, split.offset, release)
         else:
             k_all, v_all = _write_and_expose(entry, key, value, split.offset)
-        free_now = store.forward_only if store.forward_only is not None else not tracked
-        if free_now and split.split_index == split.num_splits - 1:
-            store._release(entry_id)
-    documents = getattr(split, "document_ids", None)
-    if documents is not None:  # packed documents: the document of every key
-        documents = documents[:, :k_all.shape[0]].to(query.device)
+        release_after_last_forward(store, entry_id, split, tracked)
+    documents = key_documents(split, k_all.shape[0], query.device)
     out = backend(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
         softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents,

@@ -51,12 +51,15 @@ def _swap_torch_norms(submodules):
 
 
 def split_aware_local_spec(config, normalization: str = "LayerNorm",
-                           attention_backend: str = "auto", vp_stage=None):
+                           attention_backend: str = "auto", vp_stage=None,
+                           kv_cache: str = "buffer"):
     """megatron-core's local GPT spec with split-aware core attention, as a block spec
-    for this pipeline stage (its final norm, too, must support sequence parallel)."""
+    for this pipeline stage (its final norm, too, must support sequence parallel).
+    `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked"."""
     spec = get_gpt_layer_local_spec(normalization=normalization)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=SplitCausalAttention, params={"backend_name": attention_backend})
+        module=SplitCausalAttention,
+        params={"backend_name": attention_backend, "kv_cache": kv_cache})
     _swap_torch_norms(spec.submodules)
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),

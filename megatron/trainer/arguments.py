@@ -11,6 +11,7 @@ import sys
 import torch
 
 from megatron.seqsplit.attention_backends import BACKEND_NAMES
+from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS
 
 
 class ArgumentError(ValueError):
@@ -105,6 +106,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--seq1f1b-split-alignment", type=int, default=1,
                    help="split lengths are multiples of this (and of the TP size under "
                         "sequence parallel)")
+    g.add_argument("--seq1f1b-kv-cache", choices=list(KV_CACHE_LAYOUTS), default="buffer",
+                   help="K/V prefix cache of split attention: 'buffer' (one full-sequence "
+                        "buffer per microbatch and layer, attention by --attention-backend) "
+                        "or 'chunked' (per-split chunks merged by log-sum-exp: no prefix "
+                        "concatenation, no saved mask; plain-PyTorch kernel, no attention "
+                        "dropout)")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="record each pipeline unit's start/end per rank to this JSON file")
     g.add_argument("--activation-memory-file", type=str, default=None,
@@ -347,6 +354,9 @@ def _validate_seq1f1b(args):
         tp = args.tensor_model_parallel_size
         alignment = alignment * tp // _gcd(alignment, tp)
     args.seq1f1b_alignment = alignment
+    _require(args.seq1f1b_kv_cache != "chunked" or args.attention_dropout == 0.0,
+             f"--seq1f1b-kv-cache chunked has no attention dropout: add --attention-dropout 0 "
+             f"(got {args.attention_dropout}) or use --seq1f1b-kv-cache buffer")
     if splits == 1:
         return
     _require(args.seq_length % alignment == 0,

@@ -76,7 +76,8 @@ def layer_spec(args, config, vp_stage=None):
         )
         return get_gpt_layer_with_transformer_engine_spec()
     return split_aware_local_spec(config, normalization=args.normalization,
-                                  attention_backend=args.attention_backend, vp_stage=vp_stage)
+                                  attention_backend=args.attention_backend, vp_stage=vp_stage,
+                                  kv_cache=args.seq1f1b_kv_cache)
 
 
 def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):

@@ -1,0 +1,152 @@
+"""Chunked K/V prefix cache (`--seq1f1b-kv-cache chunked`): no prefix is ever concatenated.
+
+The default cache (`kv_cache.py`) copies every split's K/V into one full-sequence buffer
+per (microbatch, layer) and runs the attention kernel over the buffer's prefix. Here
+each split's K/V stays a chunk of its own, and split `j` attends over chunks `0..j`
+with `lse_attention`: partial softmaxes per chunk merged by log-sum-exp, recomputed
+chunk by chunk in backward. So
+
+* K/V memory is the same one sequence per in-flight microbatch and layer, but it is
+  allocated split by split (nothing is reserved for splits that have not run);
+* attention saves the split's query, output and LSE and no mask: the fully visible
+  prefix chunks need none and the own chunk's causal mask is rebuilt when used.
+
+Gradients follow the buffer cache's scheme: split `j`'s backward yields gradients for
+chunks `< j`, added into per-chunk accumulators of the entry; split `c` returns its own
+chunk's gradient plus what later splits left for it; split 0's backward frees the entry.
+Recomputation (a checkpoint re-running split `j`'s forward) rewrites chunk `j` with the
+same values, never a second chunk.
+
+The kernel is plain PyTorch matmuls, exact on every device; it is not a fused kernel
+(flash-attn's LSE-returning entry points are private), so on GPU it trades speed for
+the chunked layout. No attention dropout.
+"""
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from megatron.seqsplit.kv_cache import key_documents, release_after_last_forward
+from megatron.seqsplit.lse_attention import (
+    DEFAULT_MAX_BLOCK_ELEMENTS,
+    lse_attention_backward,
+    lse_attention_forward,
+)
+
+
+@dataclass
+class _ChunkEntry:
+    keys: dict = field(default_factory=dict)  # split index -> [b, g, l, d]
+    values: dict = field(default_factory=dict)
+    grad_keys: dict = field(default_factory=dict)  # split index -> gradient left by later splits
+    grad_values: dict = field(default_factory=dict)
+
+    def tensors(self):
+        return [*self.keys.values(), *self.values.values(),
+                *self.grad_keys.values(), *self.grad_values.values()]
+
+
+def _entry(store, entry_id, split) -> _ChunkEntry:
+    entry = store.lookup(entry_id)
+    if entry is None:
+        if split.split_index != 0:
+            raise RuntimeError(
+                f"no cached K/V chunks for microbatch {split.microbatch_id}, layer "
+                f"{entry_id[1]}: split {split.split_index} ran forward before split 0, or the "
+                "entry was already freed")
+        entry = store.insert(entry_id, _ChunkEntry())
+    if not isinstance(entry, _ChunkEntry):
+        raise RuntimeError(f"KV-cache entry {entry_id} is a buffer entry, not chunks: one "
+                           "model mixes --seq1f1b-kv-cache layouts")
+    missing = [c for c in range(split.split_index) if c not in entry.keys]
+    if missing:
+        raise RuntimeError(f"split {split.split_index} of microbatch {split.microbatch_id} "
+                           f"needs the K/V chunks of splits {missing}, which have not run")
+    return entry
+
+
+def _store_own(entry: _ChunkEntry, split_index: int, key, value):
+    """Keep this split's K/V as chunk `split_index`; return chunks 0..split_index."""
+    # [l, b, g, d] -> [b, g, l, d]: one compact copy of the split's own K/V (it also stops
+    # the chunk from pinning the fused QKV projection output it may be a view of)
+    entry.keys[split_index] = key.detach().permute(1, 2, 0, 3).contiguous()
+    entry.values[split_index] = value.detach().permute(1, 2, 0, 3).contiguous()
+    chunks = range(split_index + 1)
+    return [entry.keys[c] for c in chunks], [entry.values[c] for c in chunks]
+
+
+def _accumulate(grads: dict, index: int, grad):
+    if index in grads:
+        grads[index] += grad
+    else:
+        grads[index] = grad
+
+
+class _ChunkedSplitAttention(torch.autograd.Function):
+    """(query [l, b, hq, d], own key/value [l, b, g, d]) -> context [b, hq, l, d]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, entry, split_index, softmax_scale, documents,
+                on_first_split_done, max_block_elements):
+        keys, values = _store_own(entry, split_index, key, value)
+        out, lse = lse_attention_forward(
+            query.permute(1, 2, 0, 3), keys, values, softmax_scale=softmax_scale,
+            document_ids=documents, max_block_elements=max_block_elements)
+        ctx.save_for_backward(query, out, lse)
+        ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
+        ctx.kwargs = dict(softmax_scale=softmax_scale, document_ids=documents,
+                          max_block_elements=max_block_elements)
+        ctx.on_first_split_done = on_first_split_done
+        ctx.kv_dtype = key.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, out, lse = ctx.saved_tensors
+        keys, values = ctx.chunks
+        entry, j = ctx.entry, ctx.split_index
+        dq, dks, dvs = lse_attention_backward(
+            grad_out, query.permute(1, 2, 0, 3), out, lse, keys, values, **ctx.kwargs)
+        for c in range(j):  # prefix chunks: their own splits' backwards return these
+            _accumulate(entry.grad_keys, c, dks[c])
+            _accumulate(entry.grad_values, c, dvs[c])
+        dk = dks[j] + entry.grad_keys.pop(j, 0)
+        dv = dvs[j] + entry.grad_values.pop(j, 0)
+        if j == 0:
+            ctx.on_first_split_done()
+        ctx.chunks = None
+
+        def megatron_layout(x):  # [b, h, l, d] -> [l, b, h, d]
+            return x.permute(2, 0, 1, 3).to(ctx.kv_dtype)
+
+        return (dq.permute(2, 0, 1, 3), megatron_layout(dk), megatron_layout(dv),
+                None, None, None, None, None, None)
+
+
+def chunked_split_attention(query, key, value, *, split, store, layer_key, softmax_scale,
+                            max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+    """Split attention over the microbatch's K/V chunks; same contract as
+    `kv_cache.split_causal_attention` (query [l, b, hq, d], key/value [l, b, g, d],
+    returns [l, b, hq, d]) for a split with `num_splits > 1`."""
+    if key.shape[0] != split.length or split.offset + split.length > split.seq_length:
+        raise ValueError(
+            f"split {split.split_index}: K/V length {key.shape[0]} does not match "
+            f"length {split.length} at offset {split.offset} of {split.seq_length}")
+    entry_id = (split.microbatch_id, layer_key)
+    entry = _entry(store, entry_id, split)
+    documents = key_documents(split, split.offset + split.length, query.device)
+    tracked = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value))
+    if tracked:
+        release = partial(store._release, entry_id)
+        out = _ChunkedSplitAttention.apply(
+            query, key, value, entry, split.split_index, softmax_scale, documents, release,
+            max_block_elements)
+    else:
+        keys, values = _store_own(entry, split.split_index, key, value)
+        out, _ = lse_attention_forward(
+            query.permute(1, 2, 0, 3), keys, values, softmax_scale=softmax_scale,
+            document_ids=documents, max_block_elements=max_block_elements)
+    release_after_last_forward(store, entry_id, split, tracked)
+    return out.permute(2, 0, 1, 3).contiguous()

@@ -1,0 +1,177 @@
+"""Exact causal attention over a list of K/V chunks, merged by log-sum-exp (pure PyTorch).
+
+The keys of one split are the concatenation of chunks ``c = 0..n-1`` (chunk ``c`` holds
+key positions ``[start_c, start_c + l_c)``); the ``lq`` queries are the last ``lq`` of
+the ``lk`` keys (bottom-right causal), optionally restricted to their own document.
+Nothing is concatenated: every chunk contributes a partial softmax, and partials merge
+by their log-sum-exp (LSE):
+
+    lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+Backward is the flash-attention recurrence over the same chunks, with the merged output
+and LSE: ``P_c = exp(S_c - lse)``, ``dS_c = P_c (dO V_c^T - rowsum(dO * O))``, so the
+gradient of every chunk is exact without ever holding the full ``lq x lk`` scores. Only
+``q``, the output and the LSE are needed from the forward; scores are recomputed per
+chunk and per block of queries (``max_block_elements`` bounds their transient size), and
+no mask is ever saved. Fully masked chunks are skipped.
+
+Layouts: q [b, hq, lq, d]; chunks [b, g, l_c, d] with hq % g == 0 (GQA reads the groups,
+never expanded heads); document_ids [b, lk] or None. Scores and softmax statistics are
+float32 for half inputs (float64 stays float64); matmuls run in the input dtype.
+"""
+
+from typing import Sequence
+
+import torch
+
+DEFAULT_MAX_BLOCK_ELEMENTS = 1 << 26  # transient scores per (query block, chunk): 256 MiB fp32
+
+
+def _stat_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _query_blocks(q, chunk_lengths, max_block_elements):
+    """Query row ranges whose scores against the longest chunk stay under the bound."""
+    b, hq, lq, _ = q.shape
+    per_row = b * hq * max(chunk_lengths)
+    rows = max(1, min(lq, max_block_elements // max(per_row, 1)))
+    return [(i, min(i + rows, lq)) for i in range(0, lq, rows)]
+
+
+def _allowed(q_first, n, start, length, document_ids, device):
+    """Visibility of keys [start, start+length) for queries at positions q_first..+n.
+
+    Returns None (everything visible), False (nothing visible) or a bool tensor
+    broadcastable to the scores [b, g, r, n, length].
+    """
+    causal_all = start + length - 1 <= q_first
+    if causal_all and document_ids is None:
+        return None
+    if start > q_first + n - 1:
+        return False
+    q_pos = torch.arange(q_first, q_first + n, device=device)
+    k_pos = torch.arange(start, start + length, device=device)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None, None, None]  # [1, 1, 1, n, l]
+    if document_ids is not None:
+        docs_q = document_ids[:, q_first:q_first + n]
+        docs_k = document_ids[:, start:start + length]
+        same = docs_q[:, :, None] == docs_k[:, None, :]  # [b, n, l]
+        allowed = allowed & same[:, None, None]
+    if not bool(allowed.any()):
+        return False
+    return allowed
+
+
+class _Chunks:
+    """Key/value chunks with their positions; shared by forward and backward."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+        if len(keys) != len(values) or not keys:
+            raise ValueError("need one value chunk per key chunk, and at least one chunk")
+        self.keys, self.values = list(keys), list(values)
+        self.starts, start = [], 0
+        for k, v in zip(self.keys, self.values):
+            if k.shape != v.shape or k.dim() != 4:
+                raise ValueError(f"key/value chunks must be [b, g, l, d] alike; got {k.shape}, {v.shape}")
+            self.starts.append(start)
+            start += k.shape[2]
+        self.total = start
+
+    def lengths(self):
+        return [k.shape[2] for k in self.keys]
+
+
+def _check(q, chunks: _Chunks, document_ids):
+    b, hq, lq, d = q.shape
+    k0 = chunks.keys[0]
+    if k0.shape[0] != b or k0.shape[3] != d or hq % k0.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not match K/V chunks {tuple(k0.shape)}")
+    if lq > chunks.total:
+        raise ValueError(f"{lq} queries but only {chunks.total} keys")
+    if document_ids is not None and tuple(document_ids.shape) != (b, chunks.total):
+        raise ValueError(f"document_ids must be [b, lk] = [{b}, {chunks.total}], "
+                         f"got {tuple(document_ids.shape)}")
+
+
+def _scores(q_rows, key, scale, allowed, shape5):
+    """Scaled scores [b, g, r, n, l] in the statistics dtype; masked entries are -inf."""
+    s = torch.matmul(q_rows, key.transpose(-1, -2)).view(*shape5, key.shape[2])
+    s = s.to(_stat_dtype(q_rows.dtype)) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
+                          max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+    """(out [b, hq, lq, d] in q's dtype, lse [b, hq, lq] in the statistics dtype)."""
+    chunks = _Chunks(keys, values)
+    _check(q, chunks, document_ids)
+    b, hq, lq, d = q.shape
+    g = chunks.keys[0].shape[1]
+    r = hq // g
+    stat = _stat_dtype(q.dtype)
+    q5 = q.reshape(b, g, r, lq, d)
+    out = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
+    lse = torch.full((b, g, r, lq), float("-inf"), dtype=stat, device=q.device)
+    first = chunks.total - lq
+    for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
+        n = i1 - i0
+        q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
+        acc_out, acc_lse = out[:, :, :, i0:i1], lse[:, :, :, i0:i1]
+        for key, value, start in zip(chunks.keys, chunks.values, chunks.starts):
+            allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
+            if allowed is False:
+                continue
+            s = _scores(q_rows, key, softmax_scale, allowed, (b, g, r, n))
+            part_lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing here
+            probs = torch.exp(s - part_lse.clamp_min(torch.finfo(stat).min)[..., None])
+            part = torch.matmul(probs.to(value.dtype).view(b, g, r * n, -1), value)
+            part = part.view(b, g, r, n, d).to(stat)
+            new_lse = torch.logaddexp(acc_lse, part_lse)
+            safe = new_lse.clamp_min(torch.finfo(stat).min)[..., None]
+            acc_out.mul_(torch.exp(acc_lse[..., None] - safe)).add_(
+                part * torch.exp(part_lse[..., None] - safe))
+            acc_lse.copy_(new_lse)
+    return out.view(b, hq, lq, d).to(q.dtype), lse.view(b, hq, lq)
+
+
+def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale,
+                           document_ids=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+    """(dq like q, [dk_c], [dv_c]) for the merged attention; chunk grads in stat dtype."""
+    chunks = _Chunks(keys, values)
+    b, hq, lq, d = q.shape
+    g = chunks.keys[0].shape[1]
+    r = hq // g
+    stat = _stat_dtype(q.dtype)
+    q5 = q.reshape(b, g, r, lq, d)
+    do5 = grad_out.reshape(b, g, r, lq, d)
+    lse5 = lse.reshape(b, g, r, lq)
+    delta = (grad_out.to(stat) * out.to(stat)).sum(-1).reshape(b, g, r, lq)
+    dq = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
+    dks = [torch.zeros(k.shape, dtype=stat, device=k.device) for k in chunks.keys]
+    dvs = [torch.zeros(v.shape, dtype=stat, device=v.device) for v in chunks.values]
+    first = chunks.total - lq
+    for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
+        n = i1 - i0
+        q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
+        do_rows = do5[:, :, :, i0:i1].reshape(b, g, r * n, d)
+        row_lse = lse5[:, :, :, i0:i1, None]
+        row_delta = delta[:, :, :, i0:i1, None]
+        for c, (key, value, start) in enumerate(zip(chunks.keys, chunks.values, chunks.starts)):
+            allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
+            if allowed is False:
+                continue
+            probs = torch.exp(_scores(q_rows, key, softmax_scale, allowed, (b, g, r, n)) - row_lse)
+            probs_rows = probs.view(b, g, r * n, -1)
+            dvs[c] += torch.matmul(probs_rows.transpose(-1, -2).to(do_rows.dtype), do_rows).to(stat)
+            dp = torch.matmul(do_rows, value.transpose(-1, -2)).view(b, g, r, n, -1).to(stat)
+            ds = (probs * (dp - row_delta) * softmax_scale).view(b, g, r * n, -1)
+            ds_in = ds.to(q.dtype)
+            dq[:, :, :, i0:i1] += torch.matmul(ds_in, key).view(b, g, r, n, d).to(stat)
+            dks[c] += torch.matmul(ds_in.transpose(-1, -2), q_rows).to(stat)
+    return dq.view(b, hq, lq, d).to(q.dtype), dks, dvs
+
+
+__all__ = ["lse_attention_forward", "lse_attention_backward", "DEFAULT_MAX_BLOCK_ELEMENTS"]
