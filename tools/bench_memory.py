@@ -10,10 +10,10 @@ iteration (see megatron/schedules/memory_probe.py). Stage 0's peak is compared w
 
 * the paper's ratio ``(s + p - 1) / (s p)`` (activations only), and
 * the same walk over stage 0's unit list with the KV cache counted: each in-flight
-  split holds its share ``l_j / L`` of a microbatch's non-K/V activations
-  ``M - K``, and each microbatch whose split-0 backward has not run yet holds one
-  full-sequence K/V buffer ``K`` per layer (M is measured under 1F1B as peak / p;
-  K = 2 L b g d bytes per layer).
+  split holds its share ``l_j / L`` of a microbatch's non-K/V activations ``M - K``,
+  plus each microbatch's K/V and K/V-gradient accumulators as the cache layout
+  (``--extra --seq1f1b-kv-cache chunked``) holds them (``predicted_peak``; M is
+  measured under 1F1B as peak / p; K = 2 L b g d bytes per layer).
 """
 
 import argparse
@@ -51,20 +51,39 @@ def run_probe(args, splits, out_path):
     return json.load(open(out_path))["stages"]
 
 
-def predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes):
-    """Walk stage 0's units: in-flight split shares of M - K plus live K/V buffers."""
+def predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes, layout="buffer"):
+    """Walk stage 0's units: in-flight split shares of M - K plus the KV cache.
+
+    The KV cache term, per microbatch (`layout` of --seq1f1b-kv-cache):
+    buffer:  one full K/V buffer (K) from its first forward to its split-0 backward, and
+             the K/V gradient accumulator (K) from its first backward to split 0's
+             (splits' prefix gradients wait there for their own split);
+    chunked: the K/V chunks of the splits that ran forward (K l_j / L each), and after
+             split j's backward the gradients left for chunks < j (K o_j / L).
+    """
     total = sum(lengths)
-    alive_units, alive_mb, peak = set(), set(), 0.0
+    offsets = [sum(lengths[:j]) for j in range(s)]
+    alive_units, kv, peak = set(), {}, 0.0  # kv: microbatch -> bytes its cache holds
     for unit in seq1f1b_rank_units(0, p, m, s):
+        mb, j = unit.microbatch, unit.split
         if unit.is_forward:
-            alive_units.add((unit.microbatch, unit.split))
-            alive_mb.add(unit.microbatch)
+            alive_units.add((mb, j))
+            if layout == "chunked":
+                kv[mb] = kv.get(mb, 0.0) + kv_bytes * lengths[j] / total
+            else:
+                kv[mb] = kv_bytes
         else:
-            alive_units.discard((unit.microbatch, unit.split))
-            if unit.split == 0:
-                alive_mb.discard(unit.microbatch)
-        now = (sum((per_microbatch - kv_bytes) * lengths[j] / total for _, j in alive_units)
-               + (kv_bytes * len(alive_mb) if s > 1 else 0))
+            alive_units.discard((mb, j))
+            if j == 0:
+                kv.pop(mb, None)
+            elif layout == "chunked":
+                # all chunks stay until split 0's backward; gradients for chunks < j wait
+                kv[mb] = kv_bytes * (1.0 + offsets[j] / total)
+            else:
+                kv[mb] = 2 * kv_bytes
+        now = sum((per_microbatch - kv_bytes) * lengths[j] / total for _, j in alive_units)
+        if s > 1:
+            now += sum(kv.values())
         peak = max(peak, now)
     return peak
 
@@ -86,6 +105,7 @@ def main():
     args = parser.parse_args()
 
     p, m = args.pp, args.microbatches
+    layout = "chunked" if "chunked" in args.extra else "buffer"  # --seq1f1b-kv-cache
     layers_per_stage = args.num_layers // p
     head_dim = args.hidden_size // args.heads
     kv_bytes = 2 * args.seq_length * 1 * args.heads * head_dim * 4 * layers_per_stage
@@ -99,7 +119,7 @@ def main():
         for s in args.splits:
             stages = run_probe(args, s, os.path.join(tmp, f"s{s}.json"))
             lengths = plan_splits(args.seq_length, s, "average")
-            predicted = predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes)
+            predicted = predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes, layout)
             rows.append({"schedule": "seq1f1b", "splits": s,
                          "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
                          "paper_ratio": (s + p - 1) / (s * p),
