@@ -94,12 +94,13 @@ def _check(q, chunks: _Chunks, document_ids):
                          f"got {tuple(document_ids.shape)}")
 
 
-def _scores(q_rows, key, scale, allowed, shape5):
-    """Scaled scores [b, g, r, n, l] in the statistics dtype; masked entries are -inf."""
+def _scores(q_rows, key, allowed, shape5):
+    """Scores [b, g, r, n, l] of pre-scaled query rows, in the statistics dtype; masked
+    entries are -inf. A fresh tensor, so callers may work on it in place."""
     s = torch.matmul(q_rows, key.transpose(-1, -2)).view(*shape5, key.shape[2])
-    s = s.to(_stat_dtype(q_rows.dtype)) * scale
+    s = s.to(_stat_dtype(q_rows.dtype))
     if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+        s.masked_fill_(~allowed, float("-inf"))
     return s
 
 
@@ -112,10 +113,11 @@ def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
     g = chunks.keys[0].shape[1]
     r = hq // g
     stat = _stat_dtype(q.dtype)
-    q5 = q.reshape(b, g, r, lq, d)
+    q5 = q.reshape(b, g, r, lq, d) * softmax_scale  # scaled once, not every score
     out = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
     lse = torch.full((b, g, r, lq), float("-inf"), dtype=stat, device=q.device)
     first = chunks.total - lq
+    tiny = torch.finfo(stat).min
     for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
         n = i1 - i0
         q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
@@ -124,13 +126,15 @@ def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
             allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
             if allowed is False:
                 continue
-            s = _scores(q_rows, key, softmax_scale, allowed, (b, g, r, n))
-            part_lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing here
-            probs = torch.exp(s - part_lse.clamp_min(torch.finfo(stat).min)[..., None])
+            s = _scores(q_rows, key, allowed, (b, g, r, n))
+            row_max = s.amax(dim=-1, keepdim=True).clamp_min_(tiny)  # finite for empty rows
+            probs = s.sub_(row_max).exp_()  # unnormalised, in place
+            row_sum = probs.sum(dim=-1)
             part = torch.matmul(probs.to(value.dtype).view(b, g, r * n, -1), value)
-            part = part.view(b, g, r, n, d).to(stat)
+            part = part.view(b, g, r, n, d).to(stat) / row_sum.clamp_min(torch.finfo(stat).tiny)[..., None]
+            part_lse = row_max[..., 0] + row_sum.log()  # -inf where a row sees nothing here
             new_lse = torch.logaddexp(acc_lse, part_lse)
-            safe = new_lse.clamp_min(torch.finfo(stat).min)[..., None]
+            safe = new_lse.clamp_min(tiny)[..., None]
             acc_out.mul_(torch.exp(acc_lse[..., None] - safe)).add_(
                 part * torch.exp(part_lse[..., None] - safe))
             acc_lse.copy_(new_lse)
@@ -145,7 +149,7 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     g = chunks.keys[0].shape[1]
     r = hq // g
     stat = _stat_dtype(q.dtype)
-    q5 = q.reshape(b, g, r, lq, d)
+    q5 = q.reshape(b, g, r, lq, d) * softmax_scale
     do5 = grad_out.reshape(b, g, r, lq, d)
     lse5 = lse.reshape(b, g, r, lq)
     delta = (grad_out.to(stat) * out.to(stat)).sum(-1).reshape(b, g, r, lq)
@@ -163,14 +167,15 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
             allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
             if allowed is False:
                 continue
-            probs = torch.exp(_scores(q_rows, key, softmax_scale, allowed, (b, g, r, n)) - row_lse)
+            probs = _scores(q_rows, key, allowed, (b, g, r, n)).sub_(row_lse).exp_()
             probs_rows = probs.view(b, g, r * n, -1)
             dvs[c] += torch.matmul(probs_rows.transpose(-1, -2).to(do_rows.dtype), do_rows).to(stat)
             dp = torch.matmul(do_rows, value.transpose(-1, -2)).view(b, g, r, n, -1).to(stat)
-            ds = (probs * (dp - row_delta) * softmax_scale).view(b, g, r * n, -1)
+            ds = dp.sub_(row_delta).mul_(probs).view(b, g, r * n, -1)  # dS / scale
             ds_in = ds.to(q.dtype)
             dq[:, :, :, i0:i1] += torch.matmul(ds_in, key).view(b, g, r, n, d).to(stat)
-            dks[c] += torch.matmul(ds_in.transpose(-1, -2), q_rows).to(stat)
+            dks[c] += torch.matmul(ds_in.transpose(-1, -2), q_rows).to(stat)  # q_rows is scaled
+    dq.mul_(softmax_scale)
     return dq.view(b, hq, lq, d).to(q.dtype), dks, dvs
 
 
