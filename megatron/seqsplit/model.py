@@ -7,6 +7,10 @@ Two things differ from megatron-core's ``GPTModel`` with the local spec:
   embeddings for positions ``0..len-1`` of whatever it is given, so for a split the
   embedding is recomputed from ``offset``. Learned absolute embeddings need nothing:
   they read the split's (absolute) ``position_ids``.
+
+The layer spec also swaps ``SelfAttention`` for ``SplitSelfAttention``, which under
+selective recomputation checkpoints the attention kernel after the KV-cache write
+rather than the whole core attention (``megatron.seqsplit.recompute``).
 """
 
 import torch
@@ -20,6 +24,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from megatron.seqsplit.core_attention import SplitCausalAttention
+from megatron.seqsplit.recompute import SplitSelfAttention
 from megatron.seqsplit.split_context import SplitContext
 
 
@@ -57,6 +62,7 @@ def split_aware_local_spec(config, normalization: str = "LayerNorm",
     for this pipeline stage (its final norm, too, must support sequence parallel).
     `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked"."""
     spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec.submodules.self_attention.module = SplitSelfAttention
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SplitCausalAttention,
         params={"backend_name": attention_backend, "kv_cache": kv_cache})
