@@ -128,7 +128,7 @@ def slimpipe_rows(args, tmp, per_microbatch, kv_bytes):
 
 
 def print_slimpipe_table(rows, base_peak, per_microbatch):
-    print("| schedule | v | n | slices held (generator) | (nv+2(p-1))/(nv) | stage-0 peak MiB "
+    print("| schedule | v | n | slices held (generator) | held / (nv) | stage-0 peak MiB "
           "| peak / M | peak / 1F1B | predicted with KV cache / M | measured / predicted "
           "| worst stage MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
