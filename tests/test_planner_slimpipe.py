@@ -62,6 +62,8 @@ def test_matches_the_generator():
     (["--slimpipe-slices", "8", "--seq1f1b-splits", "4"], "--seq1f1b-splits"),
     (["--schedule", "seq1f1b", "--slimpipe-slices", "8"], "needs --schedule slimpipe"),
     (["--slimpipe-slices", "8", "--seq1f1b-balance-method", "uniform_comp"], "uniform"),
+    (["--slimpipe-slices", "8", "--virtual-pipeline-model-parallel-size", "2",
+      "--microbatch-group-size-per-virtual-pipeline-stage", "4"], "does not apply"),
 ])
 def test_mistakes_name_the_flag(extra, message):
     with pytest.raises(PlanError, match=message):
@@ -70,14 +72,15 @@ def test_mistakes_name_the_flag(extra, message):
 
 def test_cli_report_json_and_timeline(tmp_path, capsys):
     timeline = tmp_path / "slimpipe.json"
-    png = tmp_path / "slimpipe.png"
+    png, memory_png = tmp_path / "slimpipe.png", tmp_path / "memory.png"
     assert main(BASE + ["--slimpipe-slices", "8", "--virtual-pipeline-model-parallel-size", "2",
-                        "--timeline-json", str(timeline), "--timeline-png", str(png)]) == 0
+                        "--timeline-json", str(timeline), "--timeline-png", str(png),
+                        "--memory-png", str(memory_png)]) == 0
     out = capsys.readouterr().out
     assert "schedule: slimpipe, 8 uniform slices of 8192 tokens, 2 virtual stage(s)" in out
     data = json.loads(timeline.read_text())
     assert data["meta"]["schedule"] == "slimpipe" and data["meta"]["splits"] == 8
     assert {e["chunk"] for e in data["ranks"][0]} == {0, 1}
-    assert png.stat().st_size > 0
+    assert png.stat().st_size > 0 and memory_png.stat().st_size > 0
     assert main(BASE + ["--slimpipe-slices", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "slimpipe"

@@ -237,6 +237,9 @@ def _validate_slimpipe(c: PlanConfig) -> None:
     if not isinstance(n, int) or n < 1:
         raise PlanError(f"--schedule slimpipe needs --slimpipe-slices N (a multiple of "
                         f"--pipeline-model-parallel-size {p.pp}), got {n!r}")
+    if c.microbatch_group_size is not None:
+        raise PlanError("--microbatch-group-size-per-virtual-pipeline-stage does not apply to "
+                        "--schedule slimpipe (a group is one microbatch's slices)")
     if c.balance_method != "average":
         raise PlanError(f"SlimPipe slices are uniform; --seq1f1b-balance-method "
                         f"{c.balance_method} does not apply")
