@@ -312,7 +312,7 @@ def _resolve_pipeline_schedule(args):
     _require(not slim_flags or schedule == "slimpipe",
              f"{slim_flags[0] if slim_flags else ''} belongs to --pipeline-schedule slimpipe, "
              f"not --pipeline-schedule {schedule}; drop it or use --pipeline-schedule slimpipe")
-    _require(schedule != "1f1b" or args.seq1f1b_splits == 1,
+    _require(args.pipeline_schedule != "1f1b" or args.seq1f1b_splits == 1,  # as given
              f"--pipeline-schedule 1f1b runs whole microbatches but --seq1f1b-splits is "
              f"{args.seq1f1b_splits}; drop --seq1f1b-splits or use --pipeline-schedule seq1f1b")
     args.pipeline_schedule = schedule
