@@ -1,7 +1,8 @@
-"""Stage activation peaks of 1F1B and Seq1F1B, measured side by side in one run.
+"""Stage activation peaks of 1F1B and Seq1F1B (or SlimPipe), measured side by side in one run.
 
     python tools/bench_memory.py                      # CPU: pp=4 over gloo, s in {2, 4, 8}
     python tools/bench_memory.py --splits 2 4 8 --seq-length 2048 --json out.json
+    python tools/bench_memory.py --slimpipe 4 8 --vp 1 2 --num-layers 8   # SlimPipe
 
 Each configuration trains the same model with ``pretrain_gpt.py
 --activation-memory-file``: the probe counts the bytes autograd holds for backward
@@ -14,6 +15,14 @@ iteration (see megatron/schedules/memory_probe.py). Stage 0's peak is compared w
   plus each microbatch's K/V and K/V-gradient accumulators as the cache layout
   (``--extra --seq1f1b-kv-cache chunked``) holds them (``predicted_peak``; M is
   measured under 1F1B as peak / p; K = 2 L b g d bytes per layer).
+
+With ``--slimpipe N ...`` the rows are SlimPipe runs (``--slimpipe-slices N`` with each
+``--vp V``) instead of Seq1F1B. Stage 0's peak is compared with the generator's slice
+count ``(n v + 2 (p - 1)) / (n v)`` of one microbatch ``M`` (``(n + p - 1) / n`` for
+``v = 1``, which is Seq1F1B's order) and with the same walk over stage 0's units, chunk
+by chunk: a unit ``(mb, slice j, chunk c)`` holds ``(M - K) / v * l_j / L`` and each
+``(mb, chunk)`` holds its chunk's full-sequence K/V buffers ``K / v`` from its first
+forward until its slice-0 backward (the K/V gradient accumulator is not counted).
 """
 
 import argparse
@@ -26,11 +35,12 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron.schedules.slimpipe import slimpipe_rank_units  # noqa: E402
 from megatron.schedules.units import seq1f1b_rank_units  # noqa: E402
 from megatron.seqsplit.plan import plan_splits  # noqa: E402
 
 
-def run_probe(args, splits, out_path):
+def run_probe(args, splits, out_path, schedule=()):
     model = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq_length),
@@ -40,8 +50,8 @@ def run_probe(args, splits, out_path):
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
         "--pipeline-model-parallel-size", str(args.pp),
-        "--seq1f1b-splits", str(splits), "--activation-memory-file", out_path,
-    ] + args.extra
+        "--activation-memory-file", out_path,
+    ] + (list(schedule) or ["--seq1f1b-splits", str(splits)]) + args.extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
            "--master-port", str(args.master_port), os.path.join(ROOT, "pretrain_gpt.py")] + model
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -88,6 +98,73 @@ def predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes, layout="buffer"):
     return peak
 
 
+def predicted_peak_chunked(units, lengths, num_chunks, per_microbatch, kv_bytes):
+    """Walk stage 0's units with chunks: each (mb, slice, chunk) holds its share of the
+    chunk's non-K/V activations, each live (mb, chunk) its chunk's K/V buffers."""
+    total = sum(lengths)
+    per_chunk, kv_chunk = per_microbatch / num_chunks, kv_bytes / num_chunks
+    alive_units, alive_kv, peak = set(), set(), 0.0
+    for unit in units:
+        if unit.is_forward:
+            alive_units.add((unit.microbatch, unit.split, unit.chunk))
+            alive_kv.add((unit.microbatch, unit.chunk))
+        else:
+            alive_units.discard((unit.microbatch, unit.split, unit.chunk))
+            if unit.split == 0:
+                alive_kv.discard((unit.microbatch, unit.chunk))
+        now = (sum((per_chunk - kv_chunk) * lengths[j] / total for _, j, _ in alive_units)
+               + (kv_chunk * len(alive_kv) if len(lengths) > 1 else 0))
+        peak = max(peak, now)
+    return peak
+
+
+def stage0_units_held(units):
+    alive = peak = 0
+    for unit in units:
+        alive += 1 if unit.is_forward else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def slimpipe_rows(args, tmp, per_microbatch, kv_bytes):
+    p, m = args.pp, args.microbatches
+    rows = []
+    for v in args.vp:
+        for n in args.slimpipe:
+            flags = ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", str(n)]
+            if v > 1:
+                flags += ["--virtual-pipeline-model-parallel-size", str(v)]
+            stages = run_probe(args, 1, os.path.join(tmp, f"slim_v{v}_n{n}.json"), flags)
+            units = slimpipe_rank_units(0, p, m, v, n)
+            lengths = plan_splits(args.seq_length, n, "average")
+            held = stage0_units_held(units)
+            rows.append({"schedule": "slimpipe", "vp": v, "slices": n,
+                         "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
+                         "slices_held": held, "paper_microbatches": held / (n * v),
+                         "predicted_with_kv_bytes": predicted_peak_chunked(
+                             units, lengths, v, per_microbatch, kv_bytes)})
+    return rows
+
+
+def print_slimpipe_table(rows, base_peak, per_microbatch):
+    print("| schedule | v | n | slices held (generator) | held / (nv) | stage-0 peak MiB "
+          "| peak / M | peak / 1F1B | predicted with KV cache / M | measured / predicted "
+          "| worst stage MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        peak0 = row["stage_peaks_bytes"][0]
+        worst = max(row["stage_peaks_bytes"]) / 2**20
+        if row["schedule"] == "1f1b":
+            print(f"| 1F1B | 1 | 1 | - | - | {peak0 / 2**20:.1f} | {peak0 / per_microbatch:.3f} "
+                  f"| 1.000 | - | - | {worst:.1f} |")
+            continue
+        pred = row["predicted_with_kv_bytes"]
+        print(f"| SlimPipe | {row['vp']} | {row['slices']} | {row['slices_held']} | "
+              f"{row['paper_microbatches']:.3f} | {peak0 / 2**20:.1f} | "
+              f"{peak0 / per_microbatch:.3f} | {peak0 / base_peak:.3f} | "
+              f"{pred / per_microbatch:.3f} | {peak0 / pred:.3f} | {worst:.1f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4)
@@ -97,6 +174,12 @@ def main():
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--slimpipe", type=int, nargs="+", default=None,
+                        help="SlimPipe slice counts (multiples of --pp) to run instead of "
+                             "Seq1F1B splits")
+    parser.add_argument("--vp", type=int, nargs="+", default=[1, 2],
+                        help="with --slimpipe: virtual stages per rank (--num-layers must be "
+                             "a multiple of pp x each)")
     parser.add_argument("--master-port", type=int, default=29571)
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -116,7 +199,9 @@ def main():
         per_microbatch = base_peak / min(p, m)
         rows.append({"schedule": "1f1b", "splits": 1,
                      "stage_peaks_bytes": [st["activation_peak_bytes"] for st in baseline]})
-        for s in args.splits:
+        if args.slimpipe:
+            rows += slimpipe_rows(args, tmp, per_microbatch, kv_bytes)
+        for s in ([] if args.slimpipe else args.splits):
             stages = run_probe(args, s, os.path.join(tmp, f"s{s}.json"))
             lengths = plan_splits(args.seq_length, s, "average")
             predicted = predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes, layout)
@@ -131,6 +216,16 @@ def main():
           "stage-0 activation peak")
     print(f"# M (one microbatch on stage 0, from 1F1B) = {per_microbatch / 2**20:.1f} MiB, "
           f"K (its K/V) = {kv_bytes / 2**20:.1f} MiB")
+    if args.slimpipe:
+        print_slimpipe_table(rows, base_peak, per_microbatch)
+    else:
+        print_seq1f1b_table(rows, base_peak)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"command": command, "runs": rows}, handle, indent=1)
+
+
+def print_seq1f1b_table(rows, base_peak):
     print("| schedule | s | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | "
           "predicted with KV cache | measured / predicted | worst stage MiB |")
     print("|---|---|---|---|---|---|---|---|")
@@ -145,9 +240,6 @@ def main():
             pred = row["predicted_ratio_with_kv"]
             print(f"| Seq1F1B | {row['splits']} | {peak0 / 2**20:.1f} | {ratio:.3f} | "
                   f"{row['paper_ratio']:.3f} | {pred:.3f} | {ratio / pred:.3f} | {worst:.1f} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"command": command, "runs": rows}, handle, indent=1)
 
 
 if __name__ == "__main__":

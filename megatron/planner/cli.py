@@ -59,10 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = ap.add_argument_group("schedule")
     s.add_argument("--schedule", choices=SCHEDULES + ("interleaved-seq1f1b",),
-                   help="default: seq1f1b when --seq1f1b-splits is given (>1 or auto), "
-                   "interleaved-1f1b with virtual stages, else 1f1b; seq1f1b with virtual "
-                   "stages is interleaved Seq1F1B (interleaved-seq1f1b names it explicitly)")
+                   help="default: slimpipe when a --slimpipe-* flag is given, seq1f1b when "
+                   "--seq1f1b-splits is given (>1 or auto), interleaved-1f1b with virtual "
+                   "stages, else 1f1b; seq1f1b with virtual stages is interleaved Seq1F1B "
+                   "(interleaved-seq1f1b names it explicitly)")
     s.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    s.add_argument("--virtual-pipeline-model-parallel-size", type=int,
+                   help="model chunks per pipeline rank (instead of "
+                   "--num-layers-per-virtual-pipeline-stage)")
+    s.add_argument("--slimpipe-slices", type=int,
+                   help="SlimPipe: uniform slices per microbatch (a multiple of the PP size)")
+    s.add_argument("--slimpipe-slice-length", type=int,
+                   help="SlimPipe: tokens per slice, dividing --seq-length (instead of "
+                   "--slimpipe-slices)")
     s.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    help="interleaved schedule group size (megatron-core default: PP size)")
     s.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=_splits,
@@ -156,6 +165,14 @@ def config_from_args(args) -> PlanConfig:
                 f"{model.num_layers}/{pp} layers per pipeline stage"
             )
         chunks = per_stage // n
+    if args.virtual_pipeline_model_parallel_size:
+        if args.num_layers_per_virtual_pipeline_stage:
+            raise PlanError("give --num-layers-per-virtual-pipeline-stage or "
+                            "--virtual-pipeline-model-parallel-size, not both")
+        chunks = args.virtual_pipeline_model_parallel_size
+        if chunks < 1 or model.num_layers % (max(pp, 1) * chunks):
+            raise PlanError(f"--virtual-pipeline-model-parallel-size {chunks}: --num-layers "
+                            f"{model.num_layers} must be divisible by PP {pp} x {chunks}")
     micro = args.micro_batch_size
     gbs = args.global_batch_size or micro * dp * 2 * pp
     schedule = args.schedule
@@ -166,6 +183,28 @@ def config_from_args(args) -> PlanConfig:
                             "--num-layers-per-virtual-pipeline-stage smaller than the layers "
                             "per pipeline stage (at least 2 virtual stages)")
         schedule = "seq1f1b"  # Seq1F1B over the interleaved order of the chunks
+    slim = [f for f, v in (("--slimpipe-slices", args.slimpipe_slices),
+                           ("--slimpipe-slice-length", args.slimpipe_slice_length)) if v]
+    if schedule is None and slim:
+        schedule = "slimpipe"
+    if slim and schedule != "slimpipe":
+        raise PlanError(f"{slim[0]} needs --schedule slimpipe (got --schedule {schedule})")
+    if schedule == "slimpipe":
+        if len(slim) == 2:
+            raise PlanError("give --slimpipe-slices or --slimpipe-slice-length, not both")
+        if splits not in (None, 1):
+            raise PlanError("--seq1f1b-splits does not combine with --schedule slimpipe "
+                            "(its slices replace the splits); use --slimpipe-slices")
+        splits = args.slimpipe_slices
+        if args.slimpipe_slice_length:
+            length = args.slimpipe_slice_length
+            if args.seq_length % length:
+                raise PlanError(f"--slimpipe-slice-length {length} does not divide "
+                                f"--seq-length {args.seq_length}")
+            splits = args.seq_length // length
+        if splits is None:
+            raise PlanError("--schedule slimpipe needs --slimpipe-slices N (a multiple of "
+                            f"--pipeline-model-parallel-size {pp}) or --slimpipe-slice-length L")
     if schedule is None:
         if splits == "auto" or (isinstance(splits, int) and splits > 1):
             schedule = "seq1f1b"
@@ -219,6 +258,9 @@ def report(pred: Prediction) -> str:
     sched = c.schedule
     if c.schedule == "seq1f1b":
         sched += f", {pred.splits} splits ({c.balance_method}): lengths {pred.split_lengths}"
+    if c.schedule == "slimpipe":
+        sched += (f", {pred.splits} uniform slices of {pred.split_lengths[0]} tokens, "
+                  f"{p.num_chunks} virtual stage(s)")
     lines.append(f"schedule: {sched}")
     lines.append("")
     head = f"{'stage':>5} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'kv':>8} {'total':>8}  {'in-flight':>9}"
@@ -282,6 +324,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     title = (
         f"{config.model.name} seq {config.seq_length} {pred.config.schedule}"
         + (f" s={pred.splits}" if pred.config.schedule == "seq1f1b" else "")
+        + (f" n={pred.splits} v={config.parallel.num_chunks}"
+           if pred.config.schedule == "slimpipe" else "")
         + f" TP{config.parallel.tp} PP{config.parallel.pp} DP{config.parallel.dp} on {pred.gpu.name}"
     )
     if args.timeline_png or args.timeline_json:

@@ -20,10 +20,11 @@ from megatron.planner.gpus import GIB, GPU, get_gpu
 from megatron.planner.presets import ModelSpec
 from megatron.planner.simulate import SimResult, simulate
 from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
+from megatron.schedules.slimpipe import check_slimpipe_shape, slimpipe_schedule
 from megatron.schedules.units import seq1f1b_schedule
 from megatron.seqsplit.plan import BALANCE_METHODS, SplitPlanError, plan_splits
 
-SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b", "slimpipe")
 MIN_AUTO_SPLIT_TOKENS = 256
 AUTO_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32)
 
@@ -38,7 +39,7 @@ class PlanConfig:
     seq_length: int
     parallel: Parallel
     schedule: str = "1f1b"
-    splits: Union[int, str] = 1  # int or "auto" (seq1f1b only)
+    splits: Union[int, str] = 1  # int or "auto" (seq1f1b only); slimpipe: its slices
     balance_method: str = "average"
     split_alignment: Optional[int] = None  # default: t with SP, else 1
     recompute: Recompute = Recompute()
@@ -212,6 +213,9 @@ def validate(c: PlanConfig) -> None:
         )
     if c.splits != "auto" and (not isinstance(c.splits, int) or c.splits < 1):
         raise PlanError(f"--seq1f1b-splits must be a positive integer or 'auto', got {c.splits!r}")
+    if c.schedule == "slimpipe":
+        _validate_slimpipe(c)
+        return
     if c.schedule != "seq1f1b" and c.splits not in (1, None):
         raise PlanError(
             f"--seq1f1b-splits {c.splits} needs --schedule seq1f1b (got --schedule {c.schedule})"
@@ -224,6 +228,34 @@ def validate(c: PlanConfig) -> None:
             )
         except ValueError as err:
             raise PlanError(str(err)) from None
+
+
+def _validate_slimpipe(c: PlanConfig) -> None:
+    """SlimPipe: ``c.splits`` uniform slices, a multiple of p dividing the sequence."""
+    p = c.parallel
+    n = c.splits
+    if not isinstance(n, int) or n < 1:
+        raise PlanError(f"--schedule slimpipe needs --slimpipe-slices N (a multiple of "
+                        f"--pipeline-model-parallel-size {p.pp}), got {n!r}")
+    if c.microbatch_group_size is not None:
+        raise PlanError("--microbatch-group-size-per-virtual-pipeline-stage does not apply to "
+                        "--schedule slimpipe (a group is one microbatch's slices)")
+    if c.balance_method != "average":
+        raise PlanError(f"SlimPipe slices are uniform; --seq1f1b-balance-method "
+                        f"{c.balance_method} does not apply")
+    if n % p.pp:
+        raise PlanError(f"--slimpipe-slices {n} must be a multiple of "
+                        f"--pipeline-model-parallel-size {p.pp}")
+    if c.seq_length % n:
+        raise PlanError(f"--slimpipe-slices {n} does not divide --seq-length {c.seq_length}; "
+                        "slices are uniform")
+    if (c.seq_length // n) % split_alignment(c):
+        raise PlanError(f"slice length {c.seq_length // n} must be a multiple of the split "
+                        f"alignment {split_alignment(c)}; use fewer slices")
+    try:
+        check_slimpipe_shape(p.pp, p.num_microbatches, p.num_chunks, n)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def split_alignment(c: PlanConfig) -> int:
@@ -248,6 +280,8 @@ def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:
 
 def build_schedule(c: PlanConfig, num_splits: int):
     p = c.parallel
+    if c.schedule == "slimpipe":
+        return slimpipe_schedule(p.pp, p.num_microbatches, p.num_chunks, num_splits)
     if p.num_chunks > 1:
         return interleaved_schedule(
             p.pp, p.num_microbatches, p.num_chunks, c.microbatch_group_size, num_splits
@@ -321,6 +355,8 @@ def auto_split_candidates(c: PlanConfig) -> List[int]:
 
 def predict(c: PlanConfig) -> Prediction:
     """Validate and predict; with ``splits="auto"`` pick the fastest split count that fits."""
+    if c.schedule == "slimpipe" and c.splits in (None, "auto"):
+        raise PlanError("--schedule slimpipe needs --slimpipe-slices N or --slimpipe-slice-length L")
     if c.schedule == "seq1f1b" and c.splits is None:
         c = replace(c, splits="auto")
     if c.splits is None:

@@ -133,16 +133,6 @@ def interleaved_rank_units(
     group = check_interleaved_shape(
         pp_size, num_microbatches, num_chunks, group_size, num_splits
     )
-    table = schedule_table(num_microbatches, num_chunks, group, num_splits)
-    forwards = [Unit(FORWARD, mb, split, chunk) for mb, split, chunk in table]
-    # The k-th backward mirrors the k-th table entry: chunk reversed, splits of each
-    # microbatch reversed (for s = 1 this is exactly megatron-core's lookup).
-    backwards = []
-    for k, (mb, split, chunk) in enumerate(table):
-        backwards.append(Unit(BACKWARD, mb, num_splits - 1 - split, num_chunks - 1 - chunk))
-    warmup = num_interleaved_warmup(
-        rank, pp_size, num_microbatches, num_chunks, group, num_splits
-    )
     if pp_size == 1:
         # No pipelining: forward and backward of each unit back to back (megatron-core's
         # forward_backward_no_pipelining runs the whole model per microbatch; with one
@@ -154,6 +144,33 @@ def interleaved_rank_units(
             for split in reversed(range(num_splits)):
                 units += [Unit(BACKWARD, mb, split, c) for c in reversed(range(num_chunks))]
         return units
+    return table_rank_units(rank, pp_size, num_microbatches, num_chunks, group, num_splits)
+
+
+def table_rank_units(
+    rank: int,
+    pp_size: int,
+    num_microbatches: int,
+    num_chunks: int,
+    group: int,
+    num_splits: int,
+) -> List[Unit]:
+    """The interleaved order over items for a checked shape (``pp_size >= 2``).
+
+    Shared by interleaved (Seq1F1B) and SlimPipe (``megatron.schedules.slimpipe``,
+    whose group is one microbatch): the ``k``-th forward runs ``table[k]``, the
+    ``k``-th backward mirrors it, warm-up as ``num_interleaved_warmup``.
+    """
+    table = schedule_table(num_microbatches, num_chunks, group, num_splits)
+    forwards = [Unit(FORWARD, mb, split, chunk) for mb, split, chunk in table]
+    # The k-th backward mirrors the k-th table entry: chunk reversed, splits of each
+    # microbatch reversed (for s = 1 this is exactly megatron-core's lookup).
+    backwards = []
+    for k, (mb, split, chunk) in enumerate(table):
+        backwards.append(Unit(BACKWARD, mb, num_splits - 1 - split, num_chunks - 1 - chunk))
+    warmup = num_interleaved_warmup(
+        rank, pp_size, num_microbatches, num_chunks, group, num_splits
+    )
     units = list(forwards[:warmup])
     for forward, backward in zip(forwards[warmup:], backwards):
         units += [forward, backward]

@@ -235,11 +235,27 @@ def check_rendezvous(programs: Sequence[Sequence[Action]], num_chunks: int,
 @lru_cache(maxsize=64)
 def checked_chunked_programs(pp_size: int, num_microbatches: int, num_chunks: int,
                              num_splits: int, group_size: Optional[int] = None,
-                             forward_only: bool = False) -> Tuple[Tuple[Action, ...], ...]:
-    """Every rank's lowered interleaved program, checked by ``check_rendezvous``."""
-    from megatron.schedules.interleaved import interleaved_forward_only_units, interleaved_rank_units
+                             forward_only: bool = False,
+                             schedule: str = "interleaved") -> Tuple[Tuple[Action, ...], ...]:
+    """Every rank's lowered program, checked by ``check_rendezvous``.
 
-    if forward_only:
+    ``schedule``: ``"interleaved"`` (``megatron.schedules.interleaved``, with
+    ``group_size``) or ``"slimpipe"`` (``megatron.schedules.slimpipe``, ``num_splits``
+    slices; ``group_size`` is ignored: a group is one microbatch).
+    """
+    from megatron.schedules.interleaved import interleaved_forward_only_units, interleaved_rank_units
+    from megatron.schedules.slimpipe import slimpipe_forward_only_units, slimpipe_rank_units
+
+    if schedule == "slimpipe":
+        if forward_only:
+            units = [slimpipe_forward_only_units(num_microbatches, num_chunks,
+                                                 num_splits)] * pp_size
+        else:
+            units = [slimpipe_rank_units(r, pp_size, num_microbatches, num_chunks, num_splits)
+                     for r in range(pp_size)]
+    elif schedule != "interleaved":
+        raise ValueError(f"unknown chunked schedule {schedule!r}")
+    elif forward_only:
         units = [interleaved_forward_only_units(num_microbatches, num_chunks, num_splits,
                                                 pp_size, group_size)] * pp_size
     else:

@@ -49,6 +49,9 @@ class Seq1F1BSettings:
     alignment: int = 1
     model_shape: Any = None  # megatron.seqsplit.plan.ModelShape, for uniform_comp
     observers: List[Any] = field(default_factory=list)  # on_unit_start/on_unit_end(rank, unit)
+    # "seq1f1b" (interleaved order with virtual stages) or "slimpipe" (splits are its
+    # uniform slices; megatron.schedules.slimpipe's order, the Seq1F1B one when v = 1)
+    schedule: str = "seq1f1b"
 
 
 class SplitDataIterator:
@@ -166,9 +169,13 @@ def forward_backward_pipelining_seq1f1b(
         no_sync = config.no_sync_func or contextlib.nullcontext
         for chunk_no_sync in (no_sync if isinstance(no_sync, list) else [no_sync]):
             sync_guard.enter_context(chunk_no_sync())
-    if num_chunks == 1:
+    if num_chunks == 1:  # SlimPipe without virtual stages is Seq1F1B over its slices
         actions = seq1f1b_rank_actions(rank, pp_size, num_microbatches, settings.num_splits,
                                        forward_only=forward_only)
+    elif settings.schedule == "slimpipe":
+        actions = checked_chunked_programs(
+            pp_size, num_microbatches, num_chunks, settings.num_splits, None, forward_only,
+            schedule="slimpipe")[rank]
     else:
         actions = checked_chunked_programs(
             pp_size, num_microbatches, num_chunks, settings.num_splits,

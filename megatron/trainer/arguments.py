@@ -112,6 +112,16 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "or 'chunked' (per-split chunks merged by log-sum-exp: no prefix "
                         "concatenation, no saved mask; plain-PyTorch kernel, no attention "
                         "dropout)")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "seq1f1b", "slimpipe"],
+                   default=None,
+                   help="1f1b (interleaved with virtual stages), seq1f1b, or slimpipe (uniform "
+                        "slices over virtual stages); default: slimpipe when a --slimpipe-* "
+                        "flag is given, seq1f1b when --seq1f1b-splits > 1, else 1f1b")
+    g.add_argument("--slimpipe-slices", type=int, default=None,
+                   help="SlimPipe: equal slices per microbatch, a multiple of the pp size")
+    g.add_argument("--slimpipe-slice-length", type=int, default=None,
+                   help="SlimPipe: tokens per slice (divides --seq-length); instead of "
+                        "--slimpipe-slices")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="record each pipeline unit's start/end per rank to this JSON file")
     g.add_argument("--activation-memory-file", type=str, default=None,
@@ -190,6 +200,7 @@ def validate_args(args, world_size: int, cuda_available: bool):
     _require(args.num_layers % pp == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp})")
+    _resolve_pipeline_schedule(args)
     _validate_virtual_pipeline(args)
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
@@ -291,7 +302,27 @@ def validate_args(args, world_size: int, cuda_available: bool):
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
 
     _validate_seq1f1b(args)
+    _validate_slimpipe(args)
     return args
+
+
+def _resolve_pipeline_schedule(args):
+    """--pipeline-schedule from the flags given; reject contradictions."""
+    slim_flags = [flag for flag, value in (("--slimpipe-slices", args.slimpipe_slices),
+                                           ("--slimpipe-slice-length",
+                                            args.slimpipe_slice_length))
+                  if value is not None]
+    schedule = args.pipeline_schedule
+    if schedule is None:
+        schedule = ("slimpipe" if slim_flags
+                    else "seq1f1b" if args.seq1f1b_splits > 1 else "1f1b")
+    _require(not slim_flags or schedule == "slimpipe",
+             f"{slim_flags[0] if slim_flags else ''} belongs to --pipeline-schedule slimpipe, "
+             f"not --pipeline-schedule {schedule}; drop it or use --pipeline-schedule slimpipe")
+    _require(args.pipeline_schedule != "1f1b" or args.seq1f1b_splits == 1,  # as given
+             f"--pipeline-schedule 1f1b runs whole microbatches but --seq1f1b-splits is "
+             f"{args.seq1f1b_splits}; drop --seq1f1b-splits or use --pipeline-schedule seq1f1b")
+    args.pipeline_schedule = schedule
 
 
 def _validate_virtual_pipeline(args):
@@ -317,6 +348,13 @@ def _validate_virtual_pipeline(args):
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp}) x virtual stages ({vp})")
     args.virtual_pipeline_model_parallel_size = vp
+    if args.pipeline_schedule == "slimpipe":
+        # a SlimPipe group is one microbatch's slices: checked in _validate_slimpipe
+        _require(args.microbatch_group_size_per_virtual_pipeline_stage is None,
+                 "--microbatch-group-size-per-virtual-pipeline-stage does not apply to "
+                 "--pipeline-schedule slimpipe (each chunk runs one microbatch's slices "
+                 "before the next chunk starts); drop it")
+        return
     from megatron.schedules.interleaved import check_interleaved_shape
 
     try:
@@ -371,6 +409,64 @@ def _validate_seq1f1b(args):
     for flag, used in unsupported.items():
         _require(not used, f"{flag} is not supported with --seq1f1b-splits > 1 yet; "
                            "drop it or use --seq1f1b-splits 1")
+
+
+def _validate_slimpipe(args):
+    """SlimPipe: uniform slices, n a multiple of p (or a slice length dividing the
+    sequence). Sets ``args.slimpipe_slices`` and ``args.slimpipe_slice_length``."""
+    if args.pipeline_schedule != "slimpipe":
+        return
+    seq, pp = args.seq_length, args.pipeline_model_parallel_size
+    slices, length = args.slimpipe_slices, args.slimpipe_slice_length
+    _require(slices is not None or length is not None,
+             f"--pipeline-schedule slimpipe needs --slimpipe-slices N (a multiple of "
+             f"--pipeline-model-parallel-size {pp}) or --slimpipe-slice-length L (dividing "
+             f"--seq-length {seq})")
+    _require(slices is None or length is None,
+             "give --slimpipe-slices or --slimpipe-slice-length, not both")
+    _require(args.seq1f1b_splits == 1,
+             f"--seq1f1b-splits {args.seq1f1b_splits} does not combine with "
+             "--pipeline-schedule slimpipe (its slices replace Seq1F1B's splits); drop "
+             "--seq1f1b-splits or use --pipeline-schedule seq1f1b")
+    _require(args.seq1f1b_balance_method == "average",
+             f"SlimPipe slices are uniform; --seq1f1b-balance-method "
+             f"{args.seq1f1b_balance_method} does not apply: drop it or use "
+             "--pipeline-schedule seq1f1b")
+    if length is not None:
+        _require(length >= 1, f"--slimpipe-slice-length must be >= 1, got {length}")
+        _require(seq % length == 0,
+                 f"--slimpipe-slice-length {length} does not divide --seq-length {seq}; "
+                 f"slices are uniform: use a divisor of {seq}")
+        slices = seq // length
+        _require(slices % pp == 0,
+                 f"--slimpipe-slice-length {length} gives {slices} slices, not a multiple of "
+                 f"--pipeline-model-parallel-size {pp}; use a length L with {seq} / L a "
+                 f"multiple of {pp}")
+    else:
+        _require(slices >= 1, f"--slimpipe-slices must be >= 1, got {slices}")
+        _require(slices % pp == 0,
+                 f"--slimpipe-slices {slices} must be a multiple of "
+                 f"--pipeline-model-parallel-size {pp}")
+        _require(seq % slices == 0,
+                 f"--slimpipe-slices {slices} does not divide --seq-length {seq}; slices are "
+                 f"uniform: use a slice count that divides {seq}")
+        length = seq // slices
+    _require(length % args.seq1f1b_alignment == 0,
+             f"SlimPipe slice length {length} (--seq-length {seq} / {slices} slices) must be "
+             f"a multiple of the split alignment {args.seq1f1b_alignment} "
+             "(--seq1f1b-split-alignment, and the TP size under --sequence-parallel); use "
+             "fewer slices")
+    _require(args.transformer_impl != "transformer_engine",
+             "--transformer-impl transformer_engine is not supported with --pipeline-schedule "
+             "slimpipe yet; use --transformer-impl local")
+    from megatron.schedules.slimpipe import check_slimpipe_shape
+
+    try:
+        check_slimpipe_shape(pp, args.num_microbatches,
+                             args.virtual_pipeline_model_parallel_size or 1, slices)
+    except ValueError as err:
+        raise ArgumentError(str(err))
+    args.slimpipe_slices, args.slimpipe_slice_length = slices, length
 
 
 def _gcd(a, b):

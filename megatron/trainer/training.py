@@ -236,6 +236,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         observers=observers,
         pp_size=args.pipeline_model_parallel_size,
         vp_size=args.virtual_pipeline_model_parallel_size,
+        schedule=args.pipeline_schedule,
+        slimpipe_slices=args.slimpipe_slices,
     )
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(
@@ -246,7 +248,10 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
                       if valid_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
-                 f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}")
+                 f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}"
+                 + (f" slimpipe-slices={args.slimpipe_slices}"
+                    f" vp={args.virtual_pipeline_model_parallel_size or 1}"
+                    if args.pipeline_schedule == "slimpipe" else ""))
 
     result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
                    scheduler, forward_backward_func, iteration, consumed_samples, observers)
@@ -284,8 +289,11 @@ def write_timeline(args, recorder):
     if (parallel_state.get_data_parallel_rank() != 0
             or parallel_state.get_tensor_model_parallel_rank() != 0):
         return
-    meta = {"schedule": "seq1f1b" if args.seq1f1b_splits > 1 else "1f1b",
-            "splits": args.seq1f1b_splits, "microbatches": args.num_microbatches,
+    slimpipe = args.pipeline_schedule == "slimpipe"
+    meta = {"schedule": ("slimpipe" if slimpipe
+                         else "seq1f1b" if args.seq1f1b_splits > 1 else "1f1b"),
+            "splits": args.slimpipe_slices if slimpipe else args.seq1f1b_splits,
+            "microbatches": args.num_microbatches,
             "pp": args.pipeline_model_parallel_size, "seq_length": args.seq_length}
     timeline = recorder.gather_and_write(
         args.timeline_file, group=parallel_state.get_pipeline_model_parallel_group(), meta=meta)

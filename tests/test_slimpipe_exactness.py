@@ -1,0 +1,112 @@
+"""SlimPipe (uniform slices over virtual stages) is exact.
+
+Every configuration trains 3 iterations (then one evaluation, the forward-only path)
+from a shared iteration-0 checkpoint and is compared, inside this test, with a
+single-process pp=1 run of the same model, batch and flags: per-iteration loss and
+grad norm within 1e-5 relative, validation loss, and every parameter after the
+optimizer steps within 1e-5.
+
+Three launches in all (the CI budget is tight): one process for the initial
+checkpoints and the references, then every pp=2 case in one 2-process launch and every
+4-process case in one 4-process launch. Which grid cell each case covers:
+
+======================  ====  ===  ======  ==  ====  ==============================
+case                    pp    v    n       tp  mbs   also
+======================  ====  ===  ======  ==  ====  ==============================
+A_m1_pp2v2_n2           2     2    2 = p   1   1     one microbatch
+B_mbs2_pp2v4_n4_docs    2     4    4 = 2p  1   2     packed documents, GQA/RoPE/SwiGLU
+A_m3_pp2v1_len12        2     1    4       1   1     --slimpipe-slice-length, v = 1, m = 3
+A_mbs2_tp2pp2v2_n4_sp   2     2    4       2   2     sequence parallel (slice % tp)
+A_m3_pp4v2_n8           4     2    8 = 2p  1   1     m = 3 (< p, not a multiple of p)
+======================  ====  ===  ======  ==  ====  ==============================
+
+pp = 4 with v = 4 (16 layers) and pp = 4 with n = p run in the generator tests only
+(tests/test_slimpipe_schedule.py), not here: every process launch costs seconds of the
+CI budget.
+"""
+
+import pytest
+
+from distributed import (
+    TINY_MODEL,
+    assert_close_series,
+    assert_params_close,
+    run_configs,
+)
+
+MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
+MODEL_B = MODEL_A + ["--group-query-attention", "--num-query-groups", "2",
+                     "--position-embedding-type", "rope", "--swiglu",
+                     "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
+MODELS = {"A": MODEL_A, "B": MODEL_B}
+EVAL = ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
+BATCHES = {
+    "m1": ["--micro-batch-size", "1", "--global-batch-size", "1"] + EVAL,
+    "m3": ["--micro-batch-size", "1", "--global-batch-size", "3"] + EVAL,
+    "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "4"] + EVAL,
+}
+EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
+          "_sp": ["--sequence-parallel"]}
+
+
+def layout(pp, vp, tp=1):
+    flags = ["--pipeline-model-parallel-size", str(pp)]
+    flags += ["--virtual-pipeline-model-parallel-size", str(vp)] if vp > 1 else []
+    return flags + (["--tensor-model-parallel-size", str(tp)] if tp > 1 else [])
+
+
+def slices(n):
+    return ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", str(n)]
+
+
+# name -> (world size, model, batch, layout, schedule flags, extra label)
+CASES = {
+    "A_m1_pp2v2_n2": (2, "A", "m1", layout(2, 2), slices(2), ""),
+    "B_mbs2_pp2v4_n4_docs": (2, "B", "mbs2", layout(2, 4), slices(4), "_docs"),
+    "A_m3_pp2v1_len12": (2, "A", "m3", layout(2, 1), ["--slimpipe-slice-length", "12"], ""),
+    "A_mbs2_tp2pp2v2_n4_sp": (4, "A", "mbs2", layout(2, 2, tp=2), slices(4), "_sp"),
+    "A_m3_pp4v2_n8": (4, "A", "m3", layout(4, 2), slices(8), ""),
+}
+
+
+def reference_name(model, batch, extra):
+    # sequence parallel is meaningless at tp=1: its reference is the plain run
+    return f"ref_{model}_{batch}{'' if extra == '_sp' else extra}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slimpipe")
+    single, starts = [], {}
+    for model, flags in MODELS.items():
+        directory = tmp / f"init_{model}"
+        single.append({"name": f"init_{model}", "argv": flags + BATCHES["m1"][:4] + [
+            "--train-iters", "0", "--save", str(directory)]})
+        starts[model] = ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
+    by_world = {2: [], 4: []}
+    references = {}
+    for name, (world, model, batch, lay, schedule, extra) in CASES.items():
+        argv = MODELS[model] + BATCHES[batch] + starts[model] + lay + schedule + EXTRAS[extra]
+        by_world[world].append({"name": name, "argv": argv, "params": True})
+        ref_extra = "" if extra == "_sp" else extra
+        references[reference_name(model, batch, extra)] = (
+            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra])
+    for ref, argv in references.items():
+        single.append({"name": ref, "argv": argv, "params": True})
+    out = run_configs(tmp, 1, single)  # the checkpoints first, then the references
+    for world in (2, 4):
+        out.update(run_configs(tmp, world, by_world[world]))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_slimpipe_run_equals_single_process(results, name):
+    world, model, batch, lay, schedule, extra = CASES[name]
+    run, expected = results[name], results[reference_name(model, batch, extra)]
+    assert len(run["losses"]) == 3
+    assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss")
+    assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5, f"{name} grad norm")
+    assert len(run["validation_losses"]) == 1
+    assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
+                        f"{name} validation loss")
+    assert_params_close(run["params"], expected["params"])
