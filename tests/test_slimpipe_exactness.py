@@ -18,6 +18,7 @@ B_mbs2_pp2v4_n4_docs    2     4    4 = 2p  1   2     packed documents, GQA/RoPE/
 A_m3_pp2v1_len12        2     1    4       1   1     --slimpipe-slice-length, v = 1, m = 3
 A_mbs2_tp2pp2v2_n4_sp   2     2    4       2   2     sequence parallel (slice % tp)
 A_m3_pp4v2_n8           4     2    8 = 2p  1   1     m = 3 (< p, not a multiple of p)
+B_m3_pp2v2_n4_chunked   2     2    4 = 2p  1   1     --seq1f1b-kv-cache chunked, GQA
 ======================  ====  ===  ======  ==  ====  ==============================
 
 pp = 4 with v = 4 (16 layers) and pp = 4 with n = p run in the generator tests only
@@ -46,7 +47,10 @@ BATCHES = {
     "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "4"] + EVAL,
 }
 EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
-          "_sp": ["--sequence-parallel"]}
+          "_sp": ["--sequence-parallel"], "_chunked": ["--seq1f1b-kv-cache", "chunked"]}
+# flags whose reference is the plain run (sequence parallel at tp=1 and the chunked KV
+# cache without slices change nothing)
+PLAIN_REFERENCE = ("_sp", "_chunked")
 
 
 def layout(pp, vp, tp=1):
@@ -66,12 +70,12 @@ CASES = {
     "A_m3_pp2v1_len12": (2, "A", "m3", layout(2, 1), ["--slimpipe-slice-length", "12"], ""),
     "A_mbs2_tp2pp2v2_n4_sp": (4, "A", "mbs2", layout(2, 2, tp=2), slices(4), "_sp"),
     "A_m3_pp4v2_n8": (4, "A", "m3", layout(4, 2), slices(8), ""),
+    "B_m3_pp2v2_n4_chunked": (2, "B", "m3", layout(2, 2), slices(4), "_chunked"),
 }
 
 
 def reference_name(model, batch, extra):
-    # sequence parallel is meaningless at tp=1: its reference is the plain run
-    return f"ref_{model}_{batch}{'' if extra == '_sp' else extra}"
+    return f"ref_{model}_{batch}{'' if extra in PLAIN_REFERENCE else extra}"
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,7 @@ def results(tmp_path_factory):
     for name, (world, model, batch, lay, schedule, extra) in CASES.items():
         argv = MODELS[model] + BATCHES[batch] + starts[model] + lay + schedule + EXTRAS[extra]
         by_world[world].append({"name": name, "argv": argv, "params": True})
-        ref_extra = "" if extra == "_sp" else extra
+        ref_extra = "" if extra in PLAIN_REFERENCE else extra
         references[reference_name(model, batch, extra)] = (
             MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra])
     for ref, argv in references.items():
