@@ -181,3 +181,17 @@ def test_stage_emulation_tiny_cpu(tmp_path):
     preds = {p["splits"]: p for p in data["predictions"]}
     assert preds[4]["bubble_fraction"] < preds[1]["bubble_fraction"]
     assert "Whole pipeline predicted" in proc.stdout
+
+
+def test_kv_cache_layout_comparison_tiny():
+    """tools/bench_kv_cache.py's measurement: exact layouts, chunked holds no more."""
+    import torch
+
+    from megatron.benchmarks.kv_cache_layouts import compare_layouts
+
+    rows = {r["layout"]: r for r in compare_layouts(
+        seq=96, heads=4, groups=2, head_dim=8, splits=3, repeats=1, dtype=torch.float64)}
+    assert set(rows) == {"unsplit", "buffer", "chunked"}
+    assert all(r["max_abs_diff_vs_unsplit"] < 1e-10 for r in rows.values())
+    assert rows["chunked"]["peak_bytes"] < rows["buffer"]["peak_bytes"]
+    assert all(r["median_s"] > 0 for r in rows.values())

@@ -14,8 +14,6 @@ reverse, each split on its own leaf tensors (as pipeline stages run them), throu
 
 import statistics
 import time
-from dataclasses import dataclass
-
 import torch
 
 from megatron.schedules.memory_probe import ActivationMemoryProbe
@@ -23,16 +21,7 @@ from megatron.schedules.units import BACKWARD, FORWARD, Unit
 from megatron.seqsplit.attention_backends import get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
 from megatron.seqsplit.plan import split_offsets
-
-
-@dataclass
-class _Split:
-    microbatch_id: int
-    split_index: int
-    num_splits: int
-    offset: int
-    length: int
-    seq_length: int
+from megatron.seqsplit.split_context import SplitContext
 
 
 def _inputs(seq, batch, heads, groups, head_dim, dtype, device, seed=0):
@@ -47,7 +36,8 @@ def _inputs(seq, batch, heads, groups, head_dim, dtype, device, seed=0):
 def run_layout(layout, q, k, v, grad, lengths, backend, measure_memory=False):
     """(seconds, peak bytes or None, out, dq, dk, dv) for one microbatch's splits."""
     seq = q.shape[0]
-    splits = [_Split(0, j, len(lengths), o, n, seq)
+    splits = [SplitContext(microbatch_id=0, split_index=j, num_splits=len(lengths), offset=o,
+                           length=n, seq_length=seq)
               for j, (o, n) in enumerate(zip(split_offsets(lengths), lengths))]
     store = KVCacheStore()
     probe = ActivationMemoryProbe() if measure_memory else None

@@ -44,6 +44,19 @@ def default_group_size(pp_size: int, group_size: Optional[int] = None) -> int:
     return pp_size if group_size is None else group_size
 
 
+def check_positive_shape(pp_size: int, num_microbatches: int, num_chunks: int,
+                         num_items: int, items_flag: str) -> None:
+    """Every count of a chunked schedule is at least 1 (errors name the flag)."""
+    if pp_size < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
+    if num_chunks < 1:
+        raise ValueError(f"number of virtual pipeline stages must be >= 1, got {num_chunks}")
+    if num_microbatches < 1:
+        raise ValueError(f"number of microbatches must be >= 1, got {num_microbatches}")
+    if num_items < 1:
+        raise ValueError(f"{items_flag} must be >= 1, got {num_items}")
+
+
 def check_interleaved_shape(
     pp_size: int,
     num_microbatches: int,
@@ -52,14 +65,7 @@ def check_interleaved_shape(
     num_splits: int = 1,
 ) -> int:
     """Validate an interleaved shape the way megatron-core does; return the group size."""
-    if pp_size < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
-    if num_chunks < 1:
-        raise ValueError(f"number of virtual pipeline stages must be >= 1, got {num_chunks}")
-    if num_microbatches < 1:
-        raise ValueError(f"number of microbatches must be >= 1, got {num_microbatches}")
-    if num_splits < 1:
-        raise ValueError(f"--seq1f1b-splits must be >= 1, got {num_splits}")
+    check_positive_shape(pp_size, num_microbatches, num_chunks, num_splits, "--seq1f1b-splits")
     group = default_group_size(pp_size, group_size)
     if group > num_microbatches or group < pp_size:
         raise ValueError(

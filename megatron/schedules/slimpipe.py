@@ -28,6 +28,7 @@ the unit order is ``seq1f1b_rank_units`` (warm-up ``p - r - 1 + n - 1``, stage 0
 from typing import List
 
 from megatron.schedules.interleaved import (
+    check_positive_shape,
     num_interleaved_warmup,
     schedule_table,
     table_rank_units,
@@ -38,14 +39,7 @@ from megatron.schedules.units import FORWARD, Unit, num_warmup_units, seq1f1b_ra
 def check_slimpipe_shape(pp_size: int, num_microbatches: int, num_chunks: int,
                          num_slices: int) -> None:
     """Raise ``ValueError`` (naming the flag) for a shape SlimPipe cannot run."""
-    if pp_size < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
-    if num_chunks < 1:
-        raise ValueError(f"number of virtual pipeline stages must be >= 1, got {num_chunks}")
-    if num_microbatches < 1:
-        raise ValueError(f"number of microbatches must be >= 1, got {num_microbatches}")
-    if num_slices < 1:
-        raise ValueError(f"--slimpipe-slices must be >= 1, got {num_slices}")
+    check_positive_shape(pp_size, num_microbatches, num_chunks, num_slices, "--slimpipe-slices")
     if num_chunks > 1 and pp_size < 2:
         raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
     if num_chunks > 1 and num_slices < pp_size:
