@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
+from megatron.trainer.initialize import destroy_groups_except  # noqa: E402
 from megatron.trainer.training import pretrain  # noqa: E402
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -98,6 +99,7 @@ def main(spec_path, out_path):
             torch.save(captured["params"], path)
             entry["params"] = path
         results[run["name"]] = entry
+        destroy_groups_except()  # the next configuration builds its own groups
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         with open(out_path, "w") as handle:
             json.dump(results, handle)

@@ -20,7 +20,6 @@ Nothing else in the training loop changes.
 """
 
 import contextlib
-import gc
 import json
 import os
 import resource
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
 from megatron.trainer import training  # noqa: E402
+from megatron.trainer.initialize import destroy_groups_except  # noqa: E402
 
 
 def _sync():
@@ -122,21 +122,8 @@ def wait_for_quiet(threshold, max_wait, probe_s=1.0):
 
 
 def destroy_leftover_groups():
-    """Destroy every process group but the default one and the runner's own.
-
-    ``pretrain`` leaves the default group up so that one process can train several
-    configurations, and megatron-core's ``destroy_model_parallel`` only forgets its
-    groups: they stay registered in torch.distributed, and every gloo group keeps its
-    I/O threads. Over a few dozen runs that is thousands of threads competing with
-    the measured processes for the cores, so the runner destroys them after each run.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    default = c10d._get_default_group()
-    for group in list(c10d._world.pg_map.keys()):
-        if group is not default and group is not _GROUP:
-            c10d.destroy_process_group(group)
-    gc.collect()
+    """Destroy every process group but the default one and the runner's own."""
+    destroy_groups_except(keep=(_GROUP,))
 
 
 def thread_count():

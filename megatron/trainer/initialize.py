@@ -55,6 +55,26 @@ def destroy_model_parallel():
     mp_random.initialize_rng_tracker(force_reset=True)
 
 
+def destroy_groups_except(keep=()):
+    """Destroy every process group but the default one and those in `keep`.
+
+    ``pretrain`` leaves the default group up so that one process can train several
+    configurations, and megatron-core's ``destroy_model_parallel`` only forgets its
+    groups: they stay registered in torch.distributed, and every gloo group keeps its
+    I/O threads (some of them polling). Over a few dozen configurations in one process
+    that is thousands of threads competing for the cores.
+    """
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map.keys()):
+        if group is not default and all(group is not k for k in keep):
+            c10d.destroy_process_group(group)
+    gc.collect()
+
+
 def _free_port() -> int:
     import socket
 
