@@ -13,7 +13,13 @@ from megatron.schedules.slimpipe import (
     slimpipe_rank_units,
     slimpipe_schedule,
 )
-from megatron.schedules.units import BACKWARD, FORWARD, Unit, seq1f1b_rank_units
+from megatron.schedules.units import (
+    BACKWARD,
+    FORWARD,
+    Unit,
+    in_flight_peak,
+    seq1f1b_rank_units,
+)
 
 # n a multiple of p as the flags ask, plus n >= p that is not (the generator allows it)
 SHAPES = [
@@ -26,14 +32,6 @@ SHAPES = [
 
 def _units_of(program):
     return [a for a in program if isinstance(a, Unit)]
-
-
-def _stage0_in_flight_peak(units):
-    alive = peak = 0
-    for unit in units:
-        alive += 1 if unit.is_forward else -1
-        peak = max(peak, alive)
-    return peak
 
 
 @pytest.mark.parametrize("p,v,n,m", SHAPES)
@@ -69,7 +67,7 @@ def test_backward_is_the_exact_reverse_of_forward_within_a_microbatch(p, v, n, m
 def test_stage0_holds_nv_plus_2p_minus_2_slices(p, v, n, m):
     units = slimpipe_rank_units(0, p, m, v, n)
     expected = v * n + 2 * (p - 1) if m >= 2 else v * n
-    assert _stage0_in_flight_peak(units) == expected
+    assert in_flight_peak(units) == expected
     # the simulator (units wait for their inputs) agrees
     assert simulate(slimpipe_schedule(p, m, v, n), lambda r, u: 1.0).in_flight_peak(0) == expected
     # as a share of one microbatch (v n slice-chunk units on this rank)
@@ -113,7 +111,7 @@ def test_forward_table_is_microbatch_then_chunk_then_slice():
 def test_without_virtual_stages_it_is_seq1f1b_with_n_splits(p, n, m):
     for rank in range(p):
         assert slimpipe_rank_units(rank, p, m, 1, n) == seq1f1b_rank_units(rank, p, m, n)
-    assert _stage0_in_flight_peak(slimpipe_rank_units(0, p, m, 1, n)) == min(n + p - 1, m * n)
+    assert in_flight_peak(slimpipe_rank_units(0, p, m, 1, n)) == min(n + p - 1, m * n)
 
 
 @pytest.mark.parametrize("p,v,n,m", SHAPES[::7])

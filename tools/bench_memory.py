@@ -20,9 +20,9 @@ With ``--slimpipe N ...`` the rows are SlimPipe runs (``--slimpipe-slices N`` wi
 ``--vp V``) instead of Seq1F1B. Stage 0's peak is compared with the generator's slice
 count ``(n v + 2 (p - 1)) / (n v)`` of one microbatch ``M`` (``(n + p - 1) / n`` for
 ``v = 1``, which is Seq1F1B's order) and with the same walk over stage 0's units, chunk
-by chunk: a unit ``(mb, slice j, chunk c)`` holds ``(M - K) / v * l_j / L`` and each
-``(mb, chunk)`` holds its chunk's full-sequence K/V buffers ``K / v`` from its first
-forward until its slice-0 backward (the K/V gradient accumulator is not counted).
+by chunk (``predicted_peak`` with ``v`` chunks: a unit ``(mb, slice j, chunk c)`` holds
+``(M - K) / v * l_j / L``, each ``(mb, chunk)`` its share ``K / v`` of the KV cache as the
+layout holds it).
 """
 
 import argparse
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.schedules.slimpipe import slimpipe_rank_units  # noqa: E402
-from megatron.schedules.units import seq1f1b_rank_units  # noqa: E402
+from megatron.schedules.units import in_flight_peak, seq1f1b_rank_units  # noqa: E402
 from megatron.seqsplit.plan import plan_splits  # noqa: E402
 
 
@@ -61,69 +61,51 @@ def run_probe(args, splits, out_path, schedule=()):
     return json.load(open(out_path))["stages"]
 
 
-def predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes, layout="buffer"):
-    """Walk stage 0's units: in-flight split shares of M - K plus the KV cache.
+def predicted_peak(units, lengths, num_chunks, per_microbatch, kv_bytes, layout="buffer"):
+    """Walk one stage's units: in-flight slice shares of M - K plus the KV cache.
 
-    The KV cache term, per microbatch (`layout` of --seq1f1b-kv-cache):
-    buffer:  one full K/V buffer (K) from its first forward to its split-0 backward, and
-             the K/V gradient accumulator (K) from its first backward to split 0's
+    A unit (microbatch, split j, model chunk c) holds its share ``l_j / L`` of the chunk's
+    non-K/V activations ``(M - K) / v``. The KV cache term, per (microbatch, chunk) and
+    `layout` of --seq1f1b-kv-cache, in units of the chunk's ``K / v``:
+    buffer:  one full K/V buffer from the first forward to the split-0 backward, and
+             the K/V gradient accumulator from the first backward to split 0's
              (splits' prefix gradients wait there for their own split);
-    chunked: the K/V chunks of the splits that ran forward (K l_j / L each), and after
-             split j's backward the gradients left for chunks < j (K o_j / L).
+    chunked: the K/V chunks of the splits that ran forward (``l_j / L`` each), and after
+             split j's backward the gradients left for chunks < j (``o_j / L``).
+    Seq1F1B is the case of one chunk.
     """
     total = sum(lengths)
-    offsets = [sum(lengths[:j]) for j in range(s)]
-    alive_units, kv, peak = set(), {}, 0.0  # kv: microbatch -> bytes its cache holds
-    for unit in seq1f1b_rank_units(0, p, m, s):
-        mb, j = unit.microbatch, unit.split
+    offsets = [sum(lengths[:j]) for j in range(len(lengths))]
+    share = (per_microbatch - kv_bytes) / num_chunks
+    kv_chunk = kv_bytes / num_chunks
+    alive_units, kv, peak = set(), {}, 0.0  # kv: (microbatch, chunk) -> bytes held
+    for unit in units:
+        key, j = (unit.microbatch, unit.chunk), unit.split
         if unit.is_forward:
-            alive_units.add((mb, j))
+            alive_units.add((key, j))
             if layout == "chunked":
-                kv[mb] = kv.get(mb, 0.0) + kv_bytes * lengths[j] / total
+                kv[key] = kv.get(key, 0.0) + kv_chunk * lengths[j] / total
             else:
-                kv[mb] = kv_bytes
+                kv[key] = kv_chunk
         else:
-            alive_units.discard((mb, j))
+            alive_units.discard((key, j))
             if j == 0:
-                kv.pop(mb, None)
+                kv.pop(key, None)
             elif layout == "chunked":
                 # all chunks stay until split 0's backward; gradients for chunks < j wait
-                kv[mb] = kv_bytes * (1.0 + offsets[j] / total)
+                kv[key] = kv_chunk * (1.0 + offsets[j] / total)
             else:
-                kv[mb] = 2 * kv_bytes
-        now = sum((per_microbatch - kv_bytes) * lengths[j] / total for _, j in alive_units)
-        if s > 1:
+                kv[key] = 2 * kv_chunk
+        now = sum(share * lengths[j] / total for _, j in alive_units)
+        if len(lengths) > 1:
             now += sum(kv.values())
         peak = max(peak, now)
     return peak
 
 
-def predicted_peak_chunked(units, lengths, num_chunks, per_microbatch, kv_bytes):
-    """Walk stage 0's units with chunks: each (mb, slice, chunk) holds its share of the
-    chunk's non-K/V activations, each live (mb, chunk) its chunk's K/V buffers."""
-    total = sum(lengths)
-    per_chunk, kv_chunk = per_microbatch / num_chunks, kv_bytes / num_chunks
-    alive_units, alive_kv, peak = set(), set(), 0.0
-    for unit in units:
-        if unit.is_forward:
-            alive_units.add((unit.microbatch, unit.split, unit.chunk))
-            alive_kv.add((unit.microbatch, unit.chunk))
-        else:
-            alive_units.discard((unit.microbatch, unit.split, unit.chunk))
-            if unit.split == 0:
-                alive_kv.discard((unit.microbatch, unit.chunk))
-        now = (sum((per_chunk - kv_chunk) * lengths[j] / total for _, j, _ in alive_units)
-               + (kv_chunk * len(alive_kv) if len(lengths) > 1 else 0))
-        peak = max(peak, now)
-    return peak
-
-
-def stage0_units_held(units):
-    alive = peak = 0
-    for unit in units:
-        alive += 1 if unit.is_forward else -1
-        peak = max(peak, alive)
-    return peak
+def kv_layout(args):
+    """The --seq1f1b-kv-cache layout the runs use (given through --extra)."""
+    return "chunked" if "chunked" in args.extra else "buffer"
 
 
 def slimpipe_rows(args, tmp, per_microbatch, kv_bytes):
@@ -137,12 +119,12 @@ def slimpipe_rows(args, tmp, per_microbatch, kv_bytes):
             stages = run_probe(args, 1, os.path.join(tmp, f"slim_v{v}_n{n}.json"), flags)
             units = slimpipe_rank_units(0, p, m, v, n)
             lengths = plan_splits(args.seq_length, n, "average")
-            held = stage0_units_held(units)
+            held = in_flight_peak(units)
             rows.append({"schedule": "slimpipe", "vp": v, "slices": n,
                          "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
                          "slices_held": held, "paper_microbatches": held / (n * v),
-                         "predicted_with_kv_bytes": predicted_peak_chunked(
-                             units, lengths, v, per_microbatch, kv_bytes)})
+                         "predicted_with_kv_bytes": predicted_peak(
+                             units, lengths, v, per_microbatch, kv_bytes, kv_layout(args))})
     return rows
 
 
@@ -188,7 +170,7 @@ def main():
     args = parser.parse_args()
 
     p, m = args.pp, args.microbatches
-    layout = "chunked" if "chunked" in args.extra else "buffer"  # --seq1f1b-kv-cache
+    layout = kv_layout(args)
     layers_per_stage = args.num_layers // p
     head_dim = args.hidden_size // args.heads
     kv_bytes = 2 * args.seq_length * 1 * args.heads * head_dim * 4 * layers_per_stage
@@ -204,7 +186,8 @@ def main():
         for s in ([] if args.slimpipe else args.splits):
             stages = run_probe(args, s, os.path.join(tmp, f"s{s}.json"))
             lengths = plan_splits(args.seq_length, s, "average")
-            predicted = predicted_peak(p, m, s, lengths, per_microbatch, kv_bytes, layout)
+            predicted = predicted_peak(seq1f1b_rank_units(0, p, m, s), lengths, 1,
+                                       per_microbatch, kv_bytes, layout)
             rows.append({"schedule": "seq1f1b", "splits": s,
                          "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
                          "paper_ratio": (s + p - 1) / (s * p),

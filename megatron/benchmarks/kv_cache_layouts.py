@@ -20,7 +20,7 @@ from megatron.schedules.memory_probe import ActivationMemoryProbe
 from megatron.schedules.units import BACKWARD, FORWARD, Unit
 from megatron.seqsplit.attention_backends import get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
-from megatron.seqsplit.plan import split_offsets
+from megatron.seqsplit.plan import plan_splits, split_offsets
 from megatron.seqsplit.split_context import SplitContext
 
 
@@ -79,11 +79,9 @@ def compare_layouts(seq=4096, batch=1, heads=16, groups=4, head_dim=64, splits=4
     """Rows for s = 1 (unsplit) and both layouts at `splits`; see the module docstring."""
     q, k, v, grad = _inputs(seq, batch, heads, groups, head_dim, dtype, device)
     attention = get_backend(backend, device=device, dtype=dtype)
-    configs = {"unsplit": ("buffer", [seq]),
-               "buffer": ("buffer", [seq // splits] * splits),
-               "chunked": ("chunked", [seq // splits] * splits)}
-    configs["buffer"][1][-1] += seq % splits
-    configs["chunked"][1][-1] += seq % splits
+    lengths = plan_splits(seq, splits, "average")
+    configs = {"unsplit": ("buffer", [seq]), "buffer": ("buffer", lengths),
+               "chunked": ("chunked", lengths)}
     results = {name: {"times": []} for name in configs}
     for name, (layout, lengths) in configs.items():  # warm-up, memory and exactness
         _, peak, *tensors = run_layout(layout, q, k, v, grad, lengths, attention,

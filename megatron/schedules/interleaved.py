@@ -34,7 +34,7 @@ not run it yet.
 
 from typing import List, Optional, Tuple
 
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.units import BACKWARD, FORWARD, Unit, check_positive_shape
 
 Item = Tuple[int, int]  # (microbatch, split)
 
@@ -42,19 +42,6 @@ Item = Tuple[int, int]  # (microbatch, split)
 def default_group_size(pp_size: int, group_size: Optional[int] = None) -> int:
     """megatron-core's ``microbatch_group_size_per_vp_stage``: ``p`` unless given."""
     return pp_size if group_size is None else group_size
-
-
-def check_positive_shape(pp_size: int, num_microbatches: int, num_chunks: int,
-                         num_items: int, items_flag: str) -> None:
-    """Every count of a chunked schedule is at least 1 (errors name the flag)."""
-    if pp_size < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
-    if num_chunks < 1:
-        raise ValueError(f"number of virtual pipeline stages must be >= 1, got {num_chunks}")
-    if num_microbatches < 1:
-        raise ValueError(f"number of microbatches must be >= 1, got {num_microbatches}")
-    if num_items < 1:
-        raise ValueError(f"{items_flag} must be >= 1, got {num_items}")
 
 
 def check_interleaved_shape(

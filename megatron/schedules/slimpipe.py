@@ -28,12 +28,17 @@ the unit order is ``seq1f1b_rank_units`` (warm-up ``p - r - 1 + n - 1``, stage 0
 from typing import List
 
 from megatron.schedules.interleaved import (
-    check_positive_shape,
     num_interleaved_warmup,
     schedule_table,
     table_rank_units,
 )
-from megatron.schedules.units import FORWARD, Unit, num_warmup_units, seq1f1b_rank_units
+from megatron.schedules.units import (
+    FORWARD,
+    Unit,
+    check_positive_shape,
+    num_warmup_units,
+    seq1f1b_rank_units,
+)
 
 
 def check_slimpipe_shape(pp_size: int, num_microbatches: int, num_chunks: int,

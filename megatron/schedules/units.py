@@ -44,13 +44,30 @@ class Unit:
         return f"{self.kind}{self.microbatch}.{self.split}{chunk}"
 
 
-def _check_shape(pp_size: int, num_microbatches: int, num_splits: int) -> None:
+def check_positive_shape(pp_size: int, num_microbatches: int, num_chunks: int,
+                         num_items: int, items_flag: str = "--seq1f1b-splits") -> None:
+    """Every count of a schedule is at least 1 (errors name the flag)."""
     if pp_size < 1:
-        raise ValueError(f"pipeline size must be >= 1, got {pp_size}")
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
+    if num_chunks < 1:
+        raise ValueError(f"number of virtual pipeline stages must be >= 1, got {num_chunks}")
     if num_microbatches < 1:
         raise ValueError(f"number of microbatches must be >= 1, got {num_microbatches}")
-    if num_splits < 1:
-        raise ValueError(f"--seq1f1b-splits must be >= 1, got {num_splits}")
+    if num_items < 1:
+        raise ValueError(f"{items_flag} must be >= 1, got {num_items}")
+
+
+def _check_shape(pp_size: int, num_microbatches: int, num_splits: int) -> None:
+    check_positive_shape(pp_size, num_microbatches, 1, num_splits)
+
+
+def in_flight_peak(units) -> int:
+    """Most forward units whose backward has not run yet, over one rank's unit list."""
+    alive = peak = 0
+    for unit in units:
+        alive += 1 if unit.is_forward else -1
+        peak = max(peak, alive)
+    return peak
 
 
 def forward_order(num_microbatches: int, num_splits: int) -> List[Unit]:
