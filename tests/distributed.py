@@ -20,6 +20,12 @@ TINY_MODEL = [
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
     "--seed", "1234",
 ]
+# the second model family of the exactness suites: GQA (4 heads, 2 groups), RoPE,
+# SwiGLU, RMSNorm, untied embeddings (TINY_MODEL is MHA, learned positions, LayerNorm,
+# GeLU, tied)
+GQA_ROPE_SWIGLU = ["--group-query-attention", "--num-query-groups", "2",
+                   "--position-embedding-type", "rope", "--swiglu",
+                   "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
 
 
 def _free_port():

@@ -10,6 +10,7 @@ steps within 1e-5. A checkpoint saved by an interleaved run loads into pp=1.
 import pytest
 
 from distributed import (
+    GQA_ROPE_SWIGLU,
     TINY_MODEL,
     assert_close_series,
     assert_params_close,
@@ -19,9 +20,7 @@ from distributed import (
 
 # 8 layers so that pp=4 x 2 chunks and pp=2 x 4 chunks both have a layer per chunk.
 MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
-MODEL_B = MODEL_A + ["--group-query-attention", "--num-query-groups", "2",
-                     "--position-embedding-type", "rope", "--swiglu",
-                     "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
+MODEL_B = MODEL_A + GQA_ROPE_SWIGLU
 MODELS = {"A": MODEL_A, "B": MODEL_B}
 EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
 BATCHES = {

@@ -9,6 +9,7 @@ compared, inside this test, with (a) the same layout at s = 1 (megatron-core's o
 import pytest
 
 from distributed import (
+    GQA_ROPE_SWIGLU,
     TINY_MODEL,
     assert_close_series,
     assert_params_close,
@@ -19,9 +20,7 @@ from distributed import (
 # A: MHA, learned absolute positions, LayerNorm, GeLU, tied embeddings.
 MODEL_A = TINY_MODEL
 # B: GQA (4 heads, 2 groups), RoPE, SwiGLU, RMSNorm, untied embeddings.
-MODEL_B = TINY_MODEL + ["--group-query-attention", "--num-query-groups", "2",
-                        "--position-embedding-type", "rope", "--swiglu",
-                        "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
+MODEL_B = TINY_MODEL + GQA_ROPE_SWIGLU
 MODELS = {"A": MODEL_A, "B": MODEL_B}
 # microbatches per iteration are not multiples of the split counts
 # evaluation (forward_only) runs after iteration 3 and must agree too

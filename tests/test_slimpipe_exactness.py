@@ -29,6 +29,7 @@ CI budget.
 import pytest
 
 from distributed import (
+    GQA_ROPE_SWIGLU,
     TINY_MODEL,
     assert_close_series,
     assert_params_close,
@@ -36,9 +37,7 @@ from distributed import (
 )
 
 MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
-MODEL_B = MODEL_A + ["--group-query-attention", "--num-query-groups", "2",
-                     "--position-embedding-type", "rope", "--swiglu",
-                     "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights"]
+MODEL_B = MODEL_A + GQA_ROPE_SWIGLU
 MODELS = {"A": MODEL_A, "B": MODEL_B}
 EVAL = ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
 BATCHES = {
