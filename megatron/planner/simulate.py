@@ -14,7 +14,9 @@ the rank is free and every unit it depends on has finished and its message arriv
   same rank (it deposits split ``j``'s K/V gradient).
 
 Sends are asynchronous (a message waits at the receiver until it is used), which is
-the standard model for pipeline timelines. An order in which some unit waits for a
+the standard model for pipeline timelines. ``partners`` pairs units of two ranks that
+must run at the same time (SlimPipe's attention redistribution exchanges data inside
+them): each starts when both ranks are ready for it. An order in which some unit waits for a
 unit later in its own rank's list (or on a cycle across ranks) raises
 ``ScheduleDeadlock``.
 """
@@ -153,6 +155,7 @@ def simulate(
     duration: DurationFn,
     comm: Optional[CommFn] = None,
     memory: Optional[MemoryFn] = None,
+    partners: Optional[Dict[Tuple[int, Unit], Tuple[int, Unit]]] = None,
 ) -> SimResult:
     """Time every rank's unit list.
 
@@ -160,8 +163,11 @@ def simulate(
     for the message that carries ``unit``'s output (activation for forwards, input
     gradient for backwards) between ranks (0 if omitted; messages inside a rank are
     free); ``memory(rank, unit)`` -> ``MemoryEffect`` (memory traces are built only
-    when given).
+    when given); ``partners[(rank, unit)] = (peer_rank, peer_unit)`` (given for both
+    sides) makes the two units start together, at the later of their ready times.
     """
+    partners = partners or {}
+    waiting: Dict[Tuple[int, Unit], float] = {}  # paired units ready, partner not yet
     pp_size = len(schedule)
     num_chunks = 1 + max((u.chunk for units in schedule for u in units), default=0)
     num_splits = 1 + max((u.split for units in schedule for u in units), default=0)
@@ -190,15 +196,25 @@ def simulate(
                     ready = max(ready, end)
                 if blocked:
                     break
-                end = ready + duration(rank, unit)
-                key = (unit.kind, unit.microbatch, unit.split, unit.chunk)
-                if (rank, key) in finished:
-                    raise ScheduleDeadlock(f"unit {unit} appears twice on rank {rank}")
-                finished[(rank, key)] = end
-                timed[rank].append(TimedUnit(rank, unit, ready, end))
-                clock[rank] = end
-                position[rank] += 1
-                done += 1
+                partner = partners.get((rank, unit))
+                if partner is None:
+                    starts = [(rank, unit, ready)]
+                elif partner in waiting:
+                    start = max(ready, waiting.pop(partner))
+                    starts = [(rank, unit, start), partner + (start,)]
+                else:
+                    waiting[(rank, unit)] = ready
+                    break
+                for run_rank, run_unit, start in starts:
+                    end = start + duration(run_rank, run_unit)
+                    key = (run_unit.kind, run_unit.microbatch, run_unit.split, run_unit.chunk)
+                    if (run_rank, key) in finished:
+                        raise ScheduleDeadlock(f"unit {run_unit} appears twice on rank {run_rank}")
+                    finished[(run_rank, key)] = end
+                    timed[run_rank].append(TimedUnit(run_rank, run_unit, start, end))
+                    clock[run_rank] = end
+                    position[run_rank] += 1
+                    done += 1
                 progressed = True
         if not progressed:
             stuck = {

@@ -107,7 +107,8 @@ def unit_start_times(units_per_rank: Sequence[Sequence[Unit]], num_chunks: int,
     return start, end
 
 
-def lower_chunked(units_per_rank: Sequence[Sequence[Unit]], num_chunks: int) -> List[List[Action]]:
+def lower_chunked(units_per_rank: Sequence[Sequence[Unit]], num_chunks: int,
+                  times=None) -> List[List[Action]]:
     """Every rank's units with the batches that feed them (see module doc).
 
     All events (units and messages) are put in one global order taken from a timed
@@ -117,9 +118,14 @@ def lower_chunked(units_per_rank: Sequence[Sequence[Unit]], num_chunks: int) -> 
     unfinished event always has both of its ranks posted on it (every earlier event of
     theirs is finished, and a batch only holds consecutive events). FIFO order per pair
     of ranks holds because both ends see their messages in the one global order.
+
+    ``times`` = ``(start, end)`` dicts keyed by ``(rank, unit)`` replaces the timed run
+    (any execution in which every unit starts after its input's producer ended will do;
+    units that must run together, see ``check_rendezvous``'s ``partners``, start at the
+    same time in it, so neither waits for an event ordered after the other).
     """
     pp_size = len(units_per_rank)
-    start, end = unit_start_times(units_per_rank, num_chunks)
+    start, end = times if times is not None else unit_start_times(units_per_rank, num_chunks)
     events = [[] for _ in range(pp_size)]  # (key, action) per rank
     for rank, units in enumerate(units_per_rank):
         for index, unit in enumerate(units):
@@ -165,9 +171,15 @@ def _dependencies_met(rank, unit, done, received, pp_size, num_chunks, num_split
 
 
 def check_rendezvous(programs: Sequence[Sequence[Action]], num_chunks: int,
-                     num_splits: int) -> List[Tuple[int, Unit]]:
+                     num_splits: int, partners=None) -> List[Tuple[int, Unit]]:
     """Run the ranks' programs with blocking batched rendezvous; return the global unit
-    order. Raises ``AssertionError`` on deadlock, a FIFO mismatch or a broken dependency."""
+    order. Raises ``AssertionError`` on deadlock, a FIFO mismatch or a broken dependency.
+
+    ``partners[(rank, unit)] = (peer, peer_unit)`` (both sides given): the two units
+    exchange data while they run, so neither runs before the other rank reached its side.
+    """
+    partners = partners or {}
+    arrived = set()  # (rank, unit) at a paired unit whose partner has not arrived
     pp_size = len(programs)
     position = [0] * pp_size
     # ops of each rank's posted batch not yet matched: [message, channel, index in channel]
@@ -198,9 +210,16 @@ def check_rendezvous(programs: Sequence[Sequence[Action]], num_chunks: int,
                     problem = _dependencies_met(rank, action, done, received, pp_size,
                                                 num_chunks, num_splits)
                     assert problem is None, problem
-                    done[rank].add(action)
-                    order.append((rank, action))
-                    position[rank] += 1
+                    partner = partners.get((rank, action))
+                    if partner is not None and partner not in arrived:
+                        arrived.add((rank, action))
+                        break
+                    runs = [(rank, action)] + ([partner] if partner is not None else [])
+                    arrived.discard(partner)
+                    for run_rank, run_unit in runs:
+                        done[run_rank].add(run_unit)
+                        order.append((run_rank, run_unit))
+                        position[run_rank] += 1
                     progressed = True
                     continue
                 if pending[rank] is None:
