@@ -19,7 +19,16 @@ A_m3_pp2v1_len12        2     1    4       1   1     --slimpipe-slice-length, v 
 A_mbs2_tp2pp2v2_n4_sp   2     2    4       2   2     sequence parallel (slice % tp)
 A_m3_pp4v2_n8           4     2    8 = 2p  1   1     m = 3 (< p, not a multiple of p)
 B_m3_pp2v2_n4_chunked   2     2    4 = 2p  1   1     --seq1f1b-kv-cache chunked, GQA
+B_m3_pp2v2_n4_balance   2     2    4 = 2p  1   1     --slimpipe-attention-balance, GQA
+A_m3_pp2v1_n4_balance   2     1    4       1   1     attention balance without v
+A_mbs2_tp2pp2v2_balance 2     2    4       2   2     attention balance, tp = 2
+A_m3_pp4v2_n8_balance   4     2    8 = 2p  1   1     attention balance over 4 ranks
 ======================  ====  ===  ======  ==  ====  ==============================
+
+The attention-balance cases (`--slimpipe-attention-balance`, chunked KV cache) pair
+units of different ranks that then exchange query slices, K/V chunks and partial
+results in every layer; ``test_balance_cases_exchange`` checks that each case's plan
+has such pairs (forward and backward), so the equality is not that of an unused path.
 
 pp = 4 with v = 4 (16 layers) and pp = 4 with n = p run in the generator tests only
 (tests/test_slimpipe_schedule.py), not here: every process launch costs seconds of the
@@ -46,10 +55,11 @@ BATCHES = {
     "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "4"] + EVAL,
 }
 EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
-          "_sp": ["--sequence-parallel"], "_chunked": ["--seq1f1b-kv-cache", "chunked"]}
-# flags whose reference is the plain run (sequence parallel at tp=1 and the chunked KV
-# cache without slices change nothing)
-PLAIN_REFERENCE = ("_sp", "_chunked")
+          "_sp": ["--sequence-parallel"], "_chunked": ["--seq1f1b-kv-cache", "chunked"],
+          "_balance": ["--seq1f1b-kv-cache", "chunked", "--slimpipe-attention-balance"]}
+# flags whose reference is the plain run (sequence parallel at tp=1, the chunked KV
+# cache and attention balance without slices change nothing)
+PLAIN_REFERENCE = ("_sp", "_chunked", "_balance")
 
 
 def layout(pp, vp, tp=1):
@@ -70,6 +80,10 @@ CASES = {
     "A_mbs2_tp2pp2v2_n4_sp": (4, "A", "mbs2", layout(2, 2, tp=2), slices(4), "_sp"),
     "A_m3_pp4v2_n8": (4, "A", "m3", layout(4, 2), slices(8), ""),
     "B_m3_pp2v2_n4_chunked": (2, "B", "m3", layout(2, 2), slices(4), "_chunked"),
+    "B_m3_pp2v2_n4_balance": (2, "B", "m3", layout(2, 2), slices(4), "_balance"),
+    "A_m3_pp2v1_n4_balance": (2, "A", "m3", layout(2, 1), slices(4), "_balance"),
+    "A_mbs2_tp2pp2v2_balance": (4, "A", "mbs2", layout(2, 2, tp=2), slices(4), "_balance"),
+    "A_m3_pp4v2_n8_balance": (4, "A", "m3", layout(4, 2), slices(8), "_balance"),
 }
 
 
@@ -113,3 +127,32 @@ def test_slimpipe_run_equals_single_process(results, name):
     assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
                         f"{name} validation loss")
     assert_params_close(run["params"], expected["params"])
+
+
+BALANCE_CASES = [n for n, case in CASES.items() if case[5] == "_balance"]
+
+
+def _balance_askers(name):
+    from megatron.schedules.attention_balance import SliceCosts, balanced_slimpipe
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.training import model_shape_from_args
+
+    world, model, batch, lay, schedule, extra = CASES[name]
+    args = parse_args(MODELS[model] + BATCHES[batch] + lay + schedule + EXTRAS[extra],
+                      world_size=world, cuda_available=False)
+    args.padded_vocab_size = args.vocab_size  # not part of the per-layer costs
+    costs = SliceCosts.from_model(model_shape_from_args(args),
+                                  args.seq_length // args.slimpipe_slices)
+    plan = balanced_slimpipe(args.pipeline_model_parallel_size, args.num_microbatches,
+                             args.virtual_pipeline_model_parallel_size or 1,
+                             args.slimpipe_slices, costs)
+    return [o.asker for offloads in plan.offloads for o in offloads.values() if o.role == "ask"]
+
+
+def test_balance_cases_exchange():
+    """Every balance case's plan pairs units (what its run executes), and the cases
+    together exchange in forward and in backward units."""
+    askers = {name: _balance_askers(name) for name in BALANCE_CASES}
+    assert all(askers.values()), askers
+    every = [u for units in askers.values() for u in units]
+    assert any(u.is_forward for u in every) and any(not u.is_forward for u in every)

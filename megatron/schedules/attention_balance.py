@@ -36,8 +36,7 @@ from megatron.planner.simulate import ScheduleDeadlock, simulate
 from megatron.schedules.messages import check_rendezvous, lower_chunked
 from megatron.schedules.slimpipe import slimpipe_rank_units
 from megatron.schedules.units import Unit
-
-ASK, HELP = "ask", "help"
+from megatron.seqsplit.attention_exchange import ASK, HELP
 MAX_TRIALS = 64  # pairs tried per plan (each one simulation of the whole schedule)
 
 # Backward attention costs about 2.5x its forward (dQ, dK, dV and the recomputed

@@ -11,7 +11,7 @@ from megatron.schedules.seq1f1b import Seq1F1BSettings, forward_backward_pipelin
 def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "average",
                               alignment: int = 1, model_shape=None, observers=(),
                               pp_size=None, vp_size=None, schedule: str = "seq1f1b",
-                              slimpipe_slices: int = None):
+                              slimpipe_slices: int = None, attention_balance: bool = False):
     """megatron-core's ``get_forward_backward_func``, plus Seq1F1B for ``seq1f1b_splits > 1``.
 
     The returned function takes megatron-core's keyword arguments and returns what
@@ -30,14 +30,16 @@ def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "av
     ``schedule="slimpipe"`` runs SlimPipe (``megatron.schedules.slimpipe``) in the same
     executor: ``slimpipe_slices`` uniform slices (the ``average`` split plan), the
     interleaved order with a group of one microbatch, or Seq1F1B's order when
-    ``vp_size`` is 1.
+    ``vp_size`` is 1. ``attention_balance`` adds SlimPipe's attention redistribution
+    (``megatron.schedules.attention_balance``; needs the chunked KV cache).
     """
     if schedule == "slimpipe":
         if not slimpipe_slices or slimpipe_slices < 1:
             raise ValueError(f"SlimPipe needs slimpipe_slices >= 1, got {slimpipe_slices}")
         settings = Seq1F1BSettings(num_splits=slimpipe_slices, balance_method="average",
                                    alignment=alignment, model_shape=model_shape,
-                                   observers=list(observers), schedule="slimpipe")
+                                   observers=list(observers), schedule="slimpipe",
+                                   attention_balance=attention_balance)
         return functools.partial(forward_backward_pipelining_seq1f1b, settings=settings)
     interleaved = vp_size is not None and vp_size > 1
     if seq1f1b_splits <= 1 and not observers and not interleaved:

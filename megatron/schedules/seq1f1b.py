@@ -52,6 +52,9 @@ class Seq1F1BSettings:
     # "seq1f1b" (interleaved order with virtual stages) or "slimpipe" (splits are its
     # uniform slices; megatron.schedules.slimpipe's order, the Seq1F1B one when v = 1)
     schedule: str = "seq1f1b"
+    # SlimPipe only: attention redistribution between paired units
+    # (megatron.schedules.attention_balance); needs the chunked KV cache and model_shape
+    attention_balance: bool = False
 
 
 class SplitDataIterator:
@@ -169,7 +172,12 @@ def forward_backward_pipelining_seq1f1b(
         no_sync = config.no_sync_func or contextlib.nullcontext
         for chunk_no_sync in (no_sync if isinstance(no_sync, list) else [no_sync]):
             sync_guard.enter_context(chunk_no_sync())
-    if num_chunks == 1:  # SlimPipe without virtual stages is Seq1F1B over its slices
+    exchanges = {}  # unit -> this rank's side of an attention-redistribution pair
+    if settings.attention_balance and not forward_only:
+        actions, exchanges = _balanced_actions(settings, rank, pp_group, pp_size,
+                                               num_microbatches, num_chunks, seq_length,
+                                               lengths, offsets)
+    elif num_chunks == 1:  # SlimPipe without virtual stages is Seq1F1B over its slices
         actions = seq1f1b_rank_actions(rank, pp_size, num_microbatches, settings.num_splits,
                                        forward_only=forward_only)
     elif settings.schedule == "slimpipe":
@@ -301,12 +309,14 @@ def forward_backward_pipelining_seq1f1b(
         if isinstance(action, Unit):
             for observer in settings.observers:
                 observer.on_unit_start(rank, action)
+            kv_store.exchange = exchanges.get(action)
             if action.is_forward:
                 run_forward(action)
             else:
                 run_backward(action)
                 if is_first and action.chunk == 0:
                     input_grads.pop(action, None)  # nothing to send upstream
+            kv_store.exchange = None
             for observer in settings.observers:
                 observer.on_unit_end(rank, action)
         elif isinstance(action[0], Message):
@@ -324,3 +334,26 @@ def forward_backward_pipelining_seq1f1b(
                 pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     kv_store.clear()
     return forward_data_store
+
+
+def _balanced_actions(settings, rank, pp_group, pp_size, num_microbatches, num_chunks,
+                      seq_length, lengths, offsets):
+    """SlimPipe with attention redistribution: this rank's program (lowered on the
+    balanced timeline, checked free of deadlock with the pairs as rendezvous) and the
+    ``Exchange`` of each of its paired units."""
+    from megatron.schedules.attention_balance import SliceCosts, checked_balanced_programs
+    from megatron.seqsplit.attention_exchange import Exchange
+
+    if settings.schedule != "slimpipe" or settings.model_shape is None:
+        raise ValueError("attention balance needs the SlimPipe schedule and the model shape")
+    costs = SliceCosts.from_model(settings.model_shape, seq_length // settings.num_splits)
+    programs, plan = checked_balanced_programs(pp_size, num_microbatches, num_chunks,
+                                               settings.num_splits, costs)
+    exchanges = {
+        unit: Exchange(
+            role=o.role, peer=torch.distributed.get_global_rank(pp_group, o.peer),
+            group=pp_group, asker_forward=o.asker.is_forward, num_chunks=o.num_chunks,
+            query_length=lengths[o.asker.split], query_start=offsets[o.asker.split],
+            chunk_lengths=tuple(lengths[:o.num_chunks]))
+        for unit, o in plan.offloads[rank].items()}
+    return list(programs[rank]), exchanges

@@ -53,6 +53,9 @@ class KVCacheStore:
     def __init__(self, forward_only: bool | None = None):
         self.forward_only = forward_only
         self._entries: dict = {}
+        # the running unit's side of an attention-redistribution pair
+        # (`attention_exchange.Exchange`), set by the executor around each unit
+        self.exchange = None
 
     def num_entries(self) -> int:
         return len(self._entries)

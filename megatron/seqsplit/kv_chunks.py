@@ -27,11 +27,14 @@ from functools import partial
 
 import torch
 
+from megatron.seqsplit import attention_exchange
 from megatron.seqsplit.kv_cache import key_documents, release_after_last_forward
 from megatron.seqsplit.lse_attention import (
     DEFAULT_MAX_BLOCK_ELEMENTS,
     lse_attention_backward,
     lse_attention_forward,
+    lse_attention_partial,
+    merge_partials,
 )
 
 
@@ -83,20 +86,56 @@ def _accumulate(grads: dict, index: int, grad):
         grads[index] = grad
 
 
+def _attend(exchange, q, keys, values, kwargs):
+    """Forward over chunks 0..j; with an exchange, serve the peer first (helper) or have
+    it compute the first chunks while this rank does the rest (asker)."""
+    if exchange is None:
+        return lse_attention_forward(q, keys, values, **kwargs)
+    if kwargs["document_ids"] is not None:
+        raise ValueError("--slimpipe-attention-balance does not support packed documents "
+                         "(--reset-attention-mask) yet")
+    if exchange.role == attention_exchange.HELP:
+        attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"])
+        return lse_attention_forward(q, keys, values, **kwargs)
+    k = exchange.num_chunks
+    pending = attention_exchange.ask_forward(exchange, q, keys[:k], values[:k])
+    out, lse = lse_attention_partial(q, keys[k:], values[k:], **kwargs)
+    remote_out, remote_lse = pending.wait()
+    out, lse = merge_partials(out, lse, remote_out, remote_lse)
+    return out.to(q.dtype), lse
+
+
+def _attend_backward(exchange, grad_out, q, out, lse, keys, values, kwargs):
+    """Backward over chunks 0..j, sharing the work as `_attend` does."""
+    if exchange is not None and exchange.role == attention_exchange.HELP:
+        attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"])
+    if exchange is None or exchange.role == attention_exchange.HELP:
+        return lse_attention_backward(grad_out, q, out, lse, keys, values, **kwargs)
+    k = exchange.num_chunks
+    pending = attention_exchange.ask_backward(exchange, grad_out, q, out, lse,
+                                              keys[:k], values[:k])
+    dq, dks, dvs = lse_attention_backward(grad_out, q, out, lse, keys[k:], values[k:],
+                                          dq_dtype=out.dtype if out.dtype == torch.float64
+                                          else torch.float32, **kwargs)
+    remote_dq, remote_dks, remote_dvs = attention_exchange.split_backward_result(
+        exchange, pending.wait())
+    return (dq + remote_dq).to(q.dtype), list(remote_dks) + dks, list(remote_dvs) + dvs
+
+
 class _ChunkedSplitAttention(torch.autograd.Function):
     """(query [l, b, hq, d], own key/value [l, b, g, d]) -> context [b, hq, l, d]."""
 
     @staticmethod
     def forward(ctx, query, key, value, entry, split_index, softmax_scale, documents,
-                on_first_split_done, max_block_elements):
+                on_first_split_done, max_block_elements, store):
         keys, values = _store_own(entry, split_index, key, value)
-        out, lse = lse_attention_forward(
-            query.permute(1, 2, 0, 3), keys, values, softmax_scale=softmax_scale,
-            document_ids=documents, max_block_elements=max_block_elements)
-        ctx.save_for_backward(query, out, lse)
-        ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
         ctx.kwargs = dict(softmax_scale=softmax_scale, document_ids=documents,
                           max_block_elements=max_block_elements)
+        out, lse = _attend(getattr(store, "exchange", None), query.permute(1, 2, 0, 3), keys, values,
+                           ctx.kwargs)
+        ctx.save_for_backward(query, out, lse)
+        ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
+        ctx.store = store  # its exchange at backward time is the backward unit's
         ctx.on_first_split_done = on_first_split_done
         ctx.kv_dtype = key.dtype
         return out
@@ -106,8 +145,9 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         query, out, lse = ctx.saved_tensors
         keys, values = ctx.chunks
         entry, j = ctx.entry, ctx.split_index
-        dq, dks, dvs = lse_attention_backward(
-            grad_out, query.permute(1, 2, 0, 3), out, lse, keys, values, **ctx.kwargs)
+        dq, dks, dvs = _attend_backward(getattr(ctx.store, "exchange", None), grad_out,
+                                        query.permute(1, 2, 0, 3), out, lse, keys, values,
+                                        ctx.kwargs)
         for c in range(j):  # prefix chunks: their own splits' backwards return these
             _accumulate(entry.grad_keys, c, dks[c])
             _accumulate(entry.grad_values, c, dvs[c])
@@ -121,7 +161,7 @@ class _ChunkedSplitAttention(torch.autograd.Function):
             return x.permute(2, 0, 1, 3).to(ctx.kv_dtype)
 
         return (dq.permute(2, 0, 1, 3), megatron_layout(dk), megatron_layout(dv),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def chunked_split_attention(query, key, value, *, split, store, layer_key, softmax_scale,
@@ -142,11 +182,11 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
         release = partial(store._release, entry_id)
         out = _ChunkedSplitAttention.apply(
             query, key, value, entry, split.split_index, softmax_scale, documents, release,
-            max_block_elements)
+            max_block_elements, store)
     else:
         keys, values = _store_own(entry, split.split_index, key, value)
-        out, _ = lse_attention_forward(
-            query.permute(1, 2, 0, 3), keys, values, softmax_scale=softmax_scale,
-            document_ids=documents, max_block_elements=max_block_elements)
+        out, _ = _attend(getattr(store, "exchange", None), query.permute(1, 2, 0, 3), keys, values,
+                         dict(softmax_scale=softmax_scale, document_ids=documents,
+                              max_block_elements=max_block_elements))
     release_after_last_forward(store, entry_id, split, tracked)
     return out.permute(2, 0, 1, 3).contiguous()

@@ -82,13 +82,15 @@ class _Chunks:
         return [k.shape[2] for k in self.keys]
 
 
-def _check(q, chunks: _Chunks, document_ids):
+def _check(q, chunks: _Chunks, document_ids, query_start):
     b, hq, lq, d = q.shape
     k0 = chunks.keys[0]
     if k0.shape[0] != b or k0.shape[3] != d or hq % k0.shape[1]:
         raise ValueError(f"q {tuple(q.shape)} does not match K/V chunks {tuple(k0.shape)}")
-    if lq > chunks.total:
+    if query_start is None and lq > chunks.total:
         raise ValueError(f"{lq} queries but only {chunks.total} keys")
+    if query_start is not None and query_start < 0:
+        raise ValueError(f"query_start must be >= 0, got {query_start}")
     if document_ids is not None and tuple(document_ids.shape) != (b, chunks.total):
         raise ValueError(f"document_ids must be [b, lk] = [{b}, {chunks.total}], "
                          f"got {tuple(document_ids.shape)}")
@@ -105,10 +107,34 @@ def _scores(q_rows, key, allowed, shape5):
 
 
 def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
-                          max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+                          query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
     """(out [b, hq, lq, d] in q's dtype, lse [b, hq, lq] in the statistics dtype)."""
+    out, lse = lse_attention_partial(q, keys, values, softmax_scale=softmax_scale,
+                                     document_ids=document_ids, query_start=query_start,
+                                     max_block_elements=max_block_elements)
+    return out.to(q.dtype), lse
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Attention over the union of two disjoint key sets from the partials over each
+    (outputs [b, h, l, d] and LSEs [b, h, l] in the statistics dtype)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = lse.clamp_min(torch.finfo(lse.dtype).min)[..., None]
+    out = out_a * torch.exp(lse_a[..., None] - safe) + out_b * torch.exp(lse_b[..., None] - safe)
+    return out, lse
+
+
+def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
+                          query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+    """Like ``lse_attention_forward`` but the output stays in the statistics dtype, to be
+    merged with other partials (``merge_partials``).
+
+    ``query_start``: position of the first query among the chunks' keys; default
+    ``lk - lq`` (the queries are the last keys). A query block placed after every key
+    (``query_start >= lk``) sees all of them: a prefix computed apart from its queries.
+    """
     chunks = _Chunks(keys, values)
-    _check(q, chunks, document_ids)
+    _check(q, chunks, document_ids, query_start)
     b, hq, lq, d = q.shape
     g = chunks.keys[0].shape[1]
     r = hq // g
@@ -116,7 +142,7 @@ def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
     q5 = q.reshape(b, g, r, lq, d) * softmax_scale  # scaled once, not every score
     out = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
     lse = torch.full((b, g, r, lq), float("-inf"), dtype=stat, device=q.device)
-    first = chunks.total - lq
+    first = chunks.total - lq if query_start is None else query_start
     tiny = torch.finfo(stat).min
     for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
         n = i1 - i0
@@ -138,13 +164,18 @@ def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
             acc_out.mul_(torch.exp(acc_lse[..., None] - safe)).add_(
                 part * torch.exp(part_lse[..., None] - safe))
             acc_lse.copy_(new_lse)
-    return out.view(b, hq, lq, d).to(q.dtype), lse.view(b, hq, lq)
+    return out.view(b, hq, lq, d), lse.view(b, hq, lq)
 
 
 def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale,
-                           document_ids=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
-    """(dq like q, [dk_c], [dv_c]) for the merged attention; chunk grads in stat dtype."""
+                           document_ids=None, query_start=None,
+                           max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS, dq_dtype=None):
+    """(dq, [dk_c], [dv_c]) for the merged attention; chunk grads in stat dtype, dq in
+    ``dq_dtype`` (default q's dtype; the statistics dtype to add partials exactly).
+    ``out`` and ``lse`` are the merged output and LSE over *all* keys the queries see,
+    also when ``keys`` are only some of them (``query_start`` as in the forward)."""
     chunks = _Chunks(keys, values)
+    _check(q, chunks, document_ids, query_start)
     b, hq, lq, d = q.shape
     g = chunks.keys[0].shape[1]
     r = hq // g
@@ -156,7 +187,7 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     dq = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
     dks = [torch.zeros(k.shape, dtype=stat, device=k.device) for k in chunks.keys]
     dvs = [torch.zeros(v.shape, dtype=stat, device=v.device) for v in chunks.values]
-    first = chunks.total - lq
+    first = chunks.total - lq if query_start is None else query_start
     for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
         n = i1 - i0
         q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
@@ -176,7 +207,8 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
             dq[:, :, :, i0:i1] += torch.matmul(ds_in, key).view(b, g, r, n, d).to(stat)
             dks[c] += torch.matmul(ds_in.transpose(-1, -2), q_rows).to(stat)  # q_rows is scaled
     dq.mul_(softmax_scale)
-    return dq.view(b, hq, lq, d).to(q.dtype), dks, dvs
+    return dq.view(b, hq, lq, d).to(dq_dtype or q.dtype), dks, dvs
 
 
-__all__ = ["lse_attention_forward", "lse_attention_backward", "DEFAULT_MAX_BLOCK_ELEMENTS"]
+__all__ = ["lse_attention_forward", "lse_attention_partial", "lse_attention_backward",
+           "merge_partials", "DEFAULT_MAX_BLOCK_ELEMENTS"]

@@ -122,6 +122,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--slimpipe-slice-length", type=int, default=None,
                    help="SlimPipe: tokens per slice (divides --seq-length); instead of "
                         "--slimpipe-slices")
+    g.add_argument("--slimpipe-attention-balance", action="store_true",
+                   help="SlimPipe: pair units that run at the same time on two ranks and let "
+                        "the light one compute part of the heavy one's attention (query slice "
+                        "and prefix K/V chunks sent over, partial output and log-sum-exp "
+                        "merged; exact). Needs --seq1f1b-kv-cache chunked")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="record each pipeline unit's start/end per rank to this JSON file")
     g.add_argument("--activation-memory-file", type=str, default=None,
@@ -415,6 +420,9 @@ def _validate_slimpipe(args):
     """SlimPipe: uniform slices, n a multiple of p (or a slice length dividing the
     sequence). Sets ``args.slimpipe_slices`` and ``args.slimpipe_slice_length``."""
     if args.pipeline_schedule != "slimpipe":
+        _require(not args.slimpipe_attention_balance,
+                 f"--slimpipe-attention-balance belongs to --pipeline-schedule slimpipe, not "
+                 f"--pipeline-schedule {args.pipeline_schedule}")
         return
     seq, pp = args.seq_length, args.pipeline_model_parallel_size
     slices, length = args.slimpipe_slices, args.slimpipe_slice_length
@@ -467,6 +475,28 @@ def _validate_slimpipe(args):
     except ValueError as err:
         raise ArgumentError(str(err))
     args.slimpipe_slices, args.slimpipe_slice_length = slices, length
+    _validate_attention_balance(args)
+
+
+def _validate_attention_balance(args):
+    if not args.slimpipe_attention_balance:
+        return
+    flag = "--slimpipe-attention-balance"
+    _require(args.seq1f1b_kv_cache == "chunked",
+             f"{flag} needs --seq1f1b-kv-cache chunked (the helper rank computes "
+             "attention over whole K/V chunks and the results merge by log-sum-exp)")
+    _require(args.pipeline_model_parallel_size >= 2,
+             f"{flag} moves attention between pipeline ranks: it needs "
+             "--pipeline-model-parallel-size >= 2")
+    _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
+    unsupported = {
+        "--reset-attention-mask": args.reset_attention_mask,
+        "--recompute-granularity full": args.recompute_granularity == "full",
+    }
+    for other, used in unsupported.items():
+        _require(not used, f"{flag} does not support {other} yet (a recomputed forward would "
+                           "repeat its exchanges inside the backward unit; packed documents "
+                           "would need the document ids sent too); drop one of the two")
 
 
 def _gcd(a, b):

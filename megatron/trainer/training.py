@@ -238,6 +238,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         vp_size=args.virtual_pipeline_model_parallel_size,
         schedule=args.pipeline_schedule,
         slimpipe_slices=args.slimpipe_slices,
+        attention_balance=args.slimpipe_attention_balance,
     )
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(

@@ -1,0 +1,140 @@
+"""The runtime side of SlimPipe's attention redistribution (`--slimpipe-attention-balance`).
+
+`megatron.schedules.attention_balance` pairs a heavy unit (the *asker*) with a light
+unit running at the same time on another pipeline rank (the *helper*). In every layer
+of the two units the chunked KV cache's attention (`kv_chunks`) calls this module:
+
+* forward, asker: send the query slice and its first ``k`` prefix K/V chunks, compute
+  attention over the remaining chunks meanwhile, receive the helper's partial output
+  and log-sum-exp and merge (`lse_attention.merge_partials`): exact, no approximation;
+* backward, asker: send the query, the merged output and LSE, the output gradient and
+  the same ``k`` chunks; receive the query's partial gradient and the chunks'
+  gradients, which go where locally computed ones would;
+* helper (forward or backward unit of its own): before its own attention, receive the
+  request, compute the partial (`lse_attention_partial` / `lse_attention_backward` with
+  the queries placed after the prefix) and send it back. Nothing stays on the helper.
+
+Shapes are known on both sides from the plan (slice lengths) and the layer's own
+tensors (batch, heads, groups, head size and dtype are the same on every rank), so
+no shape is sent. Messages go over the pipeline group between the two ranks with the
+same tensor-parallel rank (heads are split the same way on both).
+"""
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from megatron.seqsplit.lse_attention import (
+    lse_attention_backward,
+    lse_attention_partial,
+)
+
+ASK, HELP = "ask", "help"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One unit's side of a pair, with what the runtime needs to talk to the peer."""
+
+    role: str  # ASK or HELP
+    peer: int  # global rank of the peer
+    group: object  # the pipeline process group
+    asker_forward: bool  # the asker's unit is a forward (else: a backward)
+    num_chunks: int  # prefix chunks 0..k-1 of the asker's microbatch computed remotely
+    query_length: int  # the asker's slice length
+    query_start: int  # the asker's slice offset (its queries follow every moved chunk)
+    chunk_lengths: tuple  # lengths of the moved chunks
+
+
+def _stat_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _post(exchange: Exchange, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]):
+    ops = [torch.distributed.P2POp(torch.distributed.isend, t.contiguous(), exchange.peer,
+                                   exchange.group) for t in sends]
+    ops += [torch.distributed.P2POp(torch.distributed.irecv, t, exchange.peer, exchange.group)
+            for t in recvs]
+    return torch.distributed.batch_isend_irecv(ops) if ops else []
+
+
+class _Pending:
+    """Requests in flight; ``wait()`` returns the received tensors."""
+
+    def __init__(self, requests, keep: List[torch.Tensor], received: List[torch.Tensor]):
+        self.requests, self.keep, self.received = requests, keep, received
+
+    def wait(self) -> List[torch.Tensor]:
+        for request in self.requests:
+            request.wait()
+        self.keep = None  # sent tensors may be freed now
+        return self.received
+
+
+def ask_forward(exchange: Exchange, q, keys, values) -> _Pending:
+    """Asker's forward: ship q [b, hq, lq, d] and chunks [b, g, l_c, d]; the pending
+    result is (partial output [b, hq, lq, d], LSE [b, hq, lq]) in the statistics dtype."""
+    stat = _stat_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=stat, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=stat, device=q.device)
+    sends = [q.contiguous(), *keys, *values]
+    return _Pending(_post(exchange, sends, [out, lse]), sends, [out, lse])
+
+
+def ask_backward(exchange: Exchange, grad_out, q, out, lse, keys, values) -> _Pending:
+    """Asker's backward: ship what the flash recurrence needs; the pending result is
+    (dq partial in the statistics dtype, [dk_c], [dv_c])."""
+    stat = _stat_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=stat, device=q.device)
+    dks = [torch.empty(k.shape, dtype=stat, device=k.device) for k in keys]
+    dvs = [torch.empty(v.shape, dtype=stat, device=v.device) for v in values]
+    sends = [grad_out.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous(),
+             *keys, *values]
+    return _Pending(_post(exchange, sends, [dq, *dks, *dvs]), sends, [dq, *dks, *dvs])
+
+
+def split_backward_result(exchange: Exchange, received):
+    k = exchange.num_chunks
+    return received[0], received[1:1 + k], received[1 + k:1 + 2 * k]
+
+
+def _receive(exchange: Exchange, shapes, dtypes, device) -> List[torch.Tensor]:
+    tensors = [torch.empty(shape, dtype=dtype, device=device)
+               for shape, dtype in zip(shapes, dtypes)]
+    for request in _post(exchange, [], tensors):
+        request.wait()
+    return tensors
+
+
+def serve(exchange: Exchange, query, key, *, softmax_scale) -> None:
+    """Helper: answer one request of the asker, for one layer. ``query`` [b, hq, l, d]
+    and ``key`` [b, g, l, d] are this rank's own tensors of the layer (for batch, heads,
+    groups, head size, dtype and device)."""
+    b, hq, _, d = query.shape
+    g = key.shape[1]
+    dtype, device = query.dtype, query.device
+    stat = _stat_dtype(dtype)
+    q_shape = (b, hq, exchange.query_length, d)
+    chunk_shapes = [(b, g, length, d) for length in exchange.chunk_lengths]
+    k = exchange.num_chunks
+    with torch.no_grad():
+        if exchange.asker_forward:
+            received = _receive(exchange, [q_shape] + chunk_shapes * 2,
+                                [dtype] * (1 + 2 * k), device)
+            q, keys, values = received[0], received[1:1 + k], received[1 + k:]
+            out, lse = lse_attention_partial(q, keys, values, softmax_scale=softmax_scale,
+                                             query_start=exchange.query_start)
+            replies = [out, lse]
+        else:
+            shapes = [q_shape, q_shape, q_shape, q_shape[:3]] + chunk_shapes * 2
+            dtypes = [dtype, dtype, dtype, stat] + [dtype] * (2 * k)
+            received = _receive(exchange, shapes, dtypes, device)
+            grad_out, q, out, lse = received[:4]
+            keys, values = received[4:4 + k], received[4 + k:]
+            dq, dks, dvs = lse_attention_backward(
+                grad_out, q, out, lse, keys, values, softmax_scale=softmax_scale,
+                query_start=exchange.query_start, dq_dtype=stat)
+            replies = [dq, *dks, *dvs]
+        for request in _post(exchange, replies, []):
+            request.wait()
