@@ -3,7 +3,7 @@
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from megatron.planner.costs import KV_LAYOUTS, Parallel, Recompute
 from megatron.planner.gpus import GPUS, GIB
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slimpipe-slice-length", type=int,
                    help="SlimPipe: tokens per slice, dividing --seq-length (instead of "
                    "--slimpipe-slices)")
+    s.add_argument("--slimpipe-attention-balance", action="store_true",
+                   help="SlimPipe: redistribute attention work between concurrent heavy and "
+                   "light slice units of different ranks (simulated; the report shows the "
+                   "bubble with and without it)")
     s.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    help="interleaved schedule group size (megatron-core default: PP size)")
     s.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=_splits,
@@ -189,6 +193,9 @@ def config_from_args(args) -> PlanConfig:
         schedule = "slimpipe"
     if slim and schedule != "slimpipe":
         raise PlanError(f"{slim[0]} needs --schedule slimpipe (got --schedule {schedule})")
+    if args.slimpipe_attention_balance and schedule != "slimpipe":
+        raise PlanError("--slimpipe-attention-balance needs --schedule slimpipe (got "
+                        + (f"--schedule {schedule})" if schedule else "no --schedule)"))
     if schedule == "slimpipe":
         if len(slim) == 2:
             raise PlanError("give --slimpipe-slices or --slimpipe-slice-length, not both")
@@ -232,6 +239,7 @@ def config_from_args(args) -> PlanConfig:
         gpu=args.gpu,
         kv_layout=args.kv_cache_layout,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
+        attention_balance=args.slimpipe_attention_balance,
     )
 
 
@@ -261,6 +269,8 @@ def report(pred: Prediction) -> str:
     if c.schedule == "slimpipe":
         sched += (f", {pred.splits} uniform slices of {pred.split_lengths[0]} tokens, "
                   f"{p.num_chunks} virtual stage(s)")
+        if c.attention_balance:
+            sched += ", attention balance"
     lines.append(f"schedule: {sched}")
     lines.append("")
     head = f"{'stage':>5} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'kv':>8} {'total':>8}  {'in-flight':>9}"
@@ -287,6 +297,26 @@ def report(pred: Prediction) -> str:
         f"TFLOP/s per GPU        {pred.tflops_per_gpu:.1f} (causal model FLOPs; "
         f"{pred.tflops_per_gpu_full_attention:.1f} counting full S^2 attention as Megatron-LM's formula)"
     )
+    ab = pred.attention_balance
+    if ab is not None:
+        change = ab["pipeline_time_s"] / ab["pipeline_time_s_unbalanced"] - 1.0
+        lines.append("")
+        lines.append(
+            f"attention balance      {ab['pairs']} pairs ({ab['paired_units']} of "
+            f"{ab['units']} units), {ab['moved_attention_fraction']:.2%} of the attention "
+            f"work moved, exchanges {_fmt_time(ab['exchange_time_s'])} in total"
+        )
+        lines.append(
+            f"  without balance      bubble {ab['bubble_fraction_unbalanced']:.1%}, "
+            f"pipeline time {_fmt_time(ab['pipeline_time_s_unbalanced'])}"
+        )
+        lines.append(
+            f"  with balance         bubble {ab['bubble_fraction']:.1%}, "
+            f"pipeline time {_fmt_time(ab['pipeline_time_s'])} ({change:+.1%})"
+        )
+        if change > 0:
+            lines.append("  (slower: the exchanges cost more than the balancing saves on this "
+                         "layout, e.g. across nodes; leave --slimpipe-attention-balance off)")
     if pred.auto_candidates:
         lines.append("")
         lines.append("--seq1f1b-splits auto tried:")
@@ -297,6 +327,18 @@ def report(pred: Prediction) -> str:
                 f"peak {cand['peak_memory_gb']:6.2f} GB{'  OOM' if cand['oom'] else ''}{mark}"
             )
     return "\n".join(lines)
+
+
+def balance_records(pred: Prediction) -> Optional[Dict]:
+    """Extra timeline record keys of the paired units (``trace.from_simulation``)."""
+    if pred.balance_plan is None:
+        return None
+    out = {}
+    for rank, offloads in enumerate(pred.balance_plan.offloads):
+        for unit, o in offloads.items():
+            out[(rank, unit)] = {"role": o.role, "peer": o.peer,
+                                 "wait": pred.pair_waits[(rank, unit)]}
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -331,15 +373,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.timeline_png or args.timeline_json:
         from megatron.planner import trace
 
-        tl = trace.from_simulation(pred.sim, {"title": title, "schedule": pred.config.schedule,
-                                              "splits": pred.splits})
+        meta = {"title": title, "schedule": pred.config.schedule, "splits": pred.splits}
+        if pred.attention_balance is not None:
+            meta["attention_balance"] = pred.attention_balance
+        tl = trace.from_simulation(pred.sim, meta, balance_records(pred))
         if args.timeline_json:
             trace.write_timeline(args.timeline_json, tl)
             trace.write_chrome_trace(trace.chrome_trace_path(args.timeline_json), tl)
         if args.timeline_png:
-            from megatron.planner.draw import draw_timeline
+            from megatron.planner.draw import draw_timeline, draw_timelines
 
-            draw_timeline(tl, args.timeline_png, title)
+            if pred.attention_balance is None:
+                draw_timeline(tl, args.timeline_png, title)
+            else:  # without and with the redistribution, on one time axis
+                plain = trace.from_simulation(pred.sim_unbalanced, dict(meta, title=title))
+                ab = pred.attention_balance
+                draw_timelines(
+                    [plain, tl], args.timeline_png,
+                    ["without attention balance",
+                     f"with attention balance: {ab['pairs']} pairs, "
+                     f"{ab['moved_attention_fraction']:.1%} of the attention work moved"],
+                    suptitle=title,
+                )
     if args.memory_png:
         from megatron.planner.draw import draw_memory, memory_series
 

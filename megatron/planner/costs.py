@@ -338,15 +338,60 @@ class CostModel:
             backward += share * fwd_layers
         return backward
 
+    def pipeline_link_bw(self, src: int, dst: int) -> float:
+        """Bandwidth between the GPUs of two pipeline ranks (same TP and DP index)."""
+        stride = self.par.tp * self.par.dp  # megatron order tp-cp-dp-pp
+        per_node = self.gpu.gpus_per_node
+        same_node = (src * stride) // per_node == (dst * stride) // per_node
+        return self.gpu.nvlink_bw if same_node else self.gpu.network_bw
+
     def p2p_time(self, src: int, dst: int, unit: Unit) -> float:
         """Activation (or its gradient) of one unit between two pipeline ranks."""
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
         size = tokens * BF16 * self.model.hidden_size / self.par.tp_sp
-        stride = self.par.tp * self.par.dp  # megatron order tp-cp-dp-pp
-        per_node = self.gpu.gpus_per_node
-        same_node = (src * stride) // per_node == (dst * stride) // per_node
-        bw = self.gpu.nvlink_bw if same_node else self.gpu.network_bw
-        return size / bw + self.gpu.p2p_latency_s
+        return size / self.pipeline_link_bw(src, dst) + self.gpu.p2p_latency_s
+
+    # ------------------------------------------- SlimPipe attention redistribution
+    def moved_attention_share(self, unit: Unit, num_chunks: int) -> float:
+        """Share of ``unit``'s causal (query, key) pairs in its first ``num_chunks``
+        prefix chunks: ``k l^2 / (l o + l (l + 1) / 2)`` for uniform slices of length l."""
+        l, o = self.split_lengths[unit.split], self.offsets[unit.split]
+        return num_chunks * l * l / (l * o + l * (l + 1) / 2)
+
+    def moved_attention_time(self, rank: int, unit: Unit, num_chunks: int) -> float:
+        """Attention time of ``unit`` that moves to the helper with ``num_chunks``
+        prefix chunks: that share of its forward attention, 2.5x for a backward
+        (the attention factor of ``unit_time``). Recomputation of the attention
+        (selective or full) is assumed to stay on the asker, so it does not move."""
+        attention = self.forward_time_parts(rank, unit)["attention"]
+        if unit.kind != FORWARD:
+            attention *= 2.5
+        return attention * self.moved_attention_share(unit, num_chunks)
+
+    def exchange_time(self, asker_rank: int, helper_rank: int, unit: Unit,
+                      num_chunks: int) -> float:
+        """Communication of one pair (``unit`` is the asker's) over all layers of a chunk.
+
+        Per layer, one message each way between the two ranks' GPUs of the same TP
+        index (heads are TP-sharded): forward sends the query slice and ``k`` K/V
+        chunks and gets the partial output (bf16) and its log-sum-exp (fp32) back;
+        backward also sends the output gradient, the log-sum-exp and the row sums
+        ``rowsum(dO * O)`` (fp32) and gets the query gradient and the ``k`` K/V
+        chunk gradients back. No overlap with computation is assumed (the partners
+        wait for each layer's reply), so this is added to the pair's time.
+        """
+        m, t = self.model, self.par.tp
+        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        q = tokens * BF16 * m.num_attention_heads * m.head_dim / t  # Q, O, dO, dQ alike
+        rows = tokens * FP32 * m.num_attention_heads / t  # LSE or rowsum(dO * O)
+        kv = num_chunks * tokens * BF16 * 2 * m.num_query_groups * m.head_dim / t
+        if unit.kind == FORWARD:
+            there, back = q + kv, q + rows
+        else:
+            there, back = 2 * q + kv + 2 * rows, q + kv
+        bw = self.pipeline_link_bw(asker_rank, helper_rank)
+        per_layer = (there + back) / bw + 2 * self.gpu.p2p_latency_s
+        return self.layers_per_chunk * per_layer
 
     def grad_sync_time(self, rank: int) -> float:
         """Data-parallel gradient reduction (and parameter all-gather), not overlapped."""

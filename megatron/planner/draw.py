@@ -5,7 +5,8 @@ A timeline is drawn from ``trace.Timeline`` (simulated or recorded): one row per
 pipeline rank (rank 0 on top), one box per unit, coloured by microbatch (forward
 light, backward dark and hatched), labelled ``microbatch.split`` (plus ``cN`` for
 virtual chunk N) where the box is wide enough; idle time (bubbles) is the grey
-background between boxes.
+background between boxes. Units paired by SlimPipe's attention redistribution
+(records with ``role`` and ``peer``) get a red outline and a red line to the partner.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -20,6 +21,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from megatron.planner.trace import Timeline  # noqa: E402
 
 IDLE = "#d9d9d9"
+PAIR = "#d62728"
 
 
 def microbatch_color(mb: int):
@@ -51,12 +53,16 @@ def _draw_rows(ax, timeline: Timeline, scale: float, origin: float, label_min: f
             fwd = e["kind"] == "F"
             left = (e["start"] - origin) * scale
             width = (e["end"] - e["start"]) * scale
+            paired = "peer" in e
             ax.barh(
                 y, width, left=left, height=0.8,
                 color=_lighten(color) if fwd else color,
-                edgecolor="black", linewidth=0.4,
+                edgecolor=PAIR if paired else "black", linewidth=1.2 if paired else 0.4,
                 hatch=None if fwd else "///",
             )
+            if paired and e.get("role") == "ask":
+                x, y_peer = left + width / 2, p - 1 - e["peer"]
+                ax.plot([x, x], [y, y_peer], color=PAIR, linewidth=1.0, zorder=5)
             if width >= label_min * 0.45:
                 text = f"{e['microbatch']}.{e['split']}"
                 if e.get("chunk"):
@@ -104,7 +110,10 @@ def draw_timelines(
         Patch(facecolor=microbatch_color(0), edgecolor="black", hatch="///", label="backward"),
         Patch(facecolor=IDLE, label="idle (bubble)"),
     ]
-    fig.legend(handles=legend, loc="upper right", ncol=3, fontsize=8, frameon=False)
+    if any("peer" in e for tl in timelines for r in tl.ranks for e in r):
+        legend.append(Patch(facecolor="white", edgecolor=PAIR, linewidth=1.2,
+                            label="attention redistribution pair"))
+    fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)
     if suptitle:
         fig.suptitle(suptitle, fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))

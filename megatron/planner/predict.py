@@ -7,7 +7,7 @@ the shared generators (``megatron.schedules``), times it with the cost model in
 """
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from megatron.planner.costs import (
     KV_LAYOUTS,
@@ -19,9 +19,10 @@ from megatron.planner.costs import (
 from megatron.planner.gpus import GIB, GPU, get_gpu
 from megatron.planner.presets import ModelSpec
 from megatron.planner.simulate import SimResult, simulate
+from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
 from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
 from megatron.schedules.slimpipe import check_slimpipe_shape, slimpipe_schedule
-from megatron.schedules.units import seq1f1b_schedule
+from megatron.schedules.units import Unit, seq1f1b_schedule
 from megatron.seqsplit.plan import BALANCE_METHODS, SplitPlanError, plan_splits
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b", "slimpipe")
@@ -46,6 +47,7 @@ class PlanConfig:
     gpu: str = "a100-80g"
     kv_layout: str = "buffer"
     microbatch_group_size: Optional[int] = None  # interleaved: default p
+    attention_balance: bool = False  # SlimPipe's attention workload redistribution
 
 
 @dataclass
@@ -65,6 +67,12 @@ class Prediction:
     sim: SimResult = field(repr=False)
     cost: CostModel = field(repr=False)
     auto_candidates: Optional[List[Dict]] = None
+    # --slimpipe-attention-balance: the summary (to_json's "attention_balance"), the
+    # unbalanced simulation, the plan, and per unit the time it waits inside its pair
+    attention_balance: Optional[Dict] = None
+    sim_unbalanced: Optional[SimResult] = field(default=None, repr=False)
+    balance_plan: Optional[BalancedSchedule] = field(default=None, repr=False)
+    pair_waits: Optional[Dict[Tuple[int, Unit], float]] = field(default=None, repr=False)
 
     @property
     def peak_memory_gb(self) -> float:
@@ -110,7 +118,10 @@ class Prediction:
                 "num_layers": c.recompute.num_layers,
             },
             "kv_cache_layout": c.kv_layout,
+            "slimpipe_attention_balance": c.attention_balance,
         }
+        if self.attention_balance is not None:
+            out["attention_balance"] = self.attention_balance
         if self.auto_candidates is not None:
             out["auto_candidates"] = self.auto_candidates
         return out
@@ -213,6 +224,9 @@ def validate(c: PlanConfig) -> None:
         )
     if c.splits != "auto" and (not isinstance(c.splits, int) or c.splits < 1):
         raise PlanError(f"--seq1f1b-splits must be a positive integer or 'auto', got {c.splits!r}")
+    if c.attention_balance and c.schedule != "slimpipe":
+        raise PlanError(f"--slimpipe-attention-balance needs --schedule slimpipe "
+                        f"(got --schedule {c.schedule})")
     if c.schedule == "slimpipe":
         _validate_slimpipe(c)
         return
@@ -295,7 +309,12 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
     lengths = split_lengths(c, num_splits)
     cost = CostModel(c.model, c.parallel, gpu, c.seq_length, lengths, c.recompute, c.kv_layout)
     schedule = build_schedule(c, num_splits)
-    sim = simulate(schedule, cost.unit_time, cost.p2p_time, cost.memory_effect)
+    balance = None
+    if c.attention_balance:
+        balance = _attention_balance(c, cost, schedule, num_splits)
+        sim = balance["sim"]
+    else:
+        sim = simulate(schedule, cost.unit_time, cost.p2p_time, cost.memory_effect)
     p = c.parallel
     stages = []
     for rank in range(p.pp):
@@ -314,12 +333,13 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
     flops = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=True)
     flops_full = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=False)
     peak = max(s["total"] for s in stages) * GIB
+    bubble = sim.bubble_fraction() if balance is None else balance["summary"]["bubble_fraction"]
     return Prediction(
         config=replace(c, splits=num_splits),
         splits=num_splits,
         split_lengths=lengths,
         stages=stages,
-        bubble_fraction=sim.bubble_fraction(),
+        bubble_fraction=bubble,
         pipeline_time_s=pipeline,
         iteration_time_s=iteration,
         tokens_per_s=tokens / iteration,
@@ -329,7 +349,85 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
         gpu=gpu,
         sim=sim,
         cost=cost,
+        attention_balance=None if balance is None else balance["summary"],
+        sim_unbalanced=None if balance is None else balance["sim_unbalanced"],
+        balance_plan=None if balance is None else balance["plan"],
+        pair_waits=None if balance is None else balance["waits"],
     )
+
+
+def _attention_balance(c: PlanConfig, cost: CostModel, schedule, num_splits: int) -> Dict:
+    """SlimPipe with attention redistribution, timed by the planner's cost model.
+
+    The pairs come from ``balanced_slimpipe`` (the plan every rank computes from the
+    model's relative slice costs); the planner re-times them with its own costs. An
+    unpaired unit takes ``unit_time``; both units of a pair take
+    ``max(asker - moved, helper + moved) + exchange`` where ``moved`` is the asker's
+    attention time in the moved prefix chunks and ``exchange`` the per-layer messages
+    of the pair (``CostModel.exchange_time``).
+
+    Memory is unchanged: the helper keeps nothing after the exchange (the moved query
+    and K/V chunks and the partial results live only during one layer's exchange; those
+    transient receive buffers are not counted) and the asker keeps what it kept before.
+
+    Bubble: the time a paired unit waits for its partner or the exchange counts as idle,
+    so with and without balancing the bubble is ``1 - compute / (p * pipeline time)``
+    over the same total compute.
+    """
+    p = c.parallel
+    plan = balanced_slimpipe(p.pp, p.num_microbatches, p.num_chunks, num_splits,
+                             SliceCosts.from_model(c.model.shape(), cost.split_lengths[0]))
+    if [list(units) for units in plan.units] != [list(units) for units in schedule]:
+        raise AssertionError("attention balance plan does not follow the SlimPipe schedule")
+    durations: Dict[Tuple[int, Unit], float] = {}
+    waits: Dict[Tuple[int, Unit], float] = {}
+    moved_total = exchange_total = 0.0
+    for rank, offloads in enumerate(plan.offloads):
+        for unit, o in offloads.items():
+            if o.role != ASK:
+                continue
+            helper = (o.peer, o.peer_unit)
+            asker_time = cost.unit_time(rank, unit)
+            helper_time = cost.unit_time(*helper)
+            moved = cost.moved_attention_time(rank, unit, o.num_chunks)
+            exchange = cost.exchange_time(rank, o.peer, unit, o.num_chunks)
+            both = max(asker_time - moved, helper_time + moved) + exchange
+            durations[(rank, unit)] = durations[helper] = both
+            waits[(rank, unit)] = both - (asker_time - moved)
+            waits[helper] = both - (helper_time + moved)
+            moved_total += moved
+            exchange_total += exchange
+
+    def duration(rank: int, unit: Unit) -> float:
+        t = durations.get((rank, unit))
+        return cost.unit_time(rank, unit) if t is None else t
+
+    sim = simulate(schedule, duration, cost.p2p_time, cost.memory_effect,
+                   partners=plan.partners())
+    unbalanced = simulate(schedule, cost.unit_time, cost.p2p_time)
+    attention = sum(_attention_time(cost, rank, unit)
+                    for rank, units in enumerate(schedule) for unit in units)
+    compute = sum(unbalanced.busy(r) for r in range(p.pp))
+    span = sim.makespan
+    summary = {
+        "pairs": len(durations) // 2,
+        "paired_units": len(durations),
+        "units": sum(len(units) for units in schedule),
+        "moved_attention_fraction": round(moved_total / attention, 6) if attention else 0.0,
+        "exchange_time_s": exchange_total,
+        "bubble_fraction": round(1.0 - compute / (p.pp * span), 5) if span > 0 else 0.0,
+        "pipeline_time_s": span,
+        "bubble_fraction_unbalanced": round(unbalanced.bubble_fraction(), 5),
+        "pipeline_time_s_unbalanced": unbalanced.makespan,
+    }
+    return {"sim": sim, "sim_unbalanced": unbalanced, "plan": plan, "waits": waits,
+            "summary": summary}
+
+
+def _attention_time(cost: CostModel, rank: int, unit: Unit) -> float:
+    """Attention time of one unit as ``unit_time`` counts it (backward 2.5x forward)."""
+    attention = cost.forward_time_parts(rank, unit)["attention"]
+    return attention if unit.is_forward else 2.5 * attention
 
 
 def auto_split_candidates(c: PlanConfig) -> List[int]:

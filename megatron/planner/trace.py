@@ -12,7 +12,10 @@ Format (times in seconds, from any common origin; ``chunk`` is the virtual stage
       "meta": {"source": "simulated" | "recorded", "schedule": "seq1f1b", ...}
     }
 
-``kind`` is ``"F"`` (forward) or ``"B"`` (backward). ``meta`` is free-form; the
+``kind`` is ``"F"`` (forward) or ``"B"`` (backward). Optional record keys: ``wait``
+(seconds inside the unit spent waiting, e.g. for the partner of a SlimPipe attention
+redistribution pair; counted as bubble), ``role`` (``"ask"`` / ``"help"``) and
+``peer`` (the partner's pipeline rank) for paired units. ``meta`` is free-form; the
 drawing reads ``title``, ``schedule``, ``pp``, ``microbatches`` and ``splits`` when
 present. ``to_chrome_trace`` converts a timeline to the Chrome trace event format
 (``chrome://tracing``, Perfetto): one process per pipeline rank, complete events in
@@ -62,10 +65,11 @@ class Timeline:
         return {"ranks": self.ranks, "meta": self.meta}
 
     def bubble_fraction(self) -> float:
+        """Idle share: 1 - (unit time less its ``wait``) / (ranks x span)."""
         span = self.span
         if span <= 0:
             return 0.0
-        busy = sum(e["end"] - e["start"] for r in self.ranks for e in r)
+        busy = sum(e["end"] - e["start"] - e.get("wait", 0.0) for r in self.ranks for e in r)
         return 1.0 - busy / (self.pp_size * span)
 
 
@@ -80,11 +84,14 @@ def record(kind: str, microbatch: int, split: int, chunk: int, start: float, end
     }
 
 
-def from_simulation(sim, meta: Optional[Dict] = None) -> Timeline:
-    """Timeline of a ``simulate.SimResult``."""
+def from_simulation(sim, meta: Optional[Dict] = None, extra: Optional[Dict] = None) -> Timeline:
+    """Timeline of a ``simulate.SimResult``; ``extra[(rank, unit)]`` adds optional
+    record keys (``wait``, ``role``, ``peer``) to that unit's record."""
+    extra = extra or {}
     ranks = [
         [
-            record(t.unit.kind, t.unit.microbatch, t.unit.split, t.unit.chunk, t.start, t.end)
+            dict(record(t.unit.kind, t.unit.microbatch, t.unit.split, t.unit.chunk, t.start, t.end),
+                 **extra.get((t.rank, t.unit), {}))
             for t in rank_units
         ]
         for rank_units in sim.ranks
@@ -155,7 +162,8 @@ def to_chrome_trace(timeline: Timeline) -> Dict:
                     "tid": 0,
                     "ts": (e["start"] - origin) * 1e6,
                     "dur": (e["end"] - e["start"]) * 1e6,
-                    "args": {k: e[k] for k in ("microbatch", "split", "chunk")},
+                    "args": {k: e[k] for k in ("microbatch", "split", "chunk", "role", "peer", "wait")
+                             if k in e},
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": timeline.meta}
