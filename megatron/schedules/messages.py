@@ -246,8 +246,9 @@ def check_rendezvous(programs: Sequence[Sequence[Action]], num_chunks: int,
         if all(position[r] == len(programs[r]) for r in range(pp_size)):
             return order
         if not progressed:
-            stuck = {r: [op[0] for op in pending[r]] for r in range(pp_size)
-                     if position[r] < len(programs[r])}
+            stuck = {r: [op[0] for op in pending[r]] if pending[r] is not None
+                     else f"waits at {programs[r][position[r]]} for its partner"
+                     for r in range(pp_size) if position[r] < len(programs[r])}
             raise AssertionError(f"deadlock: {stuck}")
 
 

@@ -254,6 +254,14 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
                     f" vp={args.virtual_pipeline_model_parallel_size or 1}"
                     if args.pipeline_schedule == "slimpipe" else ""))
 
+    if args.slimpipe_attention_balance:
+        from megatron.schedules.attention_balance import SliceCosts, balanced_slimpipe, describe
+
+        plan = balanced_slimpipe(
+            args.pipeline_model_parallel_size, args.num_microbatches,
+            args.virtual_pipeline_model_parallel_size or 1, args.slimpipe_slices,
+            SliceCosts.from_model(model_shape_from_args(args), args.slimpipe_slice_length))
+        print_rank_0(f"> {describe(plan)}")
     result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
                    scheduler, forward_backward_func, iteration, consumed_samples, observers)
     if recorder is not None:
