@@ -77,3 +77,25 @@ def test_pp4_with_virtual_stages():
                                    "8", "--virtual-pipeline-model-parallel-size", "2"],
                       world_size=4, cuda_available=False)
     assert (args.slimpipe_slices, args.virtual_pipeline_model_parallel_size) == (8, 2)
+
+
+BALANCE = ["--slimpipe-slices", "4", "--seq1f1b-kv-cache", "chunked", "--attention-dropout", "0",
+           "--slimpipe-attention-balance"]
+
+
+def test_attention_balance_flag():
+    assert parse(BALANCE).slimpipe_attention_balance
+    assert not parse(BALANCE[:-1]).slimpipe_attention_balance
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq1f1b-splits", "2", "--slimpipe-attention-balance"], "belongs to --pipeline-schedule slimpipe"),
+    (["--slimpipe-slices", "4", "--slimpipe-attention-balance"], "needs --seq1f1b-kv-cache chunked"),
+    (BALANCE + ["--reset-attention-mask"], "--reset-attention-mask"),
+    (BALANCE + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"], "--recompute-granularity full"),
+])
+def test_attention_balance_mistakes(extra, message):
+    with pytest.raises(ArgumentError, match="--slimpipe-attention-balance") as err:
+        parse(extra)
+    assert message in str(err.value)
