@@ -65,6 +65,30 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def add_machine_args(group):
+    """The options for a shared machine (quiet waits, retries) and threads per process;
+    ``quiet_options`` turns them into the runner's ``quiet`` entry."""
+    group.add_argument("--quiet-threshold", type=float, default=None,
+                       help="before each timed/timeline run wait until other processes use "
+                       "fewer than this many cores, and repeat a run during which they used "
+                       "more (shared machines); default: no waiting")
+    group.add_argument("--quiet-max-wait", type=float, default=300,
+                       help="longest wait (s) for a quiet machine before a run")
+    group.add_argument("--retries", type=int, default=2,
+                       help="repeats of a run disturbed by other processes (with "
+                       "--quiet-threshold)")
+    group.add_argument("--threads-per-process", type=int, default=1,
+                       help="OMP_NUM_THREADS of each process (CPU)")
+
+
+def quiet_options(args):
+    """The runner's ``{"threshold", "max_wait", "retries"}`` (None: no waiting)."""
+    if args.quiet_threshold is None:
+        return None
+    return {"threshold": args.quiet_threshold, "max_wait": args.quiet_max_wait,
+            "retries": args.retries}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -89,16 +113,7 @@ def parse_args(argv=None):
                    "thread's CPU time (work without waiting for a core; CPU diagnosis)")
     g.add_argument("--no-instrumented", action="store_true",
                    help="skip the timeline and memory runs (throughput only)")
-    g.add_argument("--quiet-threshold", type=float, default=None,
-                   help="before each timed/timeline run wait until other processes use "
-                   "fewer than this many cores, and repeat a run during which they used "
-                   "more (shared machines); default: no waiting")
-    g.add_argument("--quiet-max-wait", type=float, default=300,
-                   help="longest wait (s) for a quiet machine before a run")
-    g.add_argument("--retries", type=int, default=2,
-                   help="repeats of a run disturbed by other processes (with --quiet-threshold)")
-    g.add_argument("--threads-per-process", type=int, default=1,
-                   help="OMP_NUM_THREADS of each process (CPU)")
+    add_machine_args(g)
     g.add_argument("--loss-rtol", type=float, default=1e-5,
                    help="largest relative loss difference accepted between schedules")
     g = parser.add_argument_group("model (GPT, RoPE, LayerNorm, GeLU, fp32 on CPU)")
@@ -245,10 +260,7 @@ def main(argv=None):
                       data_path=args.data_path,
                       tokenizer_args=tokenizer_args(args) if args.data_path else (),
                       extra_args=shlex.split(args.extra_args), seed=args.seed)
-    quiet = None
-    if args.quiet_threshold is not None:
-        quiet = {"threshold": args.quiet_threshold, "max_wait": args.quiet_max_wait,
-                 "retries": args.retries}
+    quiet = quiet_options(args)
     spec = build_spec(configs, base, args.runs, args.warmup_iters, args.timed_iters, out_dir,
                       instrument=not args.no_instrumented, quiet=quiet,
                       timeline_runs=args.timeline_runs, unit_cpu_runs=args.unit_cpu_runs)

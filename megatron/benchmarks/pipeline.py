@@ -109,7 +109,8 @@ def round_order(configs: Sequence[BenchConfig], round_index: int) -> List[BenchC
 def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: int,
                warmup_iters: int, timed_iters: int, out_dir: str,
                instrument: bool = True, quiet: Optional[Dict] = None,
-               timeline_runs: Optional[int] = None, unit_cpu_runs: int = 0) -> List[Dict]:
+               timeline_runs: Optional[int] = None, unit_cpu_runs: int = 0,
+               memory_runs: bool = True) -> List[Dict]:
     """Runs for ``megatron.benchmarks.runner``, in execution order.
 
     Round ``k`` (of ``runs``) is one timed run of every configuration (order rotated
@@ -117,7 +118,8 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
     by one timeline run of every configuration; one memory run per configuration ends
     the list (memory does not depend on the machine's speed). ``quiet`` (the runner's
     ``{"threshold", "max_wait", "retries"}``) applies to the timed and timeline runs,
-    whose wall times other processes on the host would distort."""
+    whose wall times other processes on the host would distort. ``memory_runs=False``
+    leaves the memory runs out."""
     if runs < 1 or timed_iters < 1 or warmup_iters < 0:
         raise ValueError("need runs >= 1, timed iterations >= 1, warm-up iterations >= 0")
     timeline_runs = runs if timeline_runs is None else timeline_runs
@@ -150,7 +152,7 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
                                             "clock": "thread"},
                  "argv": list(base_argv) + config.flags()
                  + _iteration_flags(warmup_iters + 1) + ["--timeline-file", path]})
-    if instrument:
+    if instrument and memory_runs:
         for config in configs:
             path = memory_path(out_dir, config)
             add({"name": f"{config.name}:memory", "config": config.name, "kind": MEMORY,
@@ -213,18 +215,22 @@ def ideal_split_span(base: Timeline, microbatches: int, splits: int) -> float:
     return sim.makespan
 
 
-def order_mismatch(timeline: Timeline, microbatches: int, splits: int) -> Optional[str]:
+def order_mismatch(timeline: Timeline, microbatches: int, splits: int,
+                   expected: Optional[Sequence[Sequence[Unit]]] = None) -> Optional[str]:
     """None when every rank ran its units in the shared generator's order
-    (``seq1f1b_rank_units``); otherwise where the recorded order first departs from it."""
+    (``seq1f1b_rank_units``, or ``expected``: every rank's unit list, e.g. SlimPipe's
+    ``slimpipe_schedule``); otherwise where the recorded order first departs from it."""
     p = timeline.pp_size
+    schedule = seq1f1b_schedule(p, microbatches, splits) if expected is None else expected
     for rank, units in enumerate(timeline.ranks):
-        recorded = [f"{e['kind']}{e['microbatch']}.{e['split']}" for e in units]
-        expected = [str(u) for u in seq1f1b_schedule(p, microbatches, splits)[rank]]
-        if recorded != expected:
-            i = next((k for k, (a, b) in enumerate(zip(recorded, expected)) if a != b),
-                     min(len(recorded), len(expected)))
+        recorded = [str(Unit(e["kind"], e["microbatch"], e["split"], e["chunk"]))
+                    for e in units]
+        wanted = [str(u) for u in schedule[rank]]
+        if recorded != wanted:
+            i = next((k for k, (a, b) in enumerate(zip(recorded, wanted)) if a != b),
+                     min(len(recorded), len(wanted)))
             return (f"rank {rank} unit {i}: ran {' '.join(recorded[max(0, i - 2):i + 3])}, "
-                    f"generator has {' '.join(expected[max(0, i - 2):i + 3])}")
+                    f"generator has {' '.join(wanted[max(0, i - 2):i + 3])}")
     return None
 
 
@@ -248,8 +254,10 @@ def _median_dicts(dicts: Sequence[Dict]) -> Dict:
     return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}
 
 
-def timeline_metrics(path: str, microbatches: int, splits: int, iteration_s: float) -> Dict:
-    """Bubble, span, replay and per-stage unit times of one recorded timeline."""
+def timeline_metrics(path: str, microbatches: int, splits: int, iteration_s: float,
+                     expected: Optional[Sequence[Sequence[Unit]]] = None) -> Dict:
+    """Bubble, span, replay and per-stage unit times of one recorded timeline
+    (``expected``: the unit order to check, as ``order_mismatch``)."""
     timeline = read_timeline(path)
     sim = replay(timeline, microbatches, splits)
     return {
@@ -263,7 +271,7 @@ def timeline_metrics(path: str, microbatches: int, splits: int, iteration_s: flo
         "replay_bubble_fraction": sim.bubble_fraction(),
         "communication_wait_s": timeline.span - sim.makespan,
         "stages": unit_breakdown(timeline, microbatches),
-        "order_mismatch": order_mismatch(timeline, microbatches, splits),
+        "order_mismatch": order_mismatch(timeline, microbatches, splits, expected),
     }
 
 
