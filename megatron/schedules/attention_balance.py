@@ -22,9 +22,10 @@ from the SlimPipe unit lists alone (so every rank computes the same plan):
   unpaired unit on another rank that overlaps it in time, moving the number of chunks
   that best evens the two; the pair is kept only if the simulated iteration gets
   shorter (or equally long with every unit finishing earlier in total);
-* the executor lowers the unit lists with the balanced timeline
-  (``messages.lower_chunked(times=...)``), so paired units meet without deadlock, and
-  ``check_rendezvous`` verifies it with the pairs as rendezvous.
+* the executor lowers the unit lists on plain SlimPipe's timed run with the pairs
+  starting together (``messages.lower_chunked(times=...)``), so paired units meet
+  without deadlock and every other message keeps its place; ``check_rendezvous``
+  verifies it with the pairs as rendezvous.
 """
 
 import bisect
@@ -236,8 +237,18 @@ def checked_balanced_programs(pp_size: int, num_microbatches: int, num_chunks: i
     """(every rank's lowered program, the balanced schedule), checked by
     ``check_rendezvous`` with the pairs as rendezvous."""
     plan = balanced_slimpipe(pp_size, num_microbatches, num_chunks, num_slices, costs)
+    # Lower on the timed run plain SlimPipe is lowered on (forward 1, backward 2), with
+    # the pairs starting together: messages stay where they are without balancing
+    # (lowering on the cost model's timeline moved them and made ranks wait longer for
+    # each other, measured), and a rendezvous is only ever added, never reordered around.
+    # Whether pairs can meet depends on the orders, not the durations, so this cannot
+    # fail where the plan's simulation did not.
+    sim = simulate(plan.units, lambda rank, unit: 1.0 if unit.is_forward else 2.0,
+                   partners=plan.partners())
+    start = {(t.rank, t.unit): t.start for timed in sim.ranks for t in timed}
+    end = {(t.rank, t.unit): t.end for timed in sim.ranks for t in timed}
     programs = tuple(tuple(p) for p in lower_chunked(plan.units, num_chunks,
-                                                     times=(plan.start, plan.end)))
+                                                     times=(start, end)))
     check_rendezvous(programs, num_chunks, num_slices, partners=plan.partners())
     return programs, plan
 
