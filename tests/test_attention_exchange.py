@@ -6,7 +6,9 @@ request in forward and in backward. Both results are compared, in float64, with 
 same attention computed locally without any exchange: outputs, the query/key/value
 gradients of both splits and the prefix-chunk gradients left in the cache.
 Forward and backward roles are independent in the plan, so the backward also runs
-with a forward-only pair and with the helper's side in its backward unit.
+with a forward-only pair and with the helper's side in its backward unit. With packed
+documents (each row its own boundaries, documents crossing the split edges and the moved
+chunks) the asker also ships the document ids.
 """
 
 import os
@@ -39,7 +41,13 @@ def _inputs(seed, splits):
                               requires_grad=True) for h in (HQ, G, G)) for j in splits]
 
 
-def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd):
+# per-row document ids of the 20 positions: boundaries inside splits, at a split edge
+# (position 10) and inside the moved chunks (position 3)
+DOCUMENTS = torch.tensor([[0] * 3 + [1] * 7 + [2] * 6 + [3] * 4,
+                          [0] * 10 + [1] * 10])
+
+
+def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd, documents=None):
     """Forwards of splits 0..j (chunked cache), then backwards in reverse; returns the
     last split's output and every input's gradient. ``exchanges_*[j]``: the exchange
     set while split j runs forward / backward."""
@@ -48,7 +56,7 @@ def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd):
     for j, (q, k, v) in enumerate(inputs):
         split = SplitContext(microbatch_id=microbatch, split_index=j, num_splits=len(inputs),
                              offset=offsets[j], length=LENGTHS[j], seq_length=sum(LENGTHS),
-                             kv_store=store)
+                             kv_store=store, document_ids=documents)
         store.exchange = exchanges_fwd.get(j)
         outs.append(chunked_split_attention(q, k, v, split=split, store=store, layer_key=0,
                                             softmax_scale=SCALE))
@@ -64,7 +72,7 @@ def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd):
     return [o.detach() for o in outs], grads
 
 
-def _worker(rank, port, queue):
+def _worker(rank, port, queue, with_documents):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -83,10 +91,12 @@ def _worker(rank, port, queue):
             fwd, bwd = {3: exchange(ASK, True)}, {3: exchange(ASK, False)}
         else:
             fwd, bwd = {1: exchange(HELP, True)}, {0: exchange(HELP, False)}
+        documents = DOCUMENTS if with_documents else None
         inputs = _inputs(seed=rank, splits=range(n))
-        outs, grads = _run_microbatch(KVCacheStore(), inputs, 0, fwd, bwd)
+        outs, grads = _run_microbatch(KVCacheStore(), inputs, 0, fwd, bwd, documents)
         reference_inputs = _inputs(seed=rank, splits=range(n))
-        ref_outs, ref_grads = _run_microbatch(KVCacheStore(), reference_inputs, 0, {}, {})
+        ref_outs, ref_grads = _run_microbatch(KVCacheStore(), reference_inputs, 0, {}, {},
+                                              documents)
         out_err = max((a - b).abs().max().item() for a, b in zip(outs, ref_outs))
         grad_err = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads))
         queue.put((rank, out_err, grad_err))
@@ -94,11 +104,13 @@ def _worker(rank, port, queue):
         dist.destroy_process_group()
 
 
-def test_asker_and_helper_equal_local_attention_float64():
+@pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
+def test_asker_and_helper_equal_local_attention_float64(with_documents):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, queue)) for rank in range(2)]
+    procs = [ctx.Process(target=_worker, args=(rank, port, queue, with_documents))
+             for rank in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -108,15 +120,3 @@ def test_asker_and_helper_equal_local_attention_float64():
     for rank, out_err, grad_err in results:
         assert out_err < 1e-12, f"rank {rank}: outputs differ by {out_err}"
         assert grad_err < 1e-12, f"rank {rank}: gradients differ by {grad_err}"
-
-
-def test_exchange_refuses_packed_documents():
-    from megatron.seqsplit.kv_chunks import _attend
-
-    exchange = Exchange(role=ASK, peer=1, group=None, asker_forward=True, num_chunks=1,
-                        query_length=2, query_start=2, chunk_lengths=(2,))
-    q = torch.zeros(1, 2, 2, 4)
-    kv = [torch.zeros(1, 2, 2, 4)] * 2
-    with pytest.raises(ValueError, match="reset-attention-mask"):
-        _attend(exchange, q, kv, kv, dict(softmax_scale=1.0, document_ids=torch.zeros(1, 4),
-                                          max_block_elements=1 << 20))

@@ -23,6 +23,7 @@ B_m3_pp2v2_n4_balance   2     2    4 = 2p  1   1     --slimpipe-attention-balanc
 A_m3_pp2v1_n4_balance   2     1    4       1   1     attention balance without v
 A_mbs2_tp2pp2v2_balance 2     2    4       2   2     attention balance, tp = 2
 A_m3_pp4v2_n8_balance   4     2    8 = 2p  1   1     attention balance over 4 ranks
+B_mbs2_pp2v2_n4_docs_b  2     2    4 = 2p  1   2     attention balance, packed documents
 ======================  ====  ===  ======  ==  ====  ==============================
 
 The attention-balance cases (`--slimpipe-attention-balance`, chunked KV cache) pair
@@ -57,9 +58,10 @@ BATCHES = {
 EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
           "_sp": ["--sequence-parallel"], "_chunked": ["--seq1f1b-kv-cache", "chunked"],
           "_balance": ["--seq1f1b-kv-cache", "chunked", "--slimpipe-attention-balance"]}
-# flags whose reference is the plain run (sequence parallel at tp=1, the chunked KV
-# cache and attention balance without slices change nothing)
-PLAIN_REFERENCE = ("_sp", "_chunked", "_balance")
+EXTRAS["_docs_balance"] = EXTRAS["_docs"] + EXTRAS["_balance"]
+# the flags of each case's single-process reference (sequence parallel at tp=1, the
+# chunked KV cache and attention balance without slices change nothing)
+REFERENCE_EXTRA = {"_sp": "", "_chunked": "", "_balance": "", "_docs_balance": "_docs"}
 
 
 def layout(pp, vp, tp=1):
@@ -84,11 +86,16 @@ CASES = {
     "A_m3_pp2v1_n4_balance": (2, "A", "m3", layout(2, 1), slices(4), "_balance"),
     "A_mbs2_tp2pp2v2_balance": (4, "A", "mbs2", layout(2, 2, tp=2), slices(4), "_balance"),
     "A_m3_pp4v2_n8_balance": (4, "A", "m3", layout(4, 2), slices(8), "_balance"),
+    "B_mbs2_pp2v2_n4_docs_balance": (2, "B", "mbs2", layout(2, 2), slices(4), "_docs_balance"),
 }
 
 
+def reference_extra(extra):
+    return REFERENCE_EXTRA.get(extra, extra)
+
+
 def reference_name(model, batch, extra):
-    return f"ref_{model}_{batch}{'' if extra in PLAIN_REFERENCE else extra}"
+    return f"ref_{model}_{batch}{reference_extra(extra)}"
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +112,8 @@ def results(tmp_path_factory):
     for name, (world, model, batch, lay, schedule, extra) in CASES.items():
         argv = MODELS[model] + BATCHES[batch] + starts[model] + lay + schedule + EXTRAS[extra]
         by_world[world].append({"name": name, "argv": argv, "params": True})
-        ref_extra = "" if extra in PLAIN_REFERENCE else extra
         references[reference_name(model, batch, extra)] = (
-            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra])
+            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[reference_extra(extra)])
     for ref, argv in references.items():
         single.append({"name": ref, "argv": argv, "params": True})
     out = run_configs(tmp, 1, single)  # the checkpoints first, then the references
@@ -129,7 +135,7 @@ def test_slimpipe_run_equals_single_process(results, name):
     assert_params_close(run["params"], expected["params"])
 
 
-BALANCE_CASES = [n for n, case in CASES.items() if case[5] == "_balance"]
+BALANCE_CASES = [n for n, case in CASES.items() if case[5].endswith("_balance")]
 
 
 def _balance_askers(name):

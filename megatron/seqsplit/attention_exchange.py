@@ -72,17 +72,24 @@ class _Pending:
         return self.received
 
 
-def ask_forward(exchange: Exchange, q, keys, values) -> _Pending:
-    """Asker's forward: ship q [b, hq, lq, d] and chunks [b, g, l_c, d]; the pending
-    result is (partial output [b, hq, lq, d], LSE [b, hq, lq]) in the statistics dtype."""
+def _documents(documents):
+    """Packed documents: the ids of every position up to the asker's last query."""
+    return [] if documents is None else [documents.contiguous()]
+
+
+def ask_forward(exchange: Exchange, q, keys, values, documents=None) -> _Pending:
+    """Asker's forward: ship q [b, hq, lq, d], chunks [b, g, l_c, d] (and the document
+    ids [b, query_start + lq] with packed documents); the pending result is (partial
+    output [b, hq, lq, d], LSE [b, hq, lq]) in the statistics dtype."""
     stat = _stat_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=stat, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=stat, device=q.device)
-    sends = [q.contiguous(), *keys, *values]
+    sends = [q.contiguous(), *keys, *values] + _documents(documents)
     return _Pending(_post(exchange, sends, [out, lse]), sends, [out, lse])
 
 
-def ask_backward(exchange: Exchange, grad_out, q, out, lse, keys, values) -> _Pending:
+def ask_backward(exchange: Exchange, grad_out, q, out, lse, keys, values,
+                 documents=None) -> _Pending:
     """Asker's backward: ship what the flash recurrence needs; the pending result is
     (dq partial in the statistics dtype, [dk_c], [dv_c])."""
     stat = _stat_dtype(q.dtype)
@@ -90,7 +97,7 @@ def ask_backward(exchange: Exchange, grad_out, q, out, lse, keys, values) -> _Pe
     dks = [torch.empty(k.shape, dtype=stat, device=k.device) for k in keys]
     dvs = [torch.empty(v.shape, dtype=stat, device=v.device) for v in values]
     sends = [grad_out.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous(),
-             *keys, *values]
+             *keys, *values] + _documents(documents)
     return _Pending(_post(exchange, sends, [dq, *dks, *dvs]), sends, [dq, *dks, *dvs])
 
 
@@ -107,10 +114,12 @@ def _receive(exchange: Exchange, shapes, dtypes, device) -> List[torch.Tensor]:
     return tensors
 
 
-def serve(exchange: Exchange, query, key, *, softmax_scale) -> None:
+def serve(exchange: Exchange, query, key, *, softmax_scale, documents=None) -> None:
     """Helper: answer one request of the asker, for one layer. ``query`` [b, hq, l, d]
     and ``key`` [b, g, l, d] are this rank's own tensors of the layer (for batch, heads,
-    groups, head size, dtype and device)."""
+    groups, head size, dtype and device); ``documents``, this rank's own document ids
+    or None, says whether packed documents are used (the same flags on every rank) and
+    gives their dtype."""
     b, hq, _, d = query.shape
     g = key.shape[1]
     dtype, device = query.dtype, query.device
@@ -118,23 +127,29 @@ def serve(exchange: Exchange, query, key, *, softmax_scale) -> None:
     q_shape = (b, hq, exchange.query_length, d)
     chunk_shapes = [(b, g, length, d) for length in exchange.chunk_lengths]
     k = exchange.num_chunks
+    doc_shapes, doc_dtypes = [], []
+    if documents is not None:
+        doc_shapes = [(b, exchange.query_start + exchange.query_length)]
+        doc_dtypes = [documents.dtype]
     with torch.no_grad():
         if exchange.asker_forward:
-            received = _receive(exchange, [q_shape] + chunk_shapes * 2,
-                                [dtype] * (1 + 2 * k), device)
-            q, keys, values = received[0], received[1:1 + k], received[1 + k:]
-            out, lse = lse_attention_partial(q, keys, values, softmax_scale=softmax_scale,
-                                             query_start=exchange.query_start)
+            received = _receive(exchange, [q_shape] + chunk_shapes * 2 + doc_shapes,
+                                [dtype] * (1 + 2 * k) + doc_dtypes, device)
+            q, keys, values = received[0], received[1:1 + k], received[1 + k:1 + 2 * k]
+            out, lse = lse_attention_partial(
+                q, keys, values, softmax_scale=softmax_scale, query_start=exchange.query_start,
+                document_ids=received[1 + 2 * k] if doc_shapes else None)
             replies = [out, lse]
         else:
-            shapes = [q_shape, q_shape, q_shape, q_shape[:3]] + chunk_shapes * 2
-            dtypes = [dtype, dtype, dtype, stat] + [dtype] * (2 * k)
+            shapes = [q_shape, q_shape, q_shape, q_shape[:3]] + chunk_shapes * 2 + doc_shapes
+            dtypes = [dtype, dtype, dtype, stat] + [dtype] * (2 * k) + doc_dtypes
             received = _receive(exchange, shapes, dtypes, device)
             grad_out, q, out, lse = received[:4]
-            keys, values = received[4:4 + k], received[4 + k:]
+            keys, values = received[4:4 + k], received[4 + k:4 + 2 * k]
             dq, dks, dvs = lse_attention_backward(
                 grad_out, q, out, lse, keys, values, softmax_scale=softmax_scale,
-                query_start=exchange.query_start, dq_dtype=stat)
+                query_start=exchange.query_start, dq_dtype=stat,
+                document_ids=received[4 + 2 * k] if doc_shapes else None)
             replies = [dq, *dks, *dvs]
         for request in _post(exchange, replies, []):
             request.wait()

@@ -86,20 +86,33 @@ def _accumulate(grads: dict, index: int, grad):
         grads[index] = grad
 
 
+def _local_kwargs(kwargs, keys, num_moved):
+    """The asker's own part: chunks num_moved..j, whose positions start at 0 for the
+    kernel, so the document ids drop the moved chunks' positions."""
+    documents = kwargs["document_ids"]
+    if documents is None:
+        return kwargs
+    moved = sum(key.shape[2] for key in keys[:num_moved])
+    return dict(kwargs, document_ids=documents[:, moved:])
+
+
+def _serve(exchange, q, keys, kwargs):
+    attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"],
+                             documents=kwargs["document_ids"])
+
+
 def _attend(exchange, q, keys, values, kwargs):
     """Forward over chunks 0..j; with an exchange, serve the peer first (helper) or have
     it compute the first chunks while this rank does the rest (asker)."""
     if exchange is None:
         return lse_attention_forward(q, keys, values, **kwargs)
-    if kwargs["document_ids"] is not None:
-        raise ValueError("--slimpipe-attention-balance does not support packed documents "
-                         "(--reset-attention-mask) yet")
     if exchange.role == attention_exchange.HELP:
-        attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"])
+        _serve(exchange, q, keys, kwargs)
         return lse_attention_forward(q, keys, values, **kwargs)
     k = exchange.num_chunks
-    pending = attention_exchange.ask_forward(exchange, q, keys[:k], values[:k])
-    out, lse = lse_attention_partial(q, keys[k:], values[k:], **kwargs)
+    pending = attention_exchange.ask_forward(exchange, q, keys[:k], values[:k],
+                                             kwargs["document_ids"])
+    out, lse = lse_attention_partial(q, keys[k:], values[k:], **_local_kwargs(kwargs, keys, k))
     remote_out, remote_lse = pending.wait()
     out, lse = merge_partials(out, lse, remote_out, remote_lse)
     return out.to(q.dtype), lse
@@ -108,15 +121,16 @@ def _attend(exchange, q, keys, values, kwargs):
 def _attend_backward(exchange, grad_out, q, out, lse, keys, values, kwargs):
     """Backward over chunks 0..j, sharing the work as `_attend` does."""
     if exchange is not None and exchange.role == attention_exchange.HELP:
-        attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"])
+        _serve(exchange, q, keys, kwargs)
     if exchange is None or exchange.role == attention_exchange.HELP:
         return lse_attention_backward(grad_out, q, out, lse, keys, values, **kwargs)
     k = exchange.num_chunks
     pending = attention_exchange.ask_backward(exchange, grad_out, q, out, lse,
-                                              keys[:k], values[:k])
-    dq, dks, dvs = lse_attention_backward(grad_out, q, out, lse, keys[k:], values[k:],
-                                          dq_dtype=out.dtype if out.dtype == torch.float64
-                                          else torch.float32, **kwargs)
+                                              keys[:k], values[:k], kwargs["document_ids"])
+    dq, dks, dvs = lse_attention_backward(
+        grad_out, q, out, lse, keys[k:], values[k:],
+        dq_dtype=torch.float64 if out.dtype == torch.float64 else torch.float32,
+        **_local_kwargs(kwargs, keys, k))
     remote_dq, remote_dks, remote_dvs = attention_exchange.split_backward_result(
         exchange, pending.wait())
     return (dq + remote_dq).to(q.dtype), list(remote_dks) + dks, list(remote_dvs) + dvs

@@ -91,8 +91,11 @@ def _check(q, chunks: _Chunks, document_ids, query_start):
         raise ValueError(f"{lq} queries but only {chunks.total} keys")
     if query_start is not None and query_start < 0:
         raise ValueError(f"query_start must be >= 0, got {query_start}")
-    if document_ids is not None and tuple(document_ids.shape) != (b, chunks.total):
-        raise ValueError(f"document_ids must be [b, lk] = [{b}, {chunks.total}], "
+    # documents of every position up to the last query (the keys' when the queries are
+    # the last keys; with query_start, also the positions between the keys and queries)
+    positions = chunks.total if query_start is None else max(chunks.total, query_start + lq)
+    if document_ids is not None and tuple(document_ids.shape) != (b, positions):
+        raise ValueError(f"document_ids must be [b, positions] = [{b}, {positions}], "
                          f"got {tuple(document_ids.shape)}")
 
 
@@ -131,7 +134,8 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
 
     ``query_start``: position of the first query among the chunks' keys; default
     ``lk - lq`` (the queries are the last keys). A query block placed after every key
-    (``query_start >= lk``) sees all of them: a prefix computed apart from its queries.
+    (``query_start >= lk``) sees all of them: a prefix computed apart from its queries
+    (with ``document_ids`` [b, query_start + lq], only the keys of its own document).
     """
     chunks = _Chunks(keys, values)
     _check(q, chunks, document_ids, query_start)

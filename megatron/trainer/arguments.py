@@ -489,14 +489,10 @@ def _validate_attention_balance(args):
              f"{flag} moves attention between pipeline ranks: it needs "
              "--pipeline-model-parallel-size >= 2")
     _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
-    unsupported = {
-        "--reset-attention-mask": args.reset_attention_mask,
-        "--recompute-granularity full": args.recompute_granularity == "full",
-    }
-    for other, used in unsupported.items():
-        _require(not used, f"{flag} does not support {other} yet (a recomputed forward would "
-                           "repeat its exchanges inside the backward unit; packed documents "
-                           "would need the document ids sent too); drop one of the two")
+    _require(args.recompute_granularity != "full",
+             f"{flag} does not support --recompute-granularity full yet (a recomputed "
+             "forward would repeat its exchanges inside the backward unit); drop one of the "
+             "two or use --recompute-granularity selective")
 
 
 def _gcd(a, b):
