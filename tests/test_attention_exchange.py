@@ -57,14 +57,14 @@ def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd, doc
         split = SplitContext(microbatch_id=microbatch, split_index=j, num_splits=len(inputs),
                              offset=offsets[j], length=LENGTHS[j], seq_length=sum(LENGTHS),
                              kv_store=store, document_ids=documents)
-        store.exchange = exchanges_fwd.get(j)
+        store.exchange, store.exchange_unit_is_forward = exchanges_fwd.get(j), True
         outs.append(chunked_split_attention(q, k, v, split=split, store=store, layer_key=0,
                                             softmax_scale=SCALE))
         store.exchange = None
     grads = []
     gen = torch.Generator().manual_seed(99 + microbatch)
     for j in reversed(range(len(inputs))):
-        store.exchange = exchanges_bwd.get(j)
+        store.exchange, store.exchange_unit_is_forward = exchanges_bwd.get(j), False
         outs[j].backward(torch.randn(outs[j].shape, generator=gen, dtype=torch.float64))
         store.exchange = None
     for q, k, v in inputs:

@@ -91,8 +91,6 @@ def test_attention_balance_flag():
 @pytest.mark.parametrize("extra, message", [
     (["--seq1f1b-splits", "2", "--slimpipe-attention-balance"], "belongs to --pipeline-schedule slimpipe"),
     (["--slimpipe-slices", "4", "--slimpipe-attention-balance"], "needs --seq1f1b-kv-cache chunked"),
-    (BALANCE + ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                "--recompute-num-layers", "1"], "--recompute-granularity full"),
 ])
 def test_attention_balance_mistakes(extra, message):
     with pytest.raises(ArgumentError, match="--slimpipe-attention-balance") as err:

@@ -24,6 +24,7 @@ A_m3_pp2v1_n4_balance   2     1    4       1   1     attention balance without v
 A_mbs2_tp2pp2v2_balance 2     2    4       2   2     attention balance, tp = 2
 A_m3_pp4v2_n8_balance   4     2    8 = 2p  1   1     attention balance over 4 ranks
 B_mbs2_pp2v2_n4_docs_b  2     2    4 = 2p  1   2     attention balance, packed documents
+A_m3_pp2v2_n4_recomp_b  2     2    4 = 2p  1   1     attention balance, full recomputation
 ======================  ====  ===  ======  ==  ====  ==============================
 
 The attention-balance cases (`--slimpipe-attention-balance`, chunked KV cache) pair
@@ -59,9 +60,13 @@ EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "-
           "_sp": ["--sequence-parallel"], "_chunked": ["--seq1f1b-kv-cache", "chunked"],
           "_balance": ["--seq1f1b-kv-cache", "chunked", "--slimpipe-attention-balance"]}
 EXTRAS["_docs_balance"] = EXTRAS["_docs"] + EXTRAS["_balance"]
+EXTRAS["_recompute_balance"] = EXTRAS["_balance"] + [
+    "--recompute-granularity", "full", "--recompute-method", "uniform",
+    "--recompute-num-layers", "1"]
 # the flags of each case's single-process reference (sequence parallel at tp=1, the
 # chunked KV cache and attention balance without slices change nothing)
-REFERENCE_EXTRA = {"_sp": "", "_chunked": "", "_balance": "", "_docs_balance": "_docs"}
+REFERENCE_EXTRA = {"_sp": "", "_chunked": "", "_balance": "", "_docs_balance": "_docs",
+                   "_recompute_balance": ""}
 
 
 def layout(pp, vp, tp=1):
@@ -87,6 +92,8 @@ CASES = {
     "A_mbs2_tp2pp2v2_balance": (4, "A", "mbs2", layout(2, 2, tp=2), slices(4), "_balance"),
     "A_m3_pp4v2_n8_balance": (4, "A", "m3", layout(4, 2), slices(8), "_balance"),
     "B_mbs2_pp2v2_n4_docs_balance": (2, "B", "mbs2", layout(2, 2), slices(4), "_docs_balance"),
+    "A_m3_pp2v2_n4_recompute_balance": (2, "A", "m3", layout(2, 2), slices(4),
+                                        "_recompute_balance"),
 }
 
 

@@ -310,6 +310,7 @@ def forward_backward_pipelining_seq1f1b(
             for observer in settings.observers:
                 observer.on_unit_start(rank, action)
             kv_store.exchange = exchanges.get(action)
+            kv_store.exchange_unit_is_forward = action.is_forward
             if action.is_forward:
                 run_forward(action)
             else:

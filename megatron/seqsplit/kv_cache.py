@@ -54,8 +54,10 @@ class KVCacheStore:
         self.forward_only = forward_only
         self._entries: dict = {}
         # the running unit's side of an attention-redistribution pair
-        # (`attention_exchange.Exchange`), set by the executor around each unit
+        # (`attention_exchange.Exchange`) and whether that unit is a forward, set by the
+        # executor around each unit
         self.exchange = None
+        self.exchange_unit_is_forward = True
 
     def num_entries(self) -> int:
         return len(self._entries)

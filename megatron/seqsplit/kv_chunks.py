@@ -96,6 +96,17 @@ def _local_kwargs(kwargs, keys, num_moved):
     return dict(kwargs, document_ids=documents[:, moved:])
 
 
+def _exchange(store, in_forward: bool):
+    """The running unit's side of a redistribution pair for an attention forward
+    (``in_forward``) or backward call. A forward call inside a backward unit is a
+    recomputation (``--recompute-granularity full``): it runs locally, since the pair's
+    forward exchange happened in the forward unit (same result up to rounding)."""
+    exchange = getattr(store, "exchange", None)
+    if exchange is None or store.exchange_unit_is_forward != in_forward:
+        return None
+    return exchange
+
+
 def _serve(exchange, q, keys, kwargs):
     attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"],
                              documents=kwargs["document_ids"])
@@ -145,7 +156,7 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         keys, values = _store_own(entry, split_index, key, value)
         ctx.kwargs = dict(softmax_scale=softmax_scale, document_ids=documents,
                           max_block_elements=max_block_elements)
-        out, lse = _attend(getattr(store, "exchange", None), query.permute(1, 2, 0, 3), keys, values,
+        out, lse = _attend(_exchange(store, True), query.permute(1, 2, 0, 3), keys, values,
                            ctx.kwargs)
         ctx.save_for_backward(query, out, lse)
         ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
@@ -159,7 +170,7 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         query, out, lse = ctx.saved_tensors
         keys, values = ctx.chunks
         entry, j = ctx.entry, ctx.split_index
-        dq, dks, dvs = _attend_backward(getattr(ctx.store, "exchange", None), grad_out,
+        dq, dks, dvs = _attend_backward(_exchange(ctx.store, False), grad_out,
                                         query.permute(1, 2, 0, 3), out, lse, keys, values,
                                         ctx.kwargs)
         for c in range(j):  # prefix chunks: their own splits' backwards return these
@@ -199,7 +210,7 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
             max_block_elements, store)
     else:
         keys, values = _store_own(entry, split.split_index, key, value)
-        out, _ = _attend(getattr(store, "exchange", None), query.permute(1, 2, 0, 3), keys, values,
+        out, _ = _attend(_exchange(store, True), query.permute(1, 2, 0, 3), keys, values,
                          dict(softmax_scale=softmax_scale, document_ids=documents,
                               max_block_elements=max_block_elements))
     release_after_last_forward(store, entry_id, split, tracked)

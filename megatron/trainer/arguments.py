@@ -489,10 +489,6 @@ def _validate_attention_balance(args):
              f"{flag} moves attention between pipeline ranks: it needs "
              "--pipeline-model-parallel-size >= 2")
     _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
-    _require(args.recompute_granularity != "full",
-             f"{flag} does not support --recompute-granularity full yet (a recomputed "
-             "forward would repeat its exchanges inside the backward unit); drop one of the "
-             "two or use --recompute-granularity selective")
 
 
 def _gcd(a, b):
