@@ -155,3 +155,18 @@ def test_pairs_keep_plain_slimpipe_messages_in_place():
     programs, plan = checked_balanced_programs(2, 4, 2, 8, SliceCosts(gemm=6.0))
     assert sum(len(o) for o in plan.offloads) > 0
     assert programs == checked_chunked_programs(2, 4, 2, 8, None, False, schedule="slimpipe")
+
+
+def test_exchange_cost_is_counted():
+    from megatron.seqsplit.plan import ModelShape
+
+    shape = ModelShape(num_layers=8, hidden_size=256, num_attention_heads=8,
+                       num_query_groups=2, ffn_hidden_size=1024, swiglu=False, vocab_size=1024)
+    costs = SliceCosts.from_model(shape, 256, exchange=0.5)
+    assert costs.exchange == 0.5 and costs.query_exchange == pytest.approx(0.5 * 8 / 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        SliceCosts.from_model(shape, 256, exchange=-1)
+    free = balanced_slimpipe(4, 2, 2, 4, SliceCosts(gemm=2.0))
+    costly = balanced_slimpipe(4, 2, 2, 4, SliceCosts(gemm=2.0, exchange=5.0))
+    assert sum(map(len, free.offloads)) > 0 and sum(map(len, costly.offloads)) == 0
+    assert costly.makespan == costly.makespan_unbalanced

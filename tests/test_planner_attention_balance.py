@@ -126,7 +126,7 @@ def test_cli_report_json_and_timelines(tmp_path, capsys):
     assert data["slimpipe_attention_balance"] is True
     assert set(data["attention_balance"]) == {
         "pairs", "paired_units", "units", "moved_attention_fraction", "exchange_time_s",
-        "bubble_fraction", "pipeline_time_s", "bubble_fraction_unbalanced",
+        "exchange_cost", "bubble_fraction", "pipeline_time_s", "bubble_fraction_unbalanced",
         "pipeline_time_s_unbalanced"}
     assert data["bubble_fraction"] == data["attention_balance"]["bubble_fraction"]
     assert data["pipeline_time_s"] == data["attention_balance"]["pipeline_time_s"]
@@ -147,3 +147,27 @@ def test_report_says_when_balancing_is_slower(capsys):
     ab = pred.attention_balance
     slower = ab["pipeline_time_s"] > ab["pipeline_time_s_unbalanced"]
     assert ("(slower:" in out) == slower
+
+
+def test_exchange_cost_keeps_slow_links_from_slowing_the_pipeline():
+    """TP 8 puts every pipeline rank on its own node: the derived exchange cost (a K/V
+    chunk over the network vs its attention) is high, so the plan makes no pair that
+    does not pay and the pipeline is not slower than without balancing."""
+    cross_node = ["--model", "7B", "--seq-length", "65536", "--tensor-model-parallel-size",
+                  "8", "--pipeline-model-parallel-size", "4", "--global-batch-size", "4",
+                  "--schedule", "slimpipe", "--slimpipe-slices", "16",
+                  "--virtual-pipeline-model-parallel-size", "2"] + BALANCE
+    ab = plan(cross_node).attention_balance
+    assert ab["exchange_cost"] > 1.0  # a chunk's transfer outlasts its attention
+    assert ab["pipeline_time_s"] <= ab["pipeline_time_s_unbalanced"] * (1 + 1e-9)
+    within_node = plan(LONG + BALANCE).attention_balance
+    assert within_node["exchange_cost"] < ab["exchange_cost"] and within_node["pairs"] > 0
+
+
+def test_exchange_cost_can_be_given():
+    """The value training takes (--slimpipe-attention-balance-exchange-cost) can be
+    given to the planner too; a prohibitive one makes no pairs."""
+    free = plan(LONG + BALANCE + ["--slimpipe-attention-balance-exchange-cost", "0"])
+    costly = plan(LONG + BALANCE + ["--slimpipe-attention-balance-exchange-cost", "100"])
+    assert free.attention_balance["exchange_cost"] == 0
+    assert free.attention_balance["pairs"] > 0 and costly.attention_balance["pairs"] == 0

@@ -96,3 +96,11 @@ def test_attention_balance_mistakes(extra, message):
     with pytest.raises(ArgumentError, match="--slimpipe-attention-balance") as err:
         parse(extra)
     assert message in str(err.value)
+
+
+def test_attention_balance_exchange_cost():
+    assert parse(BALANCE).slimpipe_attention_balance_exchange_cost == 0.0
+    args = parse(BALANCE + ["--slimpipe-attention-balance-exchange-cost", "0.25"])
+    assert args.slimpipe_attention_balance_exchange_cost == 0.25
+    with pytest.raises(ArgumentError, match="--slimpipe-attention-balance-exchange-cost"):
+        parse(BALANCE + ["--slimpipe-attention-balance-exchange-cost", "-1"])

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SlimPipe: redistribute attention work between concurrent heavy and "
                    "light slice units of different ranks (simulated; the report shows the "
                    "bubble with and without it)")
+    s.add_argument("--slimpipe-attention-balance-exchange-cost", type=float,
+                   help="the plan's communication cost per K/V chunk, as pretrain_gpt.py "
+                   "takes it (default: derived from the GPU's links and attention speed and "
+                   "printed, to pass to training)")
     s.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    help="interleaved schedule group size (megatron-core default: PP size)")
     s.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=_splits,
@@ -240,6 +244,7 @@ def config_from_args(args) -> PlanConfig:
         kv_layout=args.kv_cache_layout,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         attention_balance=args.slimpipe_attention_balance,
+        attention_balance_exchange_cost=args.slimpipe_attention_balance_exchange_cost,
     )
 
 
@@ -305,6 +310,11 @@ def report(pred: Prediction) -> str:
             f"attention balance      {ab['pairs']} pairs ({ab['paired_units']} of "
             f"{ab['units']} units), {ab['moved_attention_fraction']:.2%} of the attention "
             f"work moved, exchanges {_fmt_time(ab['exchange_time_s'])} in total"
+        )
+        lines.append(
+            f"  exchange cost        {ab['exchange_cost']:.4g} per K/V chunk (train with "
+            f"--slimpipe-attention-balance-exchange-cost {ab['exchange_cost']:.4g} for this "
+            "plan)"
         )
         lines.append(
             f"  without balance      bubble {ab['bubble_fraction_unbalanced']:.1%}, "

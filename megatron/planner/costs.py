@@ -368,6 +368,20 @@ class CostModel:
             attention *= 2.5
         return attention * self.moved_attention_share(unit, num_chunks)
 
+    def balance_exchange_cost(self) -> float:
+        """``SliceCosts.exchange`` for this layout: sending one slice's K/V (one layer)
+        over the slowest link between pipeline ranks, relative to that slice's forward
+        attention against one full key slice (one layer)."""
+        m, t = self.model, self.par.tp
+        tokens = self.par.micro_batch_size * self.split_lengths[0]
+        kv_bytes = tokens * BF16 * 2 * m.num_query_groups * m.head_dim / t
+        bw = min(self.pipeline_link_bw(a, b) for a in range(self.par.pp)
+                 for b in range(self.par.pp) if a != b)
+        # split 0's forward attention is half a chunk (its causal block) per layer
+        first = Unit(FORWARD, 0, 0)
+        chunk = 2 * self.forward_time_parts(0, first)["attention"] / self.layers_per_chunk
+        return (kv_bytes / bw + self.gpu.p2p_latency_s) / chunk
+
     def exchange_time(self, asker_rank: int, helper_rank: int, unit: Unit,
                       num_chunks: int) -> float:
         """Communication of one pair (``unit`` is the asker's) over all layers of a chunk.

@@ -48,6 +48,9 @@ class PlanConfig:
     kv_layout: str = "buffer"
     microbatch_group_size: Optional[int] = None  # interleaved: default p
     attention_balance: bool = False  # SlimPipe's attention workload redistribution
+    # its plan's communication cost per K/V chunk (SliceCosts.exchange); None: derived
+    # from the GPU model (CostModel.balance_exchange_cost)
+    attention_balance_exchange_cost: Optional[float] = None
 
 
 @dataclass
@@ -360,7 +363,9 @@ def _attention_balance(c: PlanConfig, cost: CostModel, schedule, num_splits: int
     """SlimPipe with attention redistribution, timed by the planner's cost model.
 
     The pairs come from ``balanced_slimpipe`` (the plan every rank computes from the
-    model's relative slice costs); the planner re-times them with its own costs. An
+    model's relative slice costs and the exchange cost per K/V chunk, derived here from
+    the GPU model unless given; training takes the same number); the planner re-times
+    them with its own costs. An
     unpaired unit takes ``unit_time``; both units of a pair take
     ``max(asker - moved, helper + moved) + exchange`` where ``moved`` is the asker's
     attention time in the moved prefix chunks and ``exchange`` the per-layer messages
@@ -375,8 +380,12 @@ def _attention_balance(c: PlanConfig, cost: CostModel, schedule, num_splits: int
     over the same total compute.
     """
     p = c.parallel
+    exchange_cost = c.attention_balance_exchange_cost
+    if exchange_cost is None:
+        exchange_cost = cost.balance_exchange_cost()
     plan = balanced_slimpipe(p.pp, p.num_microbatches, p.num_chunks, num_splits,
-                             SliceCosts.from_model(c.model.shape(), cost.split_lengths[0]))
+                             SliceCosts.from_model(c.model.shape(), cost.split_lengths[0],
+                                                   exchange_cost))
     if [list(units) for units in plan.units] != [list(units) for units in schedule]:
         raise AssertionError("attention balance plan does not follow the SlimPipe schedule")
     durations: Dict[Tuple[int, Unit], float] = {}
@@ -415,6 +424,7 @@ def _attention_balance(c: PlanConfig, cost: CostModel, schedule, num_splits: int
         "units": sum(len(units) for units in schedule),
         "moved_attention_fraction": round(moved_total / attention, 6) if attention else 0.0,
         "exchange_time_s": exchange_total,
+        "exchange_cost": round(exchange_cost, 6),
         "bubble_fraction": round(1.0 - compute / (p.pp * span), 5) if span > 0 else 0.0,
         "pipeline_time_s": span,
         "bubble_fraction_unbalanced": round(unbalanced.bubble_fraction(), 5),

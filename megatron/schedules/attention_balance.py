@@ -16,8 +16,8 @@ from the SlimPipe unit lists alone (so every rank computes the same plan):
 
 * unit times come from a relative cost model of uniform slices (``SliceCosts``:
   position-independent work per slice vs attention work per prefix chunk, from the
-  model's FLOPs), run through the planner's simulator with paired units starting
-  together;
+  model's FLOPs, and the exchange's communication as given by the user or the
+  planner), run through the planner's simulator with paired units starting together;
 * greedily, the heaviest unpaired unit with prefix chunks is paired with the lightest
   unpaired unit on another rank that overlaps it in time, moving the number of chunks
   that best evens the two; the pair is kept only if the simulated iteration gets
@@ -39,7 +39,10 @@ from megatron.schedules.messages import check_rendezvous, lower_chunked
 from megatron.schedules.slimpipe import slimpipe_rank_units
 from megatron.schedules.units import Unit
 from megatron.seqsplit.attention_exchange import ASK, HELP
-MAX_TRIALS = 64  # pairs tried per plan (each one simulation of the whole schedule)
+# Pairs tried per plan, each one simulation of the whole schedule: up to MAX_TRIALS,
+# fewer for large schedules (SIMULATED_UNITS_BUDGET units simulated in all), never
+# fewer than MIN_TRIALS. Deterministic, so every rank gets the same plan.
+MAX_TRIALS, MIN_TRIALS, SIMULATED_UNITS_BUDGET = 1024, 64, 2_000_000
 
 # Backward attention costs about 2.5x its forward (dQ, dK, dV and the recomputed
 # scores); backward GEMMs 2x (input and weight gradients).
@@ -54,19 +57,28 @@ class SliceCosts:
     ``gemm``: position-independent work (projections, MLP, norms), in units of the
     attention of one query slice over one full key slice (one *chunk*). Slice ``j``'s
     forward costs ``gemm + j + 0.5`` (``j`` prefix chunks and half of its own causal
-    block). ``exchange``: extra time per moved chunk and exchange (communication).
+    block). ``exchange``: time to send one K/V chunk to the paired rank, in the same
+    units (``--slimpipe-attention-balance-exchange-cost``; 0: free); the query slice
+    there and the partial output back cost ``query_exchange`` more per exchange, and a
+    backward exchange twice a forward one (its gradients come back).
     """
 
     gemm: float
     exchange: float = 0.0
+    query_exchange: float = 0.0
 
     @staticmethod
     def from_model(model, slice_length: int, exchange: float = 0.0) -> "SliceCosts":
         """From a ``megatron.seqsplit.plan.ModelShape``: per-token linear FLOPs of a
-        layer against ``4 hq d l`` attention FLOPs per token and chunk of ``l`` keys."""
+        layer against ``4 hq d l`` attention FLOPs per token and chunk of ``l`` keys.
+        ``exchange`` is per K/V chunk (``2 g d`` values per token); the query slice and
+        the output (``hq d`` values per token each) cost ``exchange hq / g``."""
+        if exchange < 0:
+            raise ValueError(f"the exchange cost must be >= 0, got {exchange}")
         linear = (model.linear_flops_per_token() - 2 * model.hidden_size * model.vocab_size)
         per_chunk = model.attention_flops_per_pair() * slice_length
-        return SliceCosts(gemm=linear / per_chunk, exchange=exchange)
+        query = exchange * model.num_attention_heads / model.num_query_groups
+        return SliceCosts(gemm=linear / per_chunk, exchange=exchange, query_exchange=query)
 
 
 @dataclass(frozen=True)
@@ -102,8 +114,14 @@ def paired_cost(asker: Unit, helper: Unit, num_chunks: int, costs: SliceCosts) -
     of the asker without the moved chunks and the helper with them."""
     _, asker_attention = _factors(asker)
     moved = num_chunks * asker_attention
-    overhead = num_chunks * costs.exchange
-    return max(unit_cost(asker, costs) - moved, unit_cost(helper, costs) + moved) + overhead
+    return (max(unit_cost(asker, costs) - moved, unit_cost(helper, costs) + moved)
+            + exchange_cost(asker, num_chunks, costs))
+
+
+def exchange_cost(asker: Unit, num_chunks: int, costs: SliceCosts) -> float:
+    """Communication of one pair in the plan's units (the partners wait for it)."""
+    per_direction = costs.query_exchange + num_chunks * costs.exchange
+    return per_direction if asker.is_forward else 2 * per_direction
 
 
 def _best_num_chunks(asker: Unit, helper: Unit, costs: SliceCosts) -> int:
@@ -147,15 +165,23 @@ def _objective(sim) -> Tuple[float, float]:
     return (round(sim.makespan, 9), sum(t.end for timed in sim.ranks for t in timed))
 
 
+def default_trials(units: Sequence[Sequence[Unit]]) -> int:
+    total = sum(len(rank_units) for rank_units in units)
+    return max(MIN_TRIALS, min(MAX_TRIALS, SIMULATED_UNITS_BUDGET // max(total, 1)))
+
+
 def balance_units(units: Sequence[Sequence[Unit]], costs: SliceCosts,
-                  max_trials: int = MAX_TRIALS) -> BalancedSchedule:
+                  max_trials: Optional[int] = None) -> BalancedSchedule:
     """Pair units of ``units`` (every rank's list) greedily; see the module doc.
 
     Each trial simulates the whole schedule with one more pair and keeps the pair only
     if the objective improves, so the plan is never slower than no pairing in the cost
-    model. ``max_trials`` bounds the work (deterministic: every rank gets the same plan).
+    model. ``max_trials`` bounds the work (default: ``default_trials``; deterministic, so
+    every rank gets the same plan).
     """
     units = tuple(tuple(rank_units) for rank_units in units)
+    if max_trials is None:
+        max_trials = default_trials(units)
     pairs: Dict[Tuple[int, Unit], Tuple[int, Unit, Unit, int]] = {}
     sim = _simulate(units, pairs, costs)
     unbalanced = sim.makespan
@@ -272,4 +298,4 @@ def describe(plan: BalancedSchedule) -> str:
     moved = moved_fraction(plan) or 0.0
     return (f"attention balance: {pairs} pairs, {100 * moved:.1f}% of the attention work "
             f"moved, iteration {plan.makespan_unbalanced / plan.makespan:.3f}x shorter in "
-            "the plan's cost model (communication not counted)")
+            "the plan's cost model")

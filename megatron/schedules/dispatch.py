@@ -11,7 +11,8 @@ from megatron.schedules.seq1f1b import Seq1F1BSettings, forward_backward_pipelin
 def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "average",
                               alignment: int = 1, model_shape=None, observers=(),
                               pp_size=None, vp_size=None, schedule: str = "seq1f1b",
-                              slimpipe_slices: int = None, attention_balance: bool = False):
+                              slimpipe_slices: int = None, attention_balance: bool = False,
+                              exchange_cost: float = 0.0):
     """megatron-core's ``get_forward_backward_func``, plus Seq1F1B for ``seq1f1b_splits > 1``.
 
     The returned function takes megatron-core's keyword arguments and returns what
@@ -31,7 +32,8 @@ def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "av
     executor: ``slimpipe_slices`` uniform slices (the ``average`` split plan), the
     interleaved order with a group of one microbatch, or Seq1F1B's order when
     ``vp_size`` is 1. ``attention_balance`` adds SlimPipe's attention redistribution
-    (``megatron.schedules.attention_balance``; needs the chunked KV cache).
+    (``megatron.schedules.attention_balance``; needs the chunked KV cache), with
+    ``exchange_cost`` its communication cost per K/V chunk (``SliceCosts``).
     """
     if schedule == "slimpipe":
         if not slimpipe_slices or slimpipe_slices < 1:
@@ -39,7 +41,8 @@ def get_forward_backward_func(seq1f1b_splits: int = 1, balance_method: str = "av
         settings = Seq1F1BSettings(num_splits=slimpipe_slices, balance_method="average",
                                    alignment=alignment, model_shape=model_shape,
                                    observers=list(observers), schedule="slimpipe",
-                                   attention_balance=attention_balance)
+                                   attention_balance=attention_balance,
+                                   exchange_cost=exchange_cost)
         return functools.partial(forward_backward_pipelining_seq1f1b, settings=settings)
     interleaved = vp_size is not None and vp_size > 1
     if seq1f1b_splits <= 1 and not observers and not interleaved:

@@ -55,6 +55,7 @@ class Seq1F1BSettings:
     # SlimPipe only: attention redistribution between paired units
     # (megatron.schedules.attention_balance); needs the chunked KV cache and model_shape
     attention_balance: bool = False
+    exchange_cost: float = 0.0  # SliceCosts.exchange: one K/V chunk's send vs its attention
 
 
 class SplitDataIterator:
@@ -347,7 +348,8 @@ def _balanced_actions(settings, rank, pp_group, pp_size, num_microbatches, num_c
 
     if settings.schedule != "slimpipe" or settings.model_shape is None:
         raise ValueError("attention balance needs the SlimPipe schedule and the model shape")
-    costs = SliceCosts.from_model(settings.model_shape, seq_length // settings.num_splits)
+    costs = SliceCosts.from_model(settings.model_shape, seq_length // settings.num_splits,
+                                  settings.exchange_cost)
     programs, plan = checked_balanced_programs(pp_size, num_microbatches, num_chunks,
                                                settings.num_splits, costs)
     exchanges = {

@@ -127,6 +127,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "the light one compute part of the heavy one's attention (query slice "
                         "and prefix K/V chunks sent over, partial output and log-sum-exp "
                         "merged; exact). Needs --seq1f1b-kv-cache chunked")
+    g.add_argument("--slimpipe-attention-balance-exchange-cost", type=float, default=0.0,
+                   help="time to send one slice's K/V to the paired rank relative to "
+                        "computing that slice's forward attention (default 0: free); pairs "
+                        "whose exchange costs more than it saves are not made. "
+                        "tools/plan.py --slimpipe-attention-balance prints the value for a "
+                        "layout")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="record each pipeline unit's start/end per rank to this JSON file")
     g.add_argument("--activation-memory-file", type=str, default=None,
@@ -482,6 +488,9 @@ def _validate_attention_balance(args):
     if not args.slimpipe_attention_balance:
         return
     flag = "--slimpipe-attention-balance"
+    _require(args.slimpipe_attention_balance_exchange_cost >= 0,
+             f"--slimpipe-attention-balance-exchange-cost must be >= 0, got "
+             f"{args.slimpipe_attention_balance_exchange_cost}")
     _require(args.seq1f1b_kv_cache == "chunked",
              f"{flag} needs --seq1f1b-kv-cache chunked (the helper rank computes "
              "attention over whole K/V chunks and the results merge by log-sum-exp)")

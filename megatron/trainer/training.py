@@ -239,6 +239,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         schedule=args.pipeline_schedule,
         slimpipe_slices=args.slimpipe_slices,
         attention_balance=args.slimpipe_attention_balance,
+        exchange_cost=args.slimpipe_attention_balance_exchange_cost,
     )
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(
@@ -260,7 +261,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         plan = balanced_slimpipe(
             args.pipeline_model_parallel_size, args.num_microbatches,
             args.virtual_pipeline_model_parallel_size or 1, args.slimpipe_slices,
-            SliceCosts.from_model(model_shape_from_args(args), args.slimpipe_slice_length))
+            SliceCosts.from_model(model_shape_from_args(args), args.slimpipe_slice_length,
+                                  args.slimpipe_attention_balance_exchange_cost))
         print_rank_0(f"> {describe(plan)}")
     result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
                    scheduler, forward_backward_func, iteration, consumed_samples, observers)
