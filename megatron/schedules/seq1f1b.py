@@ -26,7 +26,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
-from megatron.schedules.messages import RECV, SEND, Message, checked_chunked_programs, producer
+from megatron.schedules.messages import SEND, Message, checked_chunked_programs, producer
 from megatron.schedules.units import (
     RECV_BACKWARD,
     RECV_FORWARD,
