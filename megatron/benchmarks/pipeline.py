@@ -479,7 +479,7 @@ def _mib(value):
     return "n/a" if value is None else f"{value / 2**20:.1f}"
 
 
-def _pct(value):
+def fmt_pct(value):
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
@@ -492,8 +492,32 @@ def _loads(values):
     return " ".join(f"{v:.2f}" for v in values) if values else "n/a"
 
 
-def _ratio(value):
+def fmt_ratio(value):
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def check_lines(summary: Dict, losses: str, reference: str, generator: str) -> List[str]:
+    """Report lines on what every run must satisfy: losses equal to the reference's,
+    recorded timelines in the generator's unit order, rounds disturbed by others.
+    ``losses`` is the sentence's start, with ``{verdict}`` for equal / NOT EQUAL;
+    ``generator`` the dotted name of the unit-order function (``..._rank_units``)."""
+    rows = summary["runs"]
+    verdict = "equal" if summary["losses_equal"] else "NOT EQUAL"
+    lines = ["", losses.format(verdict=verdict) + ": largest relative deviation of any "
+             f"run's per-iteration loss from {reference} is "
+             f"{summary['loss_max_rel_deviation']:.2e} (tolerance {summary['loss_rtol']:.0e})."]
+    mismatches = [r for r in rows if r.get("order_mismatch")]
+    if mismatches:
+        lines += ["", f"WARNING: a recorded timeline departs from the generator's unit order "
+                  f"({generator}):"]
+        lines += [f"* {r['label']}: {r['order_mismatch']}" for r in mismatches]
+    elif any("stages" in r for r in rows):
+        name = generator.rsplit(".", 1)[-1]
+        lines += ["", f"Every recorded timeline follows {name}' order on every rank."]
+    if summary.get("disturbed_cores") is not None:
+        lines += ["", f"Rounds disturbed by other processes (>= {summary['disturbed_cores']} "
+                  f"cores during a timed run): {summary['disturbed_rounds'] or 'none'}."]
+    return lines
 
 
 def format_report(summary: Dict) -> str:
@@ -512,32 +536,18 @@ def format_report(summary: Dict) -> str:
         runs = " ".join(f"{t:.0f}" for t in r["tokens_per_s_runs"])
         bubbles = r.get("bubble_fraction_per_stage")
         bubble = ("n/a" if bubbles is None else
-                  f"{_pct(r['bubble_fraction'])} ({', '.join(_pct(b) for b in bubbles)})")
+                  f"{fmt_pct(r['bubble_fraction'])} ({', '.join(fmt_pct(b) for b in bubbles)})")
         lines.append(
             f"| {r['label']} | {r['tokens_per_s']:.1f} | {runs} | {r['tokens_per_s_ratio']:.3f} | "
-            f"{_ratio(r.get('paired_ratio_median'))} ({_ratio(r.get('paired_ratio_undisturbed'))}"
+            f"{fmt_ratio(r.get('paired_ratio_median'))} ({fmt_ratio(r.get('paired_ratio_undisturbed'))}"
             f", {r.get('undisturbed_rounds', 0)}) | "
             f"{bubble} | {_mib(r.get('stage0_activation_peak_bytes'))} | "
-            f"{_ratio(r.get('stage0_activation_ratio'))} | "
+            f"{fmt_ratio(r.get('stage0_activation_ratio'))} | "
             f"{_mib(r.get('worst_stage_activation_peak_bytes'))} | "
-            f"{_ratio(r.get('worst_stage_activation_ratio'))} | "
+            f"{fmt_ratio(r.get('worst_stage_activation_ratio'))} | "
             f"{_loss(r['loss'])} | {_loads(r.get('foreign_cores_runs'))} |")
-    lines.append("")
-    verdict = "equal" if summary["losses_equal"] else "NOT EQUAL"
-    lines.append(f"Final losses {verdict} across schedules: largest relative deviation of any "
-                 f"run's per-iteration loss from 1F1B's is {summary['loss_max_rel_deviation']:.2e} "
-                 f"(tolerance {summary['loss_rtol']:.0e}).")
-    mismatches = [r for r in rows if r.get("order_mismatch")]
-    if mismatches:
-        lines += ["", "WARNING: the executor did not run the shared generator's unit order "
-                  "(megatron.schedules.units.seq1f1b_rank_units):"]
-        lines += [f"* {r['label']}: {r['order_mismatch']}" for r in mismatches]
-    elif any("stages" in r for r in rows):
-        lines += ["", "Every recorded timeline follows the generator's unit order on every rank."]
-    if summary.get("disturbed_cores") is not None:
-        lines.append("")
-        lines.append(f"Rounds disturbed by other processes (>= {summary['disturbed_cores']} "
-                     f"cores during a timed run): {summary['disturbed_rounds'] or 'none'}.")
+    lines += check_lines(summary, "Final losses {verdict} across schedules", "1F1B's",
+                         "megatron.schedules.units.seq1f1b_rank_units")
     lines += ["", "paired ratio: median over rounds of (this run's tokens/s / 1F1B's run of "
               "the same round), then over the undisturbed rounds and their number; bubble: idle / span per stage in the recorded timelines "
               "(median over the timeline runs); other processes: CPU cores used by other "
@@ -560,7 +570,7 @@ def format_report(summary: Dict) -> str:
                     f"| {r['label'] if i == 0 else ''} | {i} | "
                     f"{1e3 * st['forward_per_microbatch_s']:.1f} | "
                     f"{1e3 * st['backward_per_microbatch_s']:.1f} | "
-                    f"{_ratio(ratio)} | {1e3 * st['mean_forward_unit_s']:.1f} | "
+                    f"{fmt_ratio(ratio)} | {1e3 * st['mean_forward_unit_s']:.1f} | "
                     f"{1e3 * st['mean_backward_unit_s']:.1f} | {tail} |")
         lines += ["", "F/B per mb: forward/backward time per microbatch (all its splits); "
                   "compute vs 1F1B: the stage's busy time over 1F1B's (split overhead); "
@@ -595,6 +605,6 @@ def format_report(summary: Dict) -> str:
             for i, (st, cpu, wall) in enumerate(zip(r["unit_cpu_stages"], cpus, walls)):
                 lines.append(f"| {r['label'] if i == 0 else ''} | {i} | "
                              f"{1e3 * st['forward_per_microbatch_s']:.1f} | "
-                             f"{1e3 * st['backward_per_microbatch_s']:.1f} | {_ratio(cpu)} | "
-                             f"{_ratio(wall)} |")
+                             f"{1e3 * st['backward_per_microbatch_s']:.1f} | {fmt_ratio(cpu)} | "
+                             f"{fmt_ratio(wall)} |")
     return "\n".join(lines)

@@ -24,7 +24,10 @@ from megatron.benchmarks.pipeline import (
     TIMELINE,
     _aggregate_timelines,
     build_spec,
+    check_lines,
     iteration_times,
+    fmt_pct,
+    fmt_ratio,
     summarize,
     timeline_metrics,
 )
@@ -100,7 +103,8 @@ def model_costs(argv: Sequence[str], world_size: int):
     # the vocabulary cancels out of SliceCosts (the LM head is not a per-slice layer cost)
     args.padded_vocab_size = args.vocab_size or 0
     costs = SliceCosts.from_model(model_shape_from_args(args),
-                                  args.seq_length // args.slimpipe_slices)
+                                  args.seq_length // args.slimpipe_slices,
+                                  args.slimpipe_attention_balance_exchange_cost)
     return args, costs
 
 
@@ -207,14 +211,6 @@ def summarize_balance(configs: Sequence[BalanceConfig], records: Sequence[Dict],
     return summary
 
 
-def _pct(value):
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def _ratio(value):
-    return "n/a" if value is None else f"{value:.3f}"
-
-
 def format_balance_report(summary: Dict) -> str:
     """Markdown: the comparison table, the plan's numbers, the per-stage busy times."""
     rows = summary["runs"]
@@ -231,38 +227,25 @@ def format_balance_report(summary: Dict) -> str:
         base = r is plain
         runs = " ".join(f"{t:.0f}" for t in r["tokens_per_s_runs"])
         paired = "-" if base else " ".join(f"{x:.3f}" for x in r["paired_ratio_runs"])
-        median = ("-" if base else f"{_ratio(r['paired_ratio_median'])} "
-                  f"({_ratio(r['paired_ratio_undisturbed'])}, {r['undisturbed_rounds']} rounds)")
+        median = ("-" if base else f"{fmt_ratio(r['paired_ratio_median'])} "
+                  f"({fmt_ratio(r['paired_ratio_undisturbed'])}, {r['undisturbed_rounds']} rounds)")
         bubbles = r.get("bubble_fraction_per_stage")
         bubble = ("n/a" if bubbles is None else
-                  f"{_pct(r['bubble_fraction'])} ({', '.join(_pct(b) for b in bubbles)})")
+                  f"{fmt_pct(r['bubble_fraction'])} ({', '.join(fmt_pct(b) for b in bubbles)})")
         spans = " | ".join("n/a" if key not in r else f"{1e3 * r[key]:.0f}" for key in (
             "pipeline_span_s", "replay_span_s", "communication_wait_s",
             "timeline_iteration_s"))
         lines.append(f"| {r['label']} | {r['tokens_per_s']:.1f} | {runs} | {paired} | "
                      f"{median} | {r['loss']:.6f} | {bubble} | {spans} |")
-    lines.append("")
-    verdict = "equal" if summary["losses_equal"] else "NOT EQUAL"
-    lines.append(f"Losses {verdict}: largest relative deviation of any run's per-iteration "
-                 f"loss from the plain run's is {summary['loss_max_rel_deviation']:.2e} "
-                 f"(tolerance {summary['loss_rtol']:.0e}).")
-    mismatches = [r for r in rows if r.get("order_mismatch")]
-    if mismatches:
-        lines += ["", "WARNING: a recorded timeline departs from SlimPipe's unit order "
-                  "(megatron.schedules.slimpipe.slimpipe_rank_units):"]
-        lines += [f"* {r['label']}: {r['order_mismatch']}" for r in mismatches]
-    elif any("stages" in r for r in rows):
-        lines += ["", "Both recorded timelines follow slimpipe_rank_units' order on every rank."]
-    if summary.get("disturbed_cores") is not None:
-        lines += ["", f"Rounds disturbed by other processes (>= {summary['disturbed_cores']} "
-                  f"cores during a timed run): {summary['disturbed_rounds'] or 'none'}."]
+    lines += check_lines(summary, "Losses {verdict}", "the plain run's",
+                         "megatron.schedules.slimpipe.slimpipe_rank_units")
     plan = summary.get("plan")
     if plan is not None:
         lines += ["", f"Plan (cost model: `balanced_slimpipe` with `SliceCosts.from_model`, "
                   f"GEMM work per slice = {plan['gemm_per_chunk']:.2f} chunk attentions): "
                   f"{plan['pairs']} pairs ({plan['forward_askers']} forward and "
                   f"{plan['backward_askers']} backward askers), {plan['moved_chunks']} chunks "
-                  f"moved = {_pct(plan['moved_fraction'])} of the attention work; predicted "
+                  f"moved = {fmt_pct(plan['moved_fraction'])} of the attention work; predicted "
                   f"makespan ratio unbalanced / balanced = {plan['predicted_ratio']:.3f} "
                   f"({plan['makespan_unbalanced']:.1f} / {plan['makespan']:.1f} model units)."]
     fit = summary.get("measured_costs")
@@ -276,7 +259,7 @@ def format_balance_report(summary: Dict) -> str:
                      f"(model 2.5)")
         if "predicted_ratio" in fit:
             line += (f"; with that GEMM share the plan has {fit['pairs']} pairs moving "
-                     f"{_pct(fit['moved_fraction'])} and predicts "
+                     f"{fmt_pct(fit['moved_fraction'])} and predicts "
                      f"{fit['predicted_ratio']:.3f}")
         lines += ["", line + "."]
     if any("stages" in r for r in rows):
@@ -305,7 +288,7 @@ def format_balance_report(summary: Dict) -> str:
 
 def json_balance_report(summary: Dict, meta: Optional[Dict] = None) -> Dict:
     """The ``--json`` object: per configuration its numbers, the plan, the fit."""
-    out = {"runs": [{k: v for k, v in row.items()} for row in summary["runs"]],
+    out = {"runs": [dict(row) for row in summary["runs"]],
            "plan": summary.get("plan"), "measured_costs": summary.get("measured_costs"),
            "losses_equal": summary["losses_equal"],
            "loss_max_rel_deviation": summary["loss_max_rel_deviation"],

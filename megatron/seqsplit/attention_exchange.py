@@ -28,6 +28,7 @@ import torch
 from megatron.seqsplit.lse_attention import (
     lse_attention_backward,
     lse_attention_partial,
+    stat_dtype,
 )
 
 ASK, HELP = "ask", "help"
@@ -45,10 +46,6 @@ class Exchange:
     query_length: int  # the asker's slice length
     query_start: int  # the asker's slice offset (its queries follow every moved chunk)
     chunk_lengths: tuple  # lengths of the moved chunks
-
-
-def _stat_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _post(exchange: Exchange, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]):
@@ -81,7 +78,7 @@ def ask_forward(exchange: Exchange, q, keys, values, documents=None) -> _Pending
     """Asker's forward: ship q [b, hq, lq, d], chunks [b, g, l_c, d] (and the document
     ids [b, query_start + lq] with packed documents); the pending result is (partial
     output [b, hq, lq, d], LSE [b, hq, lq]) in the statistics dtype."""
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=stat, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=stat, device=q.device)
     sends = [q.contiguous(), *keys, *values] + _documents(documents)
@@ -92,7 +89,7 @@ def ask_backward(exchange: Exchange, grad_out, q, out, lse, keys, values,
                  documents=None) -> _Pending:
     """Asker's backward: ship what the flash recurrence needs; the pending result is
     (dq partial in the statistics dtype, [dk_c], [dv_c])."""
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=stat, device=q.device)
     dks = [torch.empty(k.shape, dtype=stat, device=k.device) for k in keys]
     dvs = [torch.empty(v.shape, dtype=stat, device=v.device) for v in values]
@@ -123,7 +120,7 @@ def serve(exchange: Exchange, query, key, *, softmax_scale, documents=None) -> N
     b, hq, _, d = query.shape
     g = key.shape[1]
     dtype, device = query.dtype, query.device
-    stat = _stat_dtype(dtype)
+    stat = stat_dtype(dtype)
     q_shape = (b, hq, exchange.query_length, d)
     chunk_shapes = [(b, g, length, d) for length in exchange.chunk_lengths]
     k = exchange.num_chunks

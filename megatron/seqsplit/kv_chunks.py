@@ -35,6 +35,7 @@ from megatron.seqsplit.lse_attention import (
     lse_attention_forward,
     lse_attention_partial,
     merge_partials,
+    stat_dtype,
 )
 
 
@@ -140,7 +141,7 @@ def _attend_backward(exchange, grad_out, q, out, lse, keys, values, kwargs):
                                               keys[:k], values[:k], kwargs["document_ids"])
     dq, dks, dvs = lse_attention_backward(
         grad_out, q, out, lse, keys[k:], values[k:],
-        dq_dtype=torch.float64 if out.dtype == torch.float64 else torch.float32,
+        dq_dtype=stat_dtype(q.dtype),
         **_local_kwargs(kwargs, keys, k))
     remote_dq, remote_dks, remote_dvs = attention_exchange.split_backward_result(
         exchange, pending.wait())

@@ -27,7 +27,8 @@ import torch
 DEFAULT_MAX_BLOCK_ELEMENTS = 1 << 26  # transient scores per (query block, chunk): 256 MiB fp32
 
 
-def _stat_dtype(dtype):
+def stat_dtype(dtype):
+    """Dtype of scores and softmax statistics for inputs of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -103,7 +104,7 @@ def _scores(q_rows, key, allowed, shape5):
     """Scores [b, g, r, n, l] of pre-scaled query rows, in the statistics dtype; masked
     entries are -inf. A fresh tensor, so callers may work on it in place."""
     s = torch.matmul(q_rows, key.transpose(-1, -2)).view(*shape5, key.shape[2])
-    s = s.to(_stat_dtype(q_rows.dtype))
+    s = s.to(stat_dtype(q_rows.dtype))
     if allowed is not None:
         s.masked_fill_(~allowed, float("-inf"))
     return s
@@ -142,7 +143,7 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
     b, hq, lq, d = q.shape
     g = chunks.keys[0].shape[1]
     r = hq // g
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
     q5 = q.reshape(b, g, r, lq, d) * softmax_scale  # scaled once, not every score
     out = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
     lse = torch.full((b, g, r, lq), float("-inf"), dtype=stat, device=q.device)
@@ -183,7 +184,7 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     b, hq, lq, d = q.shape
     g = chunks.keys[0].shape[1]
     r = hq // g
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
     q5 = q.reshape(b, g, r, lq, d) * softmax_scale
     do5 = grad_out.reshape(b, g, r, lq, d)
     lse5 = lse.reshape(b, g, r, lq)
@@ -214,5 +215,5 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     return dq.view(b, hq, lq, d).to(dq_dtype or q.dtype), dks, dvs
 
 
-__all__ = ["lse_attention_forward", "lse_attention_partial", "lse_attention_backward",
+__all__ = ["stat_dtype", "lse_attention_forward", "lse_attention_partial", "lse_attention_backward",
            "merge_partials", "DEFAULT_MAX_BLOCK_ELEMENTS"]
