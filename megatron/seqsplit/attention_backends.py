@@ -56,9 +56,12 @@ class SDPABackend(AttentionBackend):
 
     `enable_gqa=True` lets the kernel read grouped K/V without expanding heads (the
     CPU flash kernel and the CUDA flash kernel do; the math fallback expands inside).
-    For lq != lk the mask is `causal_lower_right`; torch maps it onto the CUDA flash or
-    memory-efficient kernels where they apply, otherwise materialises an lq x lk mask.
-    Packed documents always use an explicit boolean [b, 1, lq, lk] mask.
+    For lq != lk on CUDA the mask is `causal_lower_right`, which torch maps onto the
+    flash or memory-efficient kernels. On CPU torch would materialise it as an lq x lk
+    float mask that its fused kernel saves for backward (4 MiB for 512 queries over
+    2048 keys, per split and layer); `_bottom_right_causal_cpu` passes a mask that
+    costs lq + lk - 1 elements instead. Packed documents always use an explicit
+    boolean [b, 1, lq, lk] mask.
     """
 
     name = "sdpa"
@@ -70,12 +73,36 @@ class SDPABackend(AttentionBackend):
             causal = {"attn_mask": document_causal_mask(document_ids, lk - lq, lq)}
         elif lq == lk:
             causal = {"is_causal": True}
+        elif q.device.type == "cpu":
+            return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
         else:
             causal = {"attn_mask": causal_lower_right(lq, lk)}
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, scale=softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1], **causal,
         )
+
+
+def _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p):
+    """SDPA with a bottom-right causal mask whose saved copy is a vector, not a matrix.
+
+    Query i may see key j when j <= lk - lq + i: the mask depends on j - i, which no
+    view with non-negative strides can express. With the queries in reverse order
+    (i' = lq - 1 - i) it depends on i' + j (visible when i' + j <= lk - 1), and that is
+    a view with strides (1, 1) of one vector of lq + lk - 1 entries, which is what the
+    fused CPU kernel then keeps for backward. Attention treats every query row on its
+    own, so reversing the rows of q and of the output gives the same result; the
+    reversed query is saved instead of the query (same size).
+    """
+    lq, lk = q.shape[2], k.shape[2]
+    diagonals = torch.zeros(lq + lk - 1, dtype=q.dtype, device=q.device)
+    diagonals[lk:] = float("-inf")
+    mask = diagonals.as_strided((lq, lk), (1, 1))
+    out = F.scaled_dot_product_attention(
+        q.flip(2), k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.flip(2)
 
 
 def _flash_attn_version():
