@@ -60,7 +60,8 @@ class SDPABackend(AttentionBackend):
     flash or memory-efficient kernels. On CPU torch would materialise it as an lq x lk
     float mask that its fused kernel saves for backward (4 MiB for 512 queries over
     2048 keys, per split and layer); `_bottom_right_causal_cpu` passes a mask that
-    costs lq + lk - 1 elements instead. Packed documents always use an explicit
+    costs lq + lk - 1 elements instead, where that saves memory
+    (`_reversed_queries_save_memory`). Packed documents always use an explicit
     boolean [b, 1, lq, lk] mask.
     """
 
@@ -73,7 +74,7 @@ class SDPABackend(AttentionBackend):
             causal = {"attn_mask": document_causal_mask(document_ids, lk - lq, lq)}
         elif lq == lk:
             causal = {"is_causal": True}
-        elif q.device.type == "cpu":
+        elif q.device.type == "cpu" and _reversed_queries_save_memory(q, k):
             return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
         else:
             causal = {"attn_mask": causal_lower_right(lq, lk)}
@@ -81,6 +82,18 @@ class SDPABackend(AttentionBackend):
             q, k, v, dropout_p=dropout_p, scale=softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1], **causal,
         )
+
+
+def _reversed_queries_save_memory(q, k):
+    """Whether `_bottom_right_causal_cpu` keeps fewer bytes than a materialised mask.
+
+    It saves no lq x lk mask but one more output-sized tensor [b, lq, hq, d] when b == 1:
+    the kernel's output (row-major [b, lq, hq, d]) is then already the [lq, b, hq, d]
+    layout the caller hands to the output projection, which saves that very tensor,
+    while the restored order is a copy. With b > 1 the caller copies either way.
+    """
+    b, hq, _, d = q.shape
+    return b > 1 or k.shape[2] > hq * d
 
 
 def _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p):
@@ -92,7 +105,8 @@ def _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p):
     a view with strides (1, 1) of one vector of lq + lk - 1 entries, which is what the
     fused CPU kernel then keeps for backward. Attention treats every query row on its
     own, so reversing the rows of q and of the output gives the same result; the
-    reversed query is saved instead of the query (same size).
+    reversed query is saved instead of the query (same size), but the kernel then saves
+    the reversed output and the caller the restored one (`_reversed_queries_save_memory`).
     """
     lq, lk = q.shape[2], k.shape[2]
     diagonals = torch.zeros(lq + lk - 1, dtype=q.dtype, device=q.device)
