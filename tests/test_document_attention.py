@@ -19,7 +19,9 @@ from megatron.seqsplit.attention_backends import (
     available_backends,
     get_backend,
 )
+from megatron.seqsplit import attention_backends
 from megatron.seqsplit.documents import (
+    document_attention_bias,
     document_causal_mask,
     document_ids,
     document_mask_mod,
@@ -224,6 +226,63 @@ def test_varlen_layout_equals_document_mask(lengths):
         got = mask_from_layout(layout, ids.shape[0], length, offset + length)
         assert torch.equal(got, document_causal_mask(prefix, offset, length)[:, 0]), (offset, length)
         offset += length
+
+
+@pytest.mark.parametrize("rows", [[0, 1], [0], [1]], ids=["both", "row0", "row1"])
+@pytest.mark.parametrize("lengths", [[24], [8, 8, 8], [12, 7, 5], [1, 10, 13], [3] * 8])
+def test_document_bias_is_the_mask_without_invisible_keys(rows, lengths):
+    """SDPA's additive mask: the document mask over the keys from `first_key` on, where
+    every key left out is invisible to every query and the first kept one is not."""
+    ids = document_ids(TOKENS[rows], EOD)
+    offset = 0
+    for length in lengths:
+        prefix = ids[:, :offset + length]
+        first_key, bias = document_attention_bias(prefix, length, torch.float64)
+        full = document_causal_mask(prefix, offset, length)
+        assert not full[..., :first_key].any()
+        assert full[..., first_key].any()
+        assert bias.dtype == torch.float64 and bias.shape == full[..., first_key:].shape
+        assert torch.equal(bias == 0, full[..., first_key:])
+        assert bool((bias[~full[..., first_key:]] == float("-inf")).all())
+        offset += length
+
+
+def test_sdpa_layers_of_a_split_keep_one_document_mask():
+    """Two layers of one split build the mask once and keep one copy for backward (not
+    one per layer), over the keys from the first visible one; it dies with the backward."""
+    import gc
+
+    torch.manual_seed(0)
+    ids = document_ids(TOKENS[:1], EOD)  # row 0: position 16's document starts at 14
+    L, b, heads, d, offset, length = TOKENS.shape[1], 1, 4, 8, 16, 8
+    store, backend = KVCacheStore(forward_only=False), get_backend("sdpa")
+    split = Split(0, 1, 2, offset, length, L, ids[:, :offset + length])
+    kept = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[1] == 1:  # [b, 1, lq, lk'] masks
+            kept[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    outputs = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for s in (Split(0, 0, 2, 0, offset, L, ids[:, :offset]), split):  # a unit ...
+            for layer in (1, 2):  # ... runs every layer of the stage on its split
+                part = [torch.randn(s.length, b, heads, d, dtype=torch.float64,
+                                    requires_grad=True) for _ in range(3)]
+                outputs.append(split_causal_attention(
+                    *part, split=s, store=store, layer_key=layer, backend=backend,
+                    softmax_scale=d ** -0.5))
+    first_key, _ = document_attention_bias(ids[:, :offset + length], length, torch.float64)
+    assert first_key == 14
+    split_masks = [shape for shape in kept.values() if shape[2] == length]
+    assert split_masks == [(b, 1, length, offset + length - first_key)]
+    for out in reversed(outputs):  # split 1's layers, then split 0's, as the pipeline
+        out.backward(torch.randn_like(out))
+    del outputs, out
+    gc.collect()
+    assert store.num_entries() == 0
+    assert attention_backends._last_document_bias[4]() is None  # nothing lingers
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn kernels need CUDA")

@@ -14,13 +14,14 @@ unfused reference). The backend is picked once, at model build time, with `get_b
 """
 
 import importlib
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron.seqsplit.documents import (
-    document_causal_mask,
+    document_attention_bias,
     document_mask_mod,
     varlen_document_layout,
 )
@@ -61,8 +62,9 @@ class SDPABackend(AttentionBackend):
     float mask that its fused kernel saves for backward (4 MiB for 512 queries over
     2048 keys, per split and layer); `_bottom_right_causal_cpu` passes a mask that
     costs lq + lk - 1 elements instead, where that saves memory
-    (`_reversed_queries_save_memory`). Packed documents always use an explicit
-    boolean [b, 1, lq, lk] mask.
+    (`_reversed_queries_save_memory`). Packed documents use an explicit additive
+    mask over the keys from the first document a query is in, shared by the layers of
+    a split (`_shared_document_bias`).
     """
 
     name = "sdpa"
@@ -71,7 +73,9 @@ class SDPABackend(AttentionBackend):
         _check_shapes(q, k, v, document_ids)
         lq, lk = q.shape[2], k.shape[2]
         if document_ids is not None:
-            causal = {"attn_mask": document_causal_mask(document_ids, lk - lq, lq)}
+            first_key, bias = _shared_document_bias(document_ids, lq, q.dtype)
+            k, v = k[:, :, first_key:], v[:, :, first_key:]  # views: nothing copied
+            causal = {"attn_mask": bias}
         elif lq == lk:
             causal = {"is_causal": True}
         elif q.device.type == "cpu" and _reversed_queries_save_memory(q, k):
@@ -82,6 +86,29 @@ class SDPABackend(AttentionBackend):
             q, k, v, dropout_p=dropout_p, scale=softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1], **causal,
         )
+
+
+_last_document_bias = None  # (document ids, lq, dtype, first key, bias); weak references
+
+
+def _shared_document_bias(document_ids, lq, dtype):
+    """`document_attention_bias`, reused while the same document-id tensor comes back.
+
+    Every layer of a pipeline unit passes the same tensor (`kv_cache.key_documents`), so
+    the mask is built once per split and the kernels of all layers keep that one tensor
+    for backward, not one each. Both references are weak: the mask lives as long as a
+    kernel keeps it (without autograd it is rebuilt per layer), and a new tensor that
+    reuses freed memory is never mistaken for an old one.
+    """
+    global _last_document_bias
+    cached = _last_document_bias
+    if cached is not None and cached[0]() is document_ids and cached[1:3] == (lq, dtype):
+        bias = cached[4]()
+        if bias is not None:
+            return cached[3], bias
+    first_key, bias = document_attention_bias(document_ids, lq, dtype)
+    _last_document_bias = (weakref.ref(document_ids), lq, dtype, first_key, weakref.ref(bias))
+    return first_key, bias
 
 
 def _reversed_queries_save_memory(q, k):

@@ -11,7 +11,9 @@ the KV cache and never a token of an earlier document.
 Attention backends receive the ids of the key prefix, ``[b, lk]``, whose last ``lq``
 positions are the queries, and turn them into what their kernel wants:
 
-* SDPA: a dense boolean ``[b, 1, lq, lk]`` mask (``document_causal_mask``);
+* SDPA: a dense additive ``[b, 1, lq, lk']`` mask over the keys from the first document
+  any query is in (``document_attention_bias``), made once per split and shared by the
+  layers;
 * FlexAttention: a ``mask_mod`` closure over the ids (``document_mask_mod``);
 * flash-attn varlen: per-document query and key boundaries (``varlen_document_layout``).
 
@@ -58,6 +60,26 @@ def document_causal_mask(doc_ids: torch.Tensor, q_offset: int, q_length: int) ->
     k_pos = torch.arange(k_length, device=doc_ids.device)
     causal = k_pos[None, :] <= q_pos[:, None]
     return (same_document & causal)[:, None]
+
+
+def document_attention_bias(doc_ids: torch.Tensor, q_length: int, dtype):
+    """(first_key, bias): the per-document causal mask of the last ``q_length`` of
+    ``doc_ids`` [b, lk] as an additive float mask [b, 1, q_length, lk - first_key]
+    (0 where allowed, -inf elsewhere) over the keys from ``first_key`` on.
+
+    ``first_key`` is the earliest start, over the rows, of the document that holds the
+    split's first query: no query of the split sees a key before it (documents are
+    contiguous runs), so those keys are left out of the kernel call altogether. The
+    mask is in the query's dtype because that is what SDPA keeps for backward (a boolean
+    mask is converted on every call); one Python int leaves the device (one sync).
+    """
+    b, lk = doc_ids.shape
+    offset = lk - q_length
+    starts_before = (doc_ids[:, :offset + 1] == doc_ids[:, offset:offset + 1]).int().argmax(dim=1)
+    first_key = int(starts_before.min())
+    allowed = document_causal_mask(doc_ids[:, first_key:], offset - first_key, q_length)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return first_key, bias.masked_fill_(~allowed, float("-inf"))
 
 
 def document_mask_mod(doc_ids: torch.Tensor, q_length: int):

@@ -167,9 +167,18 @@ def release_after_last_forward(store, entry_id, split, tracked: bool) -> None:
 
 
 def key_documents(split, num_keys: int, device):
-    """Packed documents: the document of each of the first `num_keys` keys, or None."""
+    """Packed documents: the document of each of the first `num_keys` keys, or None.
+
+    Memoised on the split, so every layer of a unit passes the same tensor and the
+    SDPA backend builds the split's mask once for all of them."""
     documents = getattr(split, "document_ids", None)
-    return None if documents is None else documents[:, :num_keys].to(device)
+    if documents is None:
+        return None
+    memo = vars(split).setdefault("_key_documents", {})
+    key = (num_keys, str(device))
+    if key not in memo:
+        memo[key] = documents[:, :num_keys].to(device)
+    return memo[key]
 
 
 def _to_bhld(x):  # megatron [l, b, h, d] -> kernel [b, h, l, d] (a view)
