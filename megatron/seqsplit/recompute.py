@@ -10,8 +10,9 @@ buffer, not copies. The checkpoint therefore kept a second copy of the split's K
 since ``value`` is a view of the fused QKV projection's output it pinned that whole
 output: ``(g + hq + 2 g) d`` elements per token, more than the attention kernel itself
 saves besides its query (``out`` and the softmax statistics; on CPU also the bottom-right
-causal mask of a split with ``lq != lk``, see ``attention_backends``). Measured: 4 MiB per split of 1024 tokens
-at hidden 256 above no recomputation (docs/results/seq1f1b_memory_cpu.md).
+causal mask of a split with ``lq != lk``, see ``attention_backends``). Measured: 4 MiB per
+split of 1024 tokens at hidden 256 above no recomputation
+(docs/results/seq1f1b_memory_cpu.md).
 
 Here the checkpoint moves inside split attention, after the cache write: it wraps the
 attention kernel only, so it saves the query plus aliases of the cache buffers (no new
