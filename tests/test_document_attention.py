@@ -285,6 +285,31 @@ def test_sdpa_layers_of_a_split_keep_one_document_mask():
     assert attention_backends._last_document_bias[4]() is None  # nothing lingers
 
 
+def test_flash_varlen_layout_made_once_per_split(monkeypatch):
+    """The layers of one split share its variable-length layout (two host syncs each
+    otherwise); a new split (a new document-id tensor) gets its own."""
+    made = []
+
+    def counting_layout(doc_ids, q_length):
+        made.append(q_length)
+        return varlen_document_layout(doc_ids, q_length)
+
+    monkeypatch.setattr(attention_backends, "varlen_document_layout", counting_layout)
+    torch.manual_seed(0)
+    ids = document_ids(TOKENS, EOD)
+    L, b, heads, d = TOKENS.shape[1], TOKENS.shape[0], 4, 8
+    store, backend = KVCacheStore(forward_only=False), make_backend("flash_emulated")
+    offset = 0
+    for j, length in enumerate([12, 7, 5]):
+        split = Split(0, j, 3, offset, length, L, ids[:, :offset + length])
+        for layer in (1, 2, 3):
+            part = [torch.randn(length, b, heads, d, dtype=torch.float64) for _ in range(3)]
+            split_causal_attention(*part, split=split, store=store, layer_key=layer,
+                                   backend=backend, softmax_scale=d ** -0.5)
+        offset += length
+    assert made == [12, 7, 5]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn kernels need CUDA")
 def test_flash_varlen_kernel_matches_sdpa_bf16():
     """The real flash_attn_varlen_func on the document layout (untested without a GPU)."""

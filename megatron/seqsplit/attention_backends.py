@@ -111,6 +111,22 @@ def _shared_document_bias(document_ids, lq, dtype):
     return first_key, bias
 
 
+_last_varlen_layout = None  # (weak reference to the document ids, lq, layout)
+
+
+def _shared_varlen_layout(document_ids, lq):
+    """`varlen_document_layout`, reused while the same document-id tensor comes back:
+    made once per split instead of once per layer (it costs two host syncs). The
+    layout is a few small integer tensors, held until the next split's."""
+    global _last_varlen_layout
+    cached = _last_varlen_layout
+    if cached is not None and cached[0]() is document_ids and cached[1] == lq:
+        return cached[2]
+    layout = varlen_document_layout(document_ids, lq)
+    _last_varlen_layout = (weakref.ref(document_ids), lq, layout)
+    return layout
+
+
 def _reversed_queries_save_memory(q, k):
     """Whether `_bottom_right_causal_cpu` keeps fewer bytes than a materialised mask.
 
@@ -200,7 +216,7 @@ class FlashAttnBackend(AttentionBackend):
 
     def _documents(self, q, k, v, document_ids, softmax_scale, dropout_p):
         b, hq, lq, d = q.shape
-        layout = varlen_document_layout(document_ids, lq)
+        layout = _shared_varlen_layout(document_ids, lq)
         q_packed = q.transpose(1, 2).reshape(b * lq, hq, d)  # [b, lq, hq, d], rows in order
 
         def pack(x):  # [b, g, lk, d] -> [sum of kept keys, g, d]
