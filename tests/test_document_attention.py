@@ -282,7 +282,7 @@ def test_sdpa_layers_of_a_split_keep_one_document_mask():
     del outputs, out
     gc.collect()
     assert store.num_entries() == 0
-    assert attention_backends._last_document_bias[4]() is None  # nothing lingers
+    assert attention_backends._shared_document_bias._last[2]() is None  # nothing lingers
 
 
 def test_flash_varlen_layout_made_once_per_split(monkeypatch):

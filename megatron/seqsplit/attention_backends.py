@@ -73,7 +73,8 @@ class SDPABackend(AttentionBackend):
         _check_shapes(q, k, v, document_ids)
         lq, lk = q.shape[2], k.shape[2]
         if document_ids is not None:
-            first_key, bias = _shared_document_bias(document_ids, lq, q.dtype)
+            bias = _shared_document_bias(document_ids, lq, q.dtype)
+            first_key = lk - bias.shape[-1]  # keys before it are invisible to every query
             k, v = k[:, :, first_key:], v[:, :, first_key:]  # views: nothing copied
             causal = {"attn_mask": bias}
         elif lq == lk:
@@ -88,43 +89,37 @@ class SDPABackend(AttentionBackend):
         )
 
 
-_last_document_bias = None  # (document ids, lq, dtype, first key, bias); weak references
+class _PerSplitMemo:
+    """What a backend derives from a split's document ids alone (a mask, a layout), made
+    once per split instead of once per layer: every layer of a pipeline unit passes the
+    same document-id tensor (`kv_cache.key_documents`), so the last value is reused while
+    that tensor (and the other arguments) come back. The tensor is held weakly, so a new
+    one that reuses its memory is never taken for it. With `weak`, the value is too: it
+    then lives only as long as something else keeps it (a kernel, for backward), and
+    without autograd it is remade per layer."""
+
+    def __init__(self, make, weak=False):
+        self._make, self._weak, self._last = make, weak, None
+
+    def __call__(self, document_ids, *args):
+        last = self._last
+        if last is not None and last[0]() is document_ids and last[1] == args:
+            value = last[2]() if self._weak else last[2]
+            if value is not None:
+                return value
+        value = self._make(document_ids, *args)
+        self._last = (weakref.ref(document_ids), args,
+                      weakref.ref(value) if self._weak else value)
+        return value
 
 
-def _shared_document_bias(document_ids, lq, dtype):
-    """`document_attention_bias`, reused while the same document-id tensor comes back.
-
-    Every layer of a pipeline unit passes the same tensor (`kv_cache.key_documents`), so
-    the mask is built once per split and the kernels of all layers keep that one tensor
-    for backward, not one each. Both references are weak: the mask lives as long as a
-    kernel keeps it (without autograd it is rebuilt per layer), and a new tensor that
-    reuses freed memory is never mistaken for an old one.
-    """
-    global _last_document_bias
-    cached = _last_document_bias
-    if cached is not None and cached[0]() is document_ids and cached[1:3] == (lq, dtype):
-        bias = cached[4]()
-        if bias is not None:
-            return cached[3], bias
-    first_key, bias = document_attention_bias(document_ids, lq, dtype)
-    _last_document_bias = (weakref.ref(document_ids), lq, dtype, first_key, weakref.ref(bias))
-    return first_key, bias
-
-
-_last_varlen_layout = None  # (weak reference to the document ids, lq, layout)
-
-
-def _shared_varlen_layout(document_ids, lq):
-    """`varlen_document_layout`, reused while the same document-id tensor comes back:
-    made once per split instead of once per layer (it costs two host syncs). The
-    layout is a few small integer tensors, held until the next split's."""
-    global _last_varlen_layout
-    cached = _last_varlen_layout
-    if cached is not None and cached[0]() is document_ids and cached[1] == lq:
-        return cached[2]
-    layout = varlen_document_layout(document_ids, lq)
-    _last_varlen_layout = (weakref.ref(document_ids), lq, layout)
-    return layout
+# The SDPA mask is kept for backward by every layer's kernel: one tensor for all of them.
+# (`first_key` is not kept: it is `lk - bias.shape[-1]`.)
+_shared_document_bias = _PerSplitMemo(
+    lambda ids, lq, dtype: document_attention_bias(ids, lq, dtype)[1], weak=True)
+# The varlen layout costs two host syncs; a few small integer tensors, kept until the
+# next split's.
+_shared_varlen_layout = _PerSplitMemo(lambda ids, lq: varlen_document_layout(ids, lq))
 
 
 def _reversed_queries_save_memory(q, k):
