@@ -6,11 +6,16 @@
 #                          with 1F1B and with Seq1F1B (s=4) -> comparison + timelines.
 #   bash exp.sh --dry-run  print the commands instead of running them.
 #
-#   GPU runs in the published style (set any of these; torchrun does the launching):
+#   GPU runs in the published style (set MODEL or GPUS_PER_NODE; torchrun launches one
+#   1F1B run, then one Seq1F1B run with SPLITS splits, on every node):
 #     MODEL=7B SEQ_LEN=32768 TP=8 PP=4 SPLITS=4 MICRO_BATCHES=8 GPUS_PER_NODE=8 NNODES=4 \
 #     NODE_RANK=0 MASTER_ADDR=host0 MASTER_PORT=6000 DATA_PATH=/data/codeparrot_content_document \
 #     VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt bash exp.sh
-#   Without DATA_PATH the GPU runs use --mock-data.
+#   MODEL: 1.3B 2.7B 7B 13B 30B (layers/hidden/heads of the paper). Optional: BALANCE
+#   (uniform_comp | average), TRAIN_ITERS, EXTRA_ARGS (more pretrain_gpt.py flags, e.g.
+#   "--recompute-granularity selective"). Without DATA_PATH the GPU runs use --mock-data.
+#   Run i uses port MASTER_PORT + i, so a node that finishes a run early never meets the
+#   previous run's rendezvous. On SLURM: examples/slurm_seq1f1b.sbatch.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -84,6 +89,7 @@ SEQ_LEN=${SEQ_LEN:-32768}
 TP=${TP:-8}
 PP=${PP:-4}
 SPLITS=${SPLITS:-4}
+BALANCE=${BALANCE:-uniform_comp}
 MICRO_BATCHES=${MICRO_BATCHES:-8}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
@@ -91,12 +97,17 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-6000}
 TRAIN_ITERS=${TRAIN_ITERS:-20}
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 WORLD=$((GPUS_PER_NODE * NNODES))
-DP=$((WORLD / (TP * PP)))
-if (( DP < 1 || WORLD % (TP * PP) != 0 )); then
+if (( WORLD % (TP * PP) != 0 )); then
   echo "error: GPUS_PER_NODE x NNODES ($WORLD) must be a multiple of TP x PP ($((TP * PP)))" >&2
   exit 2
 fi
+if (( NODE_RANK < 0 || NODE_RANK >= NNODES )); then
+  echo "error: NODE_RANK ($NODE_RANK) must be in 0 .. NNODES - 1 ($((NNODES - 1)))" >&2
+  exit 2
+fi
+DP=$((WORLD / (TP * PP)))
 GLOBAL_BATCH=$((MICRO_BATCHES * DP))
 if [[ -n "${DATA_PATH:-}" ]]; then
   DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type GPT2BPETokenizer
@@ -105,7 +116,8 @@ else
   DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
 fi
 # the published configuration: GPT-2 vocabulary, RoPE, untied embeddings, FFN 4h GeLU,
-# bf16, flash attention (when installed), sequence parallel
+# bf16, flash attention when installed (--attention-backend auto), sequence parallel
+# (dropped by the argument check when TP = 1)
 ARGS=(
   --num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS
   --seq-length $SEQ_LEN --max-position-embeddings $SEQ_LEN --position-embedding-type rope
@@ -113,13 +125,14 @@ ARGS=(
   --micro-batch-size 1 --global-batch-size $GLOBAL_BATCH --train-iters $TRAIN_ITERS
   --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --lr-decay-style cosine --clip-grad 1.0
   --bf16 --tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP
-  --use-distributed-optimizer --log-interval 1 --eval-iters 0 --seed 1234
-  "${DATA_ARGS[@]}"
+  --sequence-parallel --use-distributed-optimizer --attention-backend auto
+  --log-interval 1 --eval-iters 0 --seed 1234
+  "${DATA_ARGS[@]}" "${EXTRA[@]}"
 )
-LAUNCH=(torchrun --nproc-per-node $GPUS_PER_NODE --nnodes $NNODES --node-rank $NODE_RANK
-        --master-addr $MASTER_ADDR --master-port $MASTER_PORT)
-mkdir -p runs
+RUN=0
 for S in 1 $SPLITS; do
-  run "${LAUNCH[@]}" pretrain_gpt.py "${ARGS[@]}" --seq1f1b-splits $S \
-    --seq1f1b-balance-method uniform_comp
+  run torchrun --nproc-per-node $GPUS_PER_NODE --nnodes $NNODES --node-rank $NODE_RANK \
+    --master-addr $MASTER_ADDR --master-port $((MASTER_PORT + RUN)) \
+    pretrain_gpt.py "${ARGS[@]}" --seq1f1b-splits $S --seq1f1b-balance-method $BALANCE
+  RUN=$((RUN + 1))
 done
