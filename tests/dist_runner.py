@@ -6,7 +6,11 @@
 SPEC is a JSON list of {"name": str, "argv": [pretrain_gpt flags], "params": bool}.
 OUT (written by the last rank) maps each name to its per-iteration losses and grad
 norms and, with "params", a path to the final parameters gathered into the unsplit
-(tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor.
+(tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor. It also
+holds "forward_units": one entry per call of `forward_step` with a split on the last
+rank ({split, splits, offset, length}, and for a microbatch's last split the document
+ids of its rows when there are any), so a test can see that the split schedule ran,
+with which splits, on which documents.
 """
 
 import json
@@ -80,20 +84,37 @@ def _chunk_parameters(args, module, layer_offset, tp_group, tp_size):
     return local
 
 
+def recording_forward_step(units):
+    """`pretrain_gpt.forward_step` that appends what each split call ran to `units`."""
+
+    def forward_step(data_iterator, model, **kwargs):
+        result = pretrain_gpt.forward_step(data_iterator, model, **kwargs)
+        split = getattr(data_iterator, "split", None)
+        if split is not None:
+            documents = split.document_ids if split.is_last else None
+            units.append({"split": split.split_index, "splits": split.num_splits,
+                          "offset": split.offset, "length": split.length,
+                          "documents": None if documents is None else documents.tolist()})
+        return result
+
+    return forward_step
+
+
 def main(spec_path, out_path):
     runs = json.load(open(spec_path))
     results = {}
     for run in runs:
-        captured = {}
+        captured, units = {}, []
 
         def on_finish(args, model, run=run, captured=captured):
             if run.get("params"):
                 captured["params"] = gather_full_parameters(args, model)
 
         result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                          pretrain_gpt.forward_step, argv=run["argv"], on_finish=on_finish)
+                          recording_forward_step(units), argv=run["argv"], on_finish=on_finish)
         entry = {"losses": result.losses, "validation_losses": result.validation_losses,
-                 "grad_norms": [None if g is None else float(g) for g in result.grad_norms]}
+                 "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
+                 "forward_units": units}
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"
             torch.save(captured["params"], path)
