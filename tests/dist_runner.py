@@ -10,7 +10,9 @@ norms and, with "params", a path to the final parameters gathered into the unspl
 holds "forward_units": one entry per call of `forward_step` with a split on the last
 rank ({split, splits, offset, length}, and for a microbatch's last split the document
 ids of its rows when there are any), so a test can see that the split schedule ran,
-with which splits, on which documents.
+with which splits, on which documents; and "reports": for every call of the pipeline
+schedule (training steps, then evaluation), the per-microbatch loss reports it returned
+on the last rank, so a test can compare Seq1F1B's return value with megatron-core's.
 """
 
 import json
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
+from megatron.trainer import training  # noqa: E402
 from megatron.trainer.initialize import destroy_groups_except  # noqa: E402
 from megatron.trainer.training import pretrain  # noqa: E402
 
@@ -100,11 +103,29 @@ def recording_forward_step(units):
     return forward_step
 
 
+def recording_schedules(reports, choose=training.get_forward_backward_func):
+    """`get_forward_backward_func` whose schedules append what they return to `reports`."""
+
+    def get_forward_backward_func(**kwargs):
+        schedule = choose(**kwargs)
+
+        def run(**schedule_kwargs):
+            returned = schedule(**schedule_kwargs)
+            reports.append([{key: torch.as_tensor(value).view(-1).tolist()
+                             for key, value in entry.items()} for entry in returned])
+            return returned
+
+        return run
+
+    return get_forward_backward_func
+
+
 def main(spec_path, out_path):
     runs = json.load(open(spec_path))
     results = {}
     for run in runs:
-        captured, units = {}, []
+        captured, units, reports = {}, [], []
+        training.get_forward_backward_func = recording_schedules(reports)
 
         def on_finish(args, model, run=run, captured=captured):
             if run.get("params"):
@@ -114,7 +135,7 @@ def main(spec_path, out_path):
                           recording_forward_step(units), argv=run["argv"], on_finish=on_finish)
         entry = {"losses": result.losses, "validation_losses": result.validation_losses,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
-                 "forward_units": units}
+                 "forward_units": units, "reports": reports}
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"
             torch.save(captured["params"], path)

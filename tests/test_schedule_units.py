@@ -191,3 +191,17 @@ def test_rejects_bad_shapes():
         seq1f1b_schedule(2, 2, 0)
     with pytest.raises(ValueError):
         seq1f1b_schedule(2, 0, 2)
+
+
+def test_split_reports_merge_per_microbatch():
+    """The executor returns one loss report per microbatch (megatron-core's return value):
+    its splits' (loss sum, token count) pairs added, in microbatch order."""
+    import torch
+
+    from megatron.schedules.seq1f1b import merge_split_reports
+
+    reports = [(1, {"lm loss": torch.tensor([2.0, 3.0])}), (0, {"lm loss": torch.tensor([1.0, 2.0])}),
+               (1, {"lm loss": torch.tensor([4.0, 5.0])}), (0, {"lm loss": torch.tensor([0.5, 1.0])})]
+    merged = merge_split_reports(reports)
+    assert [m["lm loss"].tolist() for m in merged] == [[1.5, 3.0], [6.0, 8.0]]
+    assert reports[1][1]["lm loss"].tolist() == [1.0, 2.0]  # the inputs are left alone

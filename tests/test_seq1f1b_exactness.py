@@ -213,6 +213,20 @@ def _check_units(name, units, n, method, seq_length):
                 f"{name}: uniform_comp splits {lengths}"
 
 
+def _check_reports(name, reports, unsplit_reports):
+    """The schedule returns what megatron-core's 1F1B returns on the same layout: per
+    call (3 training steps, 1 evaluation), one loss report per microbatch, equal to the
+    unsplit microbatch's (loss sum within 1e-5, token count exact)."""
+    assert len(reports) == len(unsplit_reports) == ITERATIONS + 1, name
+    for call, (got, expected) in enumerate(zip(reports, unsplit_reports)):
+        assert len(got) == len(expected) == MICROBATCHES, f"{name} call {call}: {len(got)} reports"
+        for microbatch, (a, e) in enumerate(zip(got, expected)):
+            (loss_sum, count), (expected_sum, expected_count) = a["lm loss"], e["lm loss"]
+            assert count == expected_count, f"{name} call {call} microbatch {microbatch}"
+            assert abs(loss_sum - expected_sum) <= 1e-5 * abs(expected_sum), \
+                f"{name} call {call} microbatch {microbatch}: {loss_sum} vs {expected_sum}"
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if "_s1_" not in n])
 def test_split_run_equals_unsplit_runs(results, name):
     world, model, batch, layout, split_flags, extra = CASES[name]
@@ -224,6 +238,7 @@ def test_split_run_equals_unsplit_runs(results, name):
     if DOCUMENT_DATA in extra:
         missing = set(DOCUMENT_CASES) - document_cases(run["forward_units"])
         assert not missing, f"{name}: the rows it trained on have no document {missing}"
+    _check_reports(name, run["reports"], results[_unsplit_name(name)]["reports"])
     comparisons = [(reference_name(model, batch, extra), "pp=1 single process"),
                    (_unsplit_name(name), "same layout, s=1")]
     for other, what in comparisons:

@@ -211,7 +211,7 @@ def forward_backward_pipelining_seq1f1b(
                     "num_tokens, reported) so split losses can be normalised by the whole "
                     "microbatch's token count")
             output_tensor, num_tokens, reported = reduced
-            forward_data_store.append(reported)
+            forward_data_store.append((unit.microbatch, reported))
             num_tokens = torch.as_tensor(num_tokens).to(device=device, dtype=torch.int)
             tokens_per_microbatch[unit.microbatch] = (
                 tokens_per_microbatch.get(unit.microbatch, 0) + num_tokens)
@@ -335,7 +335,25 @@ def forward_backward_pipelining_seq1f1b(
                 chunks, total_num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     kv_store.clear()
-    return forward_data_store
+    return merge_split_reports(forward_data_store)
+
+
+def merge_split_reports(reports):
+    """One report per microbatch, in microbatch order, as megatron-core's schedules
+    return them: the reports of a microbatch's splits added key by key. The loss
+    function's reports are additive (a loss sum and a token count, as the executor
+    requires the (loss_sum, num_tokens, reported) form), so the merged entry is what the
+    unsplit microbatch reports, and a training loop that averages over the list's
+    entries (or counts them) sees the same as without splits."""
+    merged = {}
+    for microbatch, reported in reports:
+        if microbatch not in merged:
+            merged[microbatch] = dict(reported)
+        else:
+            entry = merged[microbatch]
+            for key, value in reported.items():
+                entry[key] = entry[key] + value
+    return [merged[m] for m in sorted(merged)]
 
 
 def _balanced_actions(settings, rank, pp_group, pp_size, num_microbatches, num_chunks,
