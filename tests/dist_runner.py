@@ -8,8 +8,8 @@ OUT (written by the last rank) maps each name to its per-iteration losses and gr
 norms and, with "params", a path to the final parameters gathered into the unsplit
 (tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor. It also
 holds "forward_units": one entry per call of `forward_step` with a split on the last
-rank ({split, splits, offset, length}, and for a microbatch's last split the document
-ids of its rows when there are any), so a test can see that the split schedule ran,
+rank ({call, microbatch, split, splits, offset, length}, and for a microbatch's last
+split the document ids of its rows when there are any), so a test can see that the split schedule ran,
 with which splits, on which documents; and "reports": for every call of the pipeline
 schedule (training steps, then evaluation), the per-microbatch loss reports it returned
 on the last rank, so a test can compare Seq1F1B's return value with megatron-core's.
@@ -87,15 +87,18 @@ def _chunk_parameters(args, module, layer_offset, tp_group, tp_size):
     return local
 
 
-def recording_forward_step(units):
-    """`pretrain_gpt.forward_step` that appends what each split call ran to `units`."""
+def recording_forward_step(units, reports):
+    """`pretrain_gpt.forward_step` that appends what each split call ran to `units`
+    (with the index of the schedule call it belongs to: the number of calls that have
+    returned so far, `len(reports)`)."""
 
     def forward_step(data_iterator, model, **kwargs):
         result = pretrain_gpt.forward_step(data_iterator, model, **kwargs)
         split = getattr(data_iterator, "split", None)
         if split is not None:
             documents = split.document_ids if split.is_last else None
-            units.append({"split": split.split_index, "splits": split.num_splits,
+            units.append({"call": len(reports), "microbatch": split.microbatch_id,
+                          "split": split.split_index, "splits": split.num_splits,
                           "offset": split.offset, "length": split.length,
                           "documents": None if documents is None else documents.tolist()})
         return result
@@ -132,7 +135,7 @@ def main(spec_path, out_path):
                 captured["params"] = gather_full_parameters(args, model)
 
         result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                          recording_forward_step(units), argv=run["argv"], on_finish=on_finish)
+                          recording_forward_step(units, reports), argv=run["argv"], on_finish=on_finish)
         entry = {"losses": result.losses, "validation_losses": result.validation_losses,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
                  "forward_units": units, "reports": reports}

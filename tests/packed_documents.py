@@ -21,6 +21,9 @@ ROWS = [
     [20, 3, 9, 16],
     [11, 26, 7, 4],
 ]
+# where a test's flags name this, `with_corpus` puts the corpus's path
+DOCUMENT_DATA = "<document corpus>"
+DOCUMENT_FLAGS = ["--data-path", DOCUMENT_DATA, "--split", "90,10,0"]
 CASES = ("crosses a split edge", "boundary at a split edge", "shorter than its split",
          "spans every split")
 
@@ -45,17 +48,31 @@ def write_document_corpus(prefix: str, vocab_size: int, seq_length: int = 48,
 
 def document_cases(forward_units):
     """The cases met by the microbatches of one run: `forward_units` is the list
-    `dist_runner.py` records (one entry per split forward on the last stage, the last
-    split of each microbatch with the document ids of its rows)."""
-    met, edges = set(), []
+    `dist_runner.py` records (one entry per split forward on the last stage; a
+    microbatch's last split carries the document ids of its rows)."""
+    edges, rows = {}, {}
     for unit in forward_units:
-        if unit["split"] == 0:
-            edges = []
-        edges.append((unit["offset"], unit["offset"] + unit["length"]))
+        key = unit["call"], unit["microbatch"]
+        edges.setdefault(key, set()).add((unit["offset"], unit["offset"] + unit["length"]))
         if unit["documents"] is not None:
-            for row in unit["documents"]:
-                met |= _row_cases(numpy.asarray(row), edges)
+            rows[key] = unit["documents"]
+    met = set()
+    for key, documents in rows.items():
+        for row in documents:
+            met |= _row_cases(numpy.asarray(row), sorted(edges[key]))
     return met
+
+
+def with_corpus(argv, corpus):
+    """`argv` reading the document corpus at `corpus` instead of mock data, where it
+    names `DOCUMENT_DATA`; with `corpus` None, on mock data (`DOCUMENT_FLAGS` dropped)."""
+    if DOCUMENT_DATA not in argv:
+        return argv
+    if corpus is None:
+        start = argv.index(DOCUMENT_FLAGS[0])
+        assert argv[start:start + len(DOCUMENT_FLAGS)] == DOCUMENT_FLAGS, argv
+        return argv[:start] + argv[start + len(DOCUMENT_FLAGS):]
+    return [corpus if a == DOCUMENT_DATA else a for a in argv if a != "--mock-data"]
 
 
 def _row_cases(ids, splits):

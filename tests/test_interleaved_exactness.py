@@ -4,7 +4,10 @@ Every configuration trains 3 iterations (then one evaluation) from a shared
 iteration-0 checkpoint and is compared, inside this test, with a single-process
 pp=1 run of the same model, batch and flags: per-iteration loss and grad norm
 within 1e-5 relative, validation loss, and every parameter after the optimizer
-steps within 1e-5. A checkpoint saved by an interleaved run loads into pp=1.
+steps within 1e-5, and the per-microbatch loss reports the schedule returns. The last
+stage's recorded units show every microbatch ran as s splits in each of its model
+chunks; the packed-document case runs on a corpus holding every split case. A
+checkpoint saved by an interleaved run loads into pp=1.
 """
 
 import pytest
@@ -17,12 +20,22 @@ from distributed import (
     init_checkpoint,
     run_configs,
 )
+from packed_documents import (
+    CASES as DOCUMENT_CASES,
+    DOCUMENT_FLAGS,
+    document_cases,
+    with_corpus,
+    write_document_corpus,
+)
+from split_checks import check_reports, check_split_units
 
 # 8 layers so that pp=4 x 2 chunks and pp=2 x 4 chunks both have a layer per chunk.
 MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
 MODEL_B = MODEL_A + GQA_ROPE_SWIGLU
 MODELS = {"A": MODEL_A, "B": MODEL_B}
 EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
+CALLS = 4  # 3 training steps, 1 evaluation
+MICROBATCHES = {"mbs1": 8, "mbs2": 4, "m5g3": 5}
 BATCHES = {
     "mbs1": ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3"] + EVAL,
     "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3"] + EVAL,
@@ -30,7 +43,7 @@ BATCHES = {
     "m5g3": ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
              "--microbatch-group-size-per-virtual-pipeline-stage", "3"] + EVAL,
 }
-DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
 EXTRAS = {"": [], "_pertoken": ["--calculate-per-token-loss"], "_docs": DOCS,
           "_sp": ["--sequence-parallel"],
           "_recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -75,6 +88,8 @@ def reference_name(model, batch, extra):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("interleaved")
+    corpus = str(tmp / "documents")
+    write_document_corpus(corpus, vocab_size=200)
     starts = {}
     for model, flags in MODELS.items():
         sub = tmp / model
@@ -84,14 +99,14 @@ def results(tmp_path_factory):
     references = {}
     saved_dir = tmp / "saved_interleaved"
     for name, (world, model, batch, lay, split_flags, extra) in CASES.items():
-        argv = (MODELS[model] + BATCHES[batch] + starts[model] + lay + split_flags
-                + EXTRAS[extra])
+        argv = with_corpus(MODELS[model] + BATCHES[batch] + starts[model] + lay + split_flags
+                           + EXTRAS[extra], corpus)
         if name == SAVED:
             argv += ["--save", str(saved_dir)]
         by_world[world].append({"name": name, "argv": argv, "params": True})
         ref_extra = "" if extra == "_sp" else extra
-        references[reference_name(model, batch, extra)] = (
-            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra])
+        references[reference_name(model, batch, extra)] = with_corpus(
+            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra], corpus)
     for ref, argv in references.items():
         by_world[1].append({"name": ref, "argv": argv, "params": True})
     out = {}
@@ -109,6 +124,14 @@ def test_interleaved_run_equals_single_process(results, name):
     world, model, batch, lay, split_flags, extra = CASES[name]
     run, expected = results[name], results[reference_name(model, batch, extra)]
     assert len(run["losses"]) == 3
+    check_split_units(name, run["forward_units"], splits=int(split_flags[1]),
+                      method=split_flags[3], seq_length=48, calls=CALLS,
+                      microbatches=MICROBATCHES[batch], chunks=int(lay[3]))
+    if extra == "_docs":
+        missing = set(DOCUMENT_CASES) - document_cases(run["forward_units"])
+        assert not missing, f"{name}: the rows it trained on have no document {missing}"
+    check_reports(name, run["reports"], expected["reports"], calls=CALLS,
+                  microbatches=MICROBATCHES[batch])
     assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss")
     assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5, f"{name} grad norm")
     assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,

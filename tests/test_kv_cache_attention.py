@@ -262,10 +262,23 @@ def test_bfloat16_accumulates_prefix_gradients_in_float32():
         run.forward(j)
     run.backward(3)
     kv_elems = 2 * 12 * 1 * 2 * D  # K and V, [L, b, g, d]
-    assert store.cached_bytes() == kv_elems * 2 + kv_elems * 4  # bf16 buffers, fp32 accumulators
+    # bf16 buffers; fp32 accumulators sized to the last split's prefix (9 of 12 positions)
+    assert store.cached_bytes() == kv_elems * 2 + kv_elems * 9 // 12 * 4
     for j in (2, 1, 0):
         run.backward(j)
     assert_close(run.results(), reference_grads(q, k, v, w), atol=0.05)
+
+
+def test_backward_out_of_split_order_is_an_error():
+    """The prefix-gradient stash is sized by the first backward (the last split's): a
+    split whose backward comes after a shorter-prefix split's is refused, not misadded."""
+    q, k, v, w = make_inputs(12, 1, 4, 2)
+    run = SplitRun(q, k, v, w, [3] * 4, KVCacheStore(), "sdpa/buffer")
+    for j in range(4):
+        run.forward(j)
+    run.backward(2)
+    with pytest.raises(AssertionError, match="last to first"):
+        run.backward(3)
 
 
 def test_split_before_split0_is_an_error():
@@ -324,7 +337,8 @@ def test_memory_does_not_grow_with_splits():
     results = {s: run_and_measure(s, L=L, b=b, g=g) for s in (2, 8)}
     for s, (kv_bytes, peak, saved) in results.items():
         assert kv_bytes == full_kv  # one full-length K and V per microbatch and layer
-        assert peak == 2 * full_kv  # plus one full-length gradient accumulator
+        # plus one gradient accumulator over the last split's prefix, (s - 1) / s of it
+        assert peak == full_kv + full_kv * (s - 1) // s
         # Every split's attention saved aliases of the same two buffers, no copies.
         assert saved["kv"] == [full_kv // 2] * 2
         # ... and one mask per split with lq != lk

@@ -20,7 +20,15 @@ from distributed import (
     init_checkpoint,
     run_configs,
 )
-from packed_documents import CASES as DOCUMENT_CASES, document_cases, write_document_corpus
+from packed_documents import (
+    CASES as DOCUMENT_CASES,
+    DOCUMENT_DATA,
+    DOCUMENT_FLAGS,
+    document_cases,
+    with_corpus,
+    write_document_corpus,
+)
+from split_checks import check_reports, check_split_units
 
 # A: MHA, learned absolute positions, LayerNorm, GeLU, tied embeddings.
 MODEL_A = TINY_MODEL
@@ -38,12 +46,10 @@ BATCHES = {
 PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss"]
-# packed documents, on a corpus whose rows hold every split case (tests/packed_documents.py;
-# the placeholder becomes its path): documents crossing split edges, shorter than a
-# split, a boundary exactly at a split edge, one document spanning every split
-DOCUMENT_DATA = "<document corpus>"
-DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
-        "--data-path", DOCUMENT_DATA, "--split", "90,10,0"]
+# packed documents, on a corpus whose rows hold every split case (tests/packed_documents.py):
+# documents crossing split edges, shorter than a split, a boundary exactly at a split
+# edge, one document spanning every split
+DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
 RECOMPUTE = {
     "_full_uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"],
@@ -152,10 +158,7 @@ def reference_name(model, batch, extra):
 
 
 def _argv(model, batch, start, flags, corpus):
-    argv = MODELS[model] + BATCHES[batch] + start + flags
-    if DOCUMENT_DATA in argv:  # the document corpus instead of mock data
-        argv = [corpus if a == DOCUMENT_DATA else a for a in argv if a != "--mock-data"]
-    return argv
+    return with_corpus(MODELS[model] + BATCHES[batch] + start + flags, corpus)
 
 
 # the packed-document reference without the document mask (same data, same positions)
@@ -195,38 +198,6 @@ def _unsplit_name(name):
     return f"{prefix}_s1_average{label.removesuffix('_chunked')}"
 
 
-def _check_units(name, units, n, method, seq_length):
-    """The last stage ran every microbatch (3 iterations and one evaluation) as `n`
-    splits that tile the sequence, with lengths of the balance method's shape."""
-    assert len(units) == (ITERATIONS + 1) * MICROBATCHES * n, f"{name}: {len(units)} split units"
-    for first in range(0, len(units), n):
-        microbatch = units[first:first + n]
-        assert [u["split"] for u in microbatch] == list(range(n)), name
-        assert all(u["splits"] == n for u in microbatch), name
-        lengths = [u["length"] for u in microbatch]
-        assert [u["offset"] for u in microbatch] == [sum(lengths[:j]) for j in range(n)], name
-        assert sum(lengths) == seq_length, f"{name}: splits {lengths}"
-        if method == "average":
-            assert max(lengths) - min(lengths) <= 2, f"{name}: average splits {lengths}"
-        else:  # equal FLOPs: later splits attend over longer prefixes, so are shorter
-            assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1], \
-                f"{name}: uniform_comp splits {lengths}"
-
-
-def _check_reports(name, reports, unsplit_reports):
-    """The schedule returns what megatron-core's 1F1B returns on the same layout: per
-    call (3 training steps, 1 evaluation), one loss report per microbatch, equal to the
-    unsplit microbatch's (loss sum within 1e-5, token count exact)."""
-    assert len(reports) == len(unsplit_reports) == ITERATIONS + 1, name
-    for call, (got, expected) in enumerate(zip(reports, unsplit_reports)):
-        assert len(got) == len(expected) == MICROBATCHES, f"{name} call {call}: {len(got)} reports"
-        for microbatch, (a, e) in enumerate(zip(got, expected)):
-            (loss_sum, count), (expected_sum, expected_count) = a["lm loss"], e["lm loss"]
-            assert count == expected_count, f"{name} call {call} microbatch {microbatch}"
-            assert abs(loss_sum - expected_sum) <= 1e-5 * abs(expected_sum), \
-                f"{name} call {call} microbatch {microbatch}: {loss_sum} vs {expected_sum}"
-
-
 @pytest.mark.parametrize("name", [n for n in CASES if "_s1_" not in n])
 def test_split_run_equals_unsplit_runs(results, name):
     world, model, batch, layout, split_flags, extra = CASES[name]
@@ -234,11 +205,14 @@ def test_split_run_equals_unsplit_runs(results, name):
     assert len(run["losses"]) == ITERATIONS
     n, method = int(split_flags[1]), split_flags[3]
     seq_length = 46 if extra == SEQ46 else 48
-    _check_units(name, run["forward_units"], n, method, seq_length)
+    check_split_units(name, run["forward_units"], splits=n, method=method,
+                      seq_length=seq_length, calls=ITERATIONS + 1, microbatches=MICROBATCHES)
     if DOCUMENT_DATA in extra:
         missing = set(DOCUMENT_CASES) - document_cases(run["forward_units"])
         assert not missing, f"{name}: the rows it trained on have no document {missing}"
-    _check_reports(name, run["reports"], results[_unsplit_name(name)]["reports"])
+    # megatron-core's 1F1B on the same layout returned the same per-microbatch reports
+    check_reports(name, run["reports"], results[_unsplit_name(name)]["reports"],
+                  calls=ITERATIONS + 1, microbatches=MICROBATCHES)
     comparisons = [(reference_name(model, batch, extra), "pp=1 single process"),
                    (_unsplit_name(name), "same layout, s=1")]
     for other, what in comparisons:

@@ -3,8 +3,10 @@
 Every configuration trains 3 iterations (then one evaluation, the forward-only path)
 from a shared iteration-0 checkpoint and is compared, inside this test, with a
 single-process pp=1 run of the same model, batch and flags: per-iteration loss and
-grad norm within 1e-5 relative, validation loss, and every parameter after the
-optimizer steps within 1e-5.
+grad norm within 1e-5 relative, validation loss, every parameter after the optimizer
+steps within 1e-5, and the per-microbatch loss reports the schedule returns. The last
+stage's recorded units show every microbatch ran as n slices in each of its model
+chunks; the packed-document cases run on a corpus holding every split case.
 
 Three launches in all (the CI budget is tight): one process for the initial
 checkpoints and the references, then every pp=2 case in one 2-process launch and every
@@ -46,17 +48,28 @@ from distributed import (
     assert_params_close,
     run_configs,
 )
+from packed_documents import (
+    CASES as DOCUMENT_CASES,
+    DOCUMENT_FLAGS,
+    document_cases,
+    with_corpus,
+    write_document_corpus,
+)
+from split_checks import check_reports, check_split_units
 
 MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
 MODEL_B = MODEL_A + GQA_ROPE_SWIGLU
 MODELS = {"A": MODEL_A, "B": MODEL_B}
 EVAL = ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
+CALLS = 4  # 3 training steps, 1 evaluation
+MICROBATCHES = {"m1": 1, "m3": 3, "mbs2": 2}
 BATCHES = {
     "m1": ["--micro-batch-size", "1", "--global-batch-size", "1"] + EVAL,
     "m3": ["--micro-batch-size", "1", "--global-batch-size", "3"] + EVAL,
     "mbs2": ["--micro-batch-size", "2", "--global-batch-size", "4"] + EVAL,
 }
-EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
+EXTRAS = {"": [], "_docs": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+          + DOCUMENT_FLAGS,
           "_sp": ["--sequence-parallel"], "_chunked": ["--seq1f1b-kv-cache", "chunked"],
           "_balance": ["--seq1f1b-kv-cache", "chunked", "--slimpipe-attention-balance"]}
 EXTRAS["_docs_balance"] = EXTRAS["_docs"] + EXTRAS["_balance"]
@@ -108,6 +121,8 @@ def reference_name(model, batch, extra):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slimpipe")
+    corpus = str(tmp / "documents")
+    write_document_corpus(corpus, vocab_size=200)
     single, starts = [], {}
     for model, flags in MODELS.items():
         directory = tmp / f"init_{model}"
@@ -117,10 +132,12 @@ def results(tmp_path_factory):
     by_world = {2: [], 4: []}
     references = {}
     for name, (world, model, batch, lay, schedule, extra) in CASES.items():
-        argv = MODELS[model] + BATCHES[batch] + starts[model] + lay + schedule + EXTRAS[extra]
+        argv = with_corpus(MODELS[model] + BATCHES[batch] + starts[model] + lay + schedule
+                           + EXTRAS[extra], corpus)
         by_world[world].append({"name": name, "argv": argv, "params": True})
-        references[reference_name(model, batch, extra)] = (
-            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[reference_extra(extra)])
+        references[reference_name(model, batch, extra)] = with_corpus(
+            MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[reference_extra(extra)],
+            corpus)
     for ref, argv in references.items():
         single.append({"name": ref, "argv": argv, "params": True})
     out = run_configs(tmp, 1, single)  # the checkpoints first, then the references
@@ -134,6 +151,18 @@ def test_slimpipe_run_equals_single_process(results, name):
     world, model, batch, lay, schedule, extra = CASES[name]
     run, expected = results[name], results[reference_name(model, batch, extra)]
     assert len(run["losses"]) == 3
+    flags = dict(zip(schedule, schedule[1:])) | dict(zip(lay, lay[1:]))
+    n = (int(flags["--slimpipe-slices"]) if "--slimpipe-slices" in flags
+         else 48 // int(flags["--slimpipe-slice-length"]))
+    chunks = int(flags.get("--virtual-pipeline-model-parallel-size", 1))
+    check_split_units(name, run["forward_units"], splits=n, method="average",
+                      seq_length=48, calls=CALLS, microbatches=MICROBATCHES[batch],
+                      chunks=chunks)
+    if extra.startswith("_docs"):
+        missing = set(DOCUMENT_CASES) - document_cases(run["forward_units"])
+        assert not missing, f"{name}: the rows it trained on have no document {missing}"
+    check_reports(name, run["reports"], expected["reports"], calls=CALLS,
+                  microbatches=MICROBATCHES[batch])
     assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss")
     assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5, f"{name} grad norm")
     assert len(run["validation_losses"]) == 1
@@ -151,7 +180,8 @@ def _balance_askers(name):
     from megatron.trainer.training import model_shape_from_args
 
     world, model, batch, lay, schedule, extra = CASES[name]
-    args = parse_args(MODELS[model] + BATCHES[batch] + lay + schedule + EXTRAS[extra],
+    args = parse_args(with_corpus(MODELS[model] + BATCHES[batch] + lay + schedule + EXTRAS[extra],
+                                  None),  # the plan does not depend on the data
                       world_size=world, cuda_available=False)
     args.padded_vocab_size = args.vocab_size  # not part of the per-layer costs
     costs = SliceCosts.from_model(model_shape_from_args(args),

@@ -123,18 +123,27 @@ def _write_and_expose(entry: _Entry, key, value, offset: int):
     return _alias(entry.key, end), _alias(entry.value, end)
 
 
-def _split_grad(grad, acc, offset: int, end: int, seq_length: int):
-    """Own-position gradient (plus accumulated later-split gradient); stash the prefix part."""
+def _split_grad(grad, acc, offset: int, end: int):
+    """Own-position gradient (plus accumulated later-split gradient); stash the prefix part.
+
+    Backward runs a microbatch's splits last to first, so the first stash (the last
+    split's, whose prefix is the longest) is a copy of its prefix gradient, sized to that
+    prefix: no zero-filled full-sequence buffer, and every earlier split reads and adds
+    within it."""
     own = grad[offset:end]
     if acc is not None:
+        if end > acc.shape[0]:
+            raise AssertionError(f"split [{offset}, {end}) runs backward after a split with a "
+                                 f"shorter prefix ({acc.shape[0]}): splits must run backward "
+                                 "last to first")
         own = (own + acc[offset:end]).to(grad.dtype)
     if offset > 0:
         if acc is None:
             # Half precision gradients are summed over up to s splits: keep them in fp32.
             dtype = torch.float32 if grad.element_size() < 4 else grad.dtype
-            shape = (seq_length,) + tuple(grad.shape[1:])
-            acc = torch.zeros(shape, dtype=dtype, device=grad.device)
-        acc[:offset] += grad[:offset]
+            acc = grad[:offset].to(dtype=dtype, copy=True)
+        else:
+            acc[:offset] += grad[:offset]
     return own, acc
 
 
@@ -150,9 +159,8 @@ class _PrefixKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_key, grad_value):
         entry, offset, end = ctx.entry, ctx.offset, ctx.end
-        seq_length = entry.key.shape[0]
-        gk, entry.grad_key = _split_grad(grad_key, entry.grad_key, offset, end, seq_length)
-        gv, entry.grad_value = _split_grad(grad_value, entry.grad_value, offset, end, seq_length)
+        gk, entry.grad_key = _split_grad(grad_key, entry.grad_key, offset, end)
+        gv, entry.grad_value = _split_grad(grad_value, entry.grad_value, offset, end)
         if offset == 0:
             ctx.on_first_split_done()
             entry.grad_key = entry.grad_value = None

@@ -1,0 +1,46 @@
+"""Checks of what a split run did, from what `dist_runner.py` records on the last rank.
+
+* `check_split_units`: the pipeline ran every microbatch of every schedule call as
+  `splits` splits that tile the sequence (once per model chunk of the last rank), with
+  lengths of the balance method's shape. A run that fell back to an unsplit schedule
+  records no split units and fails here.
+* `check_reports`: the schedule returned what megatron-core's returns: per call one loss
+  report per microbatch, equal to the unsplit run's (loss sum within `rtol`, token
+  count exact).
+"""
+
+from collections import defaultdict
+
+
+def check_split_units(name, units, *, splits, method, seq_length, calls, microbatches,
+                      chunks=1):
+    assert len(units) == calls * microbatches * splits * chunks, f"{name}: {len(units)} split units"
+    per_microbatch = defaultdict(list)
+    for unit in units:
+        assert unit["splits"] == splits, f"{name}: {unit}"
+        per_microbatch[unit["call"], unit["microbatch"]].append(unit)
+    assert sorted({call for call, _ in per_microbatch}) == list(range(calls)), name
+    for (call, microbatch), seen in per_microbatch.items():
+        assert sorted(u["split"] for u in seen) == sorted(list(range(splits)) * chunks), \
+            f"{name} call {call} microbatch {microbatch}: splits {[u['split'] for u in seen]}"
+        plan = sorted({(u["offset"], u["length"]) for u in seen})
+        assert len(plan) == splits, f"{name}: splits of microbatch {microbatch} differ by chunk"
+        lengths = [length for _, length in plan]
+        assert [offset for offset, _ in plan] == [sum(lengths[:j]) for j in range(splits)], name
+        assert sum(lengths) == seq_length, f"{name}: splits {lengths}"
+        if method == "average":
+            assert max(lengths) - min(lengths) <= 2, f"{name}: average splits {lengths}"
+        else:  # equal FLOPs: later splits attend over longer prefixes, so are shorter
+            assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1], \
+                f"{name}: uniform_comp splits {lengths}"
+
+
+def check_reports(name, reports, unsplit_reports, *, calls, microbatches, rtol=1e-5):
+    assert len(reports) == len(unsplit_reports) == calls, name
+    for call, (got, expected) in enumerate(zip(reports, unsplit_reports)):
+        assert len(got) == len(expected) == microbatches, f"{name} call {call}: {len(got)} reports"
+        for microbatch, (a, e) in enumerate(zip(got, expected)):
+            (loss_sum, count), (expected_sum, expected_count) = a["lm loss"], e["lm loss"]
+            assert count == expected_count, f"{name} call {call} microbatch {microbatch}"
+            assert abs(loss_sum - expected_sum) <= rtol * abs(expected_sum), \
+                f"{name} call {call} microbatch {microbatch}: {loss_sum} vs {expected_sum}"
