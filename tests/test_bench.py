@@ -167,9 +167,12 @@ def test_stage_emulation_tiny_cpu(tmp_path):
     out = tmp_path / "stage.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_stage_gpu.py"), "--tiny",
            "--device", "cpu", "--splits", "1", "4", "--balance-methods", "average",
-           "--iters", "1", "--json", str(out)]
+           "--iters", "1", "--json", str(out), "--profile-ops", "3"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # per rank, the 3 operators whose time moved most under splits
+    assert proc.stdout.count("Seq1F1B s=4 average vs 1F1B (self ms") == 2
+    assert proc.stdout.count("\n| `") == 6
     data = json.loads(out.read_text())
     runs = {(r["rank"], r["splits"]): r for r in data["stage_runs"]}
     assert set(runs) == {(0, 1), (0, 4), (1, 1), (1, 4)}
@@ -195,3 +198,17 @@ def test_kv_cache_layout_comparison_tiny():
     assert all(r["max_abs_diff_vs_unsplit"] < 1e-10 for r in rows.values())
     assert rows["chunked"]["peak_bytes"] < rows["buffer"]["peak_bytes"]
     assert all(r["median_s"] > 0 for r in rows.values())
+
+
+def test_bench_attention_masks_prints_every_variant(capsys):
+    """tools/bench_attention_masks.py at a toy size: one row per attention variant."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "bench_attention_masks.py")
+    spec = importlib.util.spec_from_file_location("bench_attention_masks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--seq-length", "64", "--splits", "2", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0][2:] for row in rows[1:]] == ["unsplit", "ours", "dense", "no mask"]

@@ -69,7 +69,8 @@ def predicted_peak(units, lengths, num_chunks, per_microbatch, kv_bytes, layout=
     `layout` of --seq1f1b-kv-cache, in units of the chunk's ``K / v``:
     buffer:  one full K/V buffer from the first forward to the split-0 backward, and
              the K/V gradient accumulator from the first backward to split 0's
-             (splits' prefix gradients wait there for their own split);
+             (splits' prefix gradients wait there for their own split; it spans the
+             last split's prefix, ``o_{s-1} / L``);
     chunked: the K/V chunks of the splits that ran forward (``l_j / L`` each), and after
              split j's backward the gradients left for chunks < j (``o_j / L``).
     Seq1F1B is the case of one chunk.
@@ -95,7 +96,7 @@ def predicted_peak(units, lengths, num_chunks, per_microbatch, kv_bytes, layout=
                 # all chunks stay until split 0's backward; gradients for chunks < j wait
                 kv[key] = kv_chunk * (1.0 + offsets[j] / total)
             else:
-                kv[key] = 2 * kv_chunk
+                kv[key] = kv_chunk * (1.0 + offsets[-1] / total)
         now = sum(share * lengths[j] / total for _, j in alive_units)
         if len(lengths) > 1:
             now += sum(kv.values())
@@ -204,6 +205,7 @@ def main():
     else:
         print_seq1f1b_table(rows, base_peak)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
             json.dump({"command": command, "runs": rows}, handle, indent=1)
 

@@ -82,6 +82,9 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
     g.add_argument("--json", default=None)
+    g.add_argument("--profile-ops", type=int, default=0, metavar="N",
+                   help="profile one more iteration per schedule (torch.profiler) and list "
+                        "the N operators whose self time differs most from 1F1B's")
     args = p.parse_args(argv)
     if args.tiny:
         for key, value in TINY.items():
@@ -249,12 +252,34 @@ def report(args, results, predictions):
     return "\n".join(lines)
 
 
+def op_report(op_times, top, op_differences):
+    """Per rank and split schedule: the operators whose self time moved most against 1F1B
+    (one profiled iteration each)."""
+    lines = []
+    for (rank, splits, method), times in op_times.items():
+        base = op_times.get((rank, 1, None))
+        if splits == 1 or base is None:
+            continue
+        total_base, total = sum(base.values()), sum(times.values())
+        lines += [f"Operators, rank {rank}, Seq1F1B s={splits} {method} vs 1F1B (self ms per "
+                  f"iteration, one profiled iteration; all operators {1000 * total_base:.1f} -> "
+                  f"{1000 * total:.1f}):", "",
+                  "| operator | 1F1B | Seq1F1B | change |", "|---|---|---|---|"]
+        for op, before, after in op_differences(base, times, top):
+            lines.append(f"| `{op}` | {1000 * before:.1f} | {1000 * after:.1f} | "
+                         f"{1000 * (after - before):+.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
     from megatron.benchmarks.stage import (
         StageEmulator,
         measure,
+        op_differences,
         predict_pipeline,
+        profile_ops,
         split_lengths_for,
     )
 
@@ -269,6 +294,7 @@ def main(argv=None):
     started = time.time()
     results = []
     runs = {}  # (splits, method) -> {rank: StageRun}
+    op_times = {}  # (rank, splits, method) -> {operator: self seconds}
     for rank in args.ranks:
         emulator = StageEmulator(targs, config, rank, args.pp, args.device)
         for splits, method in configs:
@@ -278,6 +304,9 @@ def main(argv=None):
                           clock=time.process_time if args.clock == "cpu" else time.perf_counter)
             runs.setdefault((splits, method), {})[rank] = run
             results.append(run.to_dict())
+            if args.profile_ops and not run.oom:
+                op_times[rank, splits, method] = profile_ops(
+                    emulator, args.microbatches, splits, lengths, seed=args.seed)
             status = "OOM" if run.oom else (f"act. peak {_gib(run.activation_peak_bytes)} GiB, "
                                             f"busy {_ms(run.busy_s)} ms")
             print(f"[stage] rank {rank} s={splits} {method or ''}: {status}", flush=True)
@@ -312,6 +341,9 @@ def main(argv=None):
           f"{time.time() - started:.0f} s")
     print()
     print(report(args, results, predictions))
+    if op_times:
+        print()
+        print(op_report(op_times, args.profile_ops, op_differences))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:

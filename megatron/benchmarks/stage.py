@@ -201,6 +201,35 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def profile_ops(emulator: StageEmulator, microbatches: int, splits: int,
+                lengths: Sequence[int], seed: int = 1234) -> Dict[str, float]:
+    """Self time (s) per operator of one iteration of the stage under torch.profiler
+    (CPU activity, plus CUDA kernels on a GPU), for comparing schedules op by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = emulator.make_batches(microbatches, torch.Generator().manual_seed(seed))
+    emulator.run_iteration(microbatches, splits, lengths, batches)  # warm
+    activities = [ProfilerActivity.CPU]
+    if emulator.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(emulator.device)
+    with profile(activities=activities) as prof:
+        emulator.run_iteration(microbatches, splits, lengths, batches)
+        _sync(emulator.device)
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or 0
+        times[event.key] = (event.self_cpu_time_total + device_us) / 1e6
+    return times
+
+
+def op_differences(base: Dict[str, float], other: Dict[str, float], top: int):
+    """[(op, base s, other s)] of the `top` operators whose self time changed most."""
+    ops = sorted(set(base) | set(other),
+                 key=lambda op: -abs(other.get(op, 0.0) - base.get(op, 0.0)))
+    return [(op, base.get(op, 0.0), other.get(op, 0.0)) for op in ops[:top]]
+
+
 def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_method: str,
             lengths: Sequence[int], warmup_iters: int = 1, iters: int = 2,
             seed: int = 1234, clock=time.perf_counter) -> StageRun:

@@ -250,9 +250,9 @@ class CostModel:
                 transient["activations"] = rebuilt
             if s > 1:
                 if self.kv_layout == "buffer":
-                    # fp32 prefix-gradient accumulator, from the last split's backward
-                    # to the first split's backward
-                    acc = 2 * kv_tok * self.seq_length
+                    # fp32 prefix-gradient accumulator over the last split's prefix, from
+                    # the last split's backward to the first split's backward
+                    acc = 2 * kv_tok * self.offsets[s - 1]
                     if j == s - 1:
                         at_start["kv_cache"] = acc
                     if j == 0:

@@ -1,0 +1,96 @@
+"""What the mask costs in CPU split attention: one layer's attention, unsplit vs split.
+
+    OMP_NUM_THREADS=1 python tools/bench_attention_masks.py --seq-length 2048 --splits 4
+
+Times, for one microbatch of one layer, forward and forward + backward of:
+  unsplit   one causal call over the whole sequence (`is_causal=True`), what 1F1B runs;
+  ours      the splits through the project's SDPA backend (bottom-right causal mask,
+            queries reversed so the mask is a vector; `megatron/seqsplit/attention_backends.py`);
+  dense     the splits with torch's materialised `causal_lower_right` mask;
+  no mask   the splits with no mask at all: the same score blocks as `ours`, no
+            masking work. Wrong attention, timed only as the floor a mask-free split
+            kernel could reach.
+Splits are `average` (equal lengths); split j attends over the keys of splits 0..j.
+Median of `--repeats` alternating rounds, printed as ratios to `unsplit`.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+def variants(backend):
+    def ours(q, k, v):
+        return backend(q, k, v, softmax_scale=None)
+
+    def dense(q, k, v):
+        lq, lk = q.shape[2], k.shape[2]
+        mask = causal_lower_right(lq, lk) if lq != lk else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=lq == lk)
+
+    def no_mask(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2])
+
+    return {"ours": ours, "dense": dense, "no mask": no_mask}
+
+
+def run(call, pieces, backward):
+    for q, k, v, grad in pieces:
+        out = call(q, k, v)
+        if backward:
+            out.backward(grad)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--splits", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    from megatron.seqsplit.attention_backends import get_backend
+
+    L, s, h, d = args.seq_length, args.splits, args.heads, args.head_dim
+    if L % s:
+        parser.error(f"--seq-length {L} must divide into --splits {s}")
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator).requires_grad_()
+
+    whole = [(leaf(1, h, L, d), leaf(1, h, L, d), leaf(1, h, L, d), torch.randn(1, h, L, d))]
+    l = L // s
+    split = [(leaf(1, h, l, d), leaf(1, h, l * (j + 1), d), leaf(1, h, l * (j + 1), d),
+              torch.randn(1, h, l, d)) for j in range(s)]
+    calls = {"unsplit": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                         whole)}
+    calls.update({name: (fn, split) for name, fn in variants(get_backend("sdpa")).items()})
+    times = {(name, b): [] for name in calls for b in (False, True)}
+    for round_ in range(args.repeats + 1):  # round 0 warms up
+        for name, (fn, pieces) in calls.items():
+            for backward in (False, True):
+                start = time.perf_counter()
+                run(fn, pieces, backward)
+                if round_:
+                    times[name, backward].append(time.perf_counter() - start)
+    print(f"# python tools/bench_attention_masks.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"# one layer, {h} heads x {d}, {L} tokens, {s} splits of {l}; fp32 CPU, "
+          f"{torch.get_num_threads()} thread(s); median of {args.repeats} rounds")
+    print("| attention | forward ms | vs unsplit | forward + backward ms | vs unsplit |")
+    print("|---|---|---|---|---|")
+    base = {b: statistics.median(times["unsplit", b]) for b in (False, True)}
+    for name in calls:
+        f, fb = (statistics.median(times[name, b]) for b in (False, True))
+        print(f"| {name} | {1000 * f:.1f} | {f / base[False]:.3f} | {1000 * fb:.1f} | "
+              f"{fb / base[True]:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
