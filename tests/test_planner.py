@@ -290,11 +290,11 @@ def test_gather_and_write_without_distributed(tmp_path):
     rec = trace.TimelineRecorder(rank=0)
     rec.add("F", 0, 0, 0, 0.0, 1.0)
     rec.add("B", 0, 0, 0, 1.0, 3.0)
-    path = tmp_path / "single.json"
+    path = tmp_path / "runs" / "not_yet" / "single.json"  # --timeline-file in a new folder
     rec.gather_and_write(str(path), meta={"schedule": "1f1b"})
     tl = trace.read_timeline(str(path))
     assert tl.ranks[0][1]["end"] == 3.0 and tl.meta["schedule"] == "1f1b"
-    assert (tmp_path / "single.chrome.json").exists()
+    assert (path.parent / "single.chrome.json").exists()
 
 
 @pytest.mark.parametrize("data,msg", [

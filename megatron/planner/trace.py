@@ -32,6 +32,7 @@ Recording in the executor::
 """
 
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -126,7 +127,14 @@ def validate(data) -> Timeline:
     return Timeline(ranks, meta)
 
 
+def _create_parent(path: str) -> None:
+    """A `--timeline-file runs/x/t.json` whose folder does not exist yet is created, as
+    Megatron-LM does for its output paths, rather than failing after training."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def write_timeline(path: str, timeline: Timeline) -> None:
+    _create_parent(path)
     with open(path, "w") as f:
         json.dump(timeline.to_dict(), f, indent=1)
 
@@ -170,6 +178,7 @@ def to_chrome_trace(timeline: Timeline) -> Dict:
 
 
 def write_chrome_trace(path: str, timeline: Timeline) -> None:
+    _create_parent(path)
     with open(path, "w") as f:
         json.dump(to_chrome_trace(timeline), f)
 

@@ -27,9 +27,9 @@ backward yields the K/V gradient of splits ``< j``). With ``s`` splits the group
 ``G`` microbatches (``G s`` items) and warm-up grows by ``s - 1`` items, the forwards a
 rank needs before the last split of the first microbatch reaches its last chunk:
 ``min(2 (p - r - 1) + (v - 1) G s + s - 1, v m s)``. With ``s = 1`` every number
-above is megatron-core's. The ``s > 1`` variant is checked for completeness and
-freedom from deadlock by the planner's simulator and its tests; the executor does
-not run it yet.
+above is megatron-core's. The executor runs these lists (``s = 1`` included) through
+``megatron.schedules.messages``; their completeness and freedom from deadlock are
+checked by the planner's simulator, the rendezvous check and their tests.
 """
 
 from typing import List, Optional, Tuple

@@ -16,6 +16,7 @@ It is an executor observer (``on_unit_start`` / ``on_unit_end``).
 """
 
 import json
+import os
 import weakref
 
 import torch
@@ -129,5 +130,6 @@ def write_stage_report(path, probe, pp_rank, group=None):
     torch.distributed.all_gather_object(gathered, (pp_rank, probe.report()), group=group)
     if torch.distributed.get_rank(group) == 0:
         stages = [report for _, report in sorted(gathered, key=lambda item: item[0])]
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as handle:
             json.dump({"stages": stages}, handle)

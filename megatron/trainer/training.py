@@ -305,7 +305,8 @@ def write_timeline(args, recorder):
                          else "seq1f1b" if args.seq1f1b_splits > 1 else "1f1b"),
             "splits": args.slimpipe_slices if slimpipe else args.seq1f1b_splits,
             "microbatches": args.num_microbatches,
-            "pp": args.pipeline_model_parallel_size, "seq_length": args.seq_length}
+            "pp": args.pipeline_model_parallel_size,
+            "vp": args.virtual_pipeline_model_parallel_size or 1, "seq_length": args.seq_length}
     timeline = recorder.gather_and_write(
         args.timeline_file, group=parallel_state.get_pipeline_model_parallel_group(), meta=meta)
     if timeline is not None:
