@@ -32,7 +32,9 @@ from split_checks import check_reports, check_split_units
 # 8 layers so that pp=4 x 2 chunks and pp=2 x 4 chunks both have a layer per chunk.
 MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
 MODEL_B = MODEL_A + GQA_ROPE_SWIGLU
-MODELS = {"A": MODEL_A, "B": MODEL_B}
+# 16 layers: pp=4 x 4 chunks, a layer per chunk
+MODEL_C = TINY_MODEL + ["--num-layers", "16"]
+MODELS = {"A": MODEL_A, "B": MODEL_B, "C": MODEL_C}
 EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
 CALLS = 4  # 3 training steps, 1 evaluation
 MICROBATCHES = {"mbs1": 8, "mbs2": 4, "m5g3": 5}
@@ -47,7 +49,8 @@ DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + D
 EXTRAS = {"": [], "_pertoken": ["--calculate-per-token-loss"], "_docs": DOCS,
           "_sp": ["--sequence-parallel"],
           "_recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                         "--recompute-num-layers", "1"]}
+                         "--recompute-num-layers", "1"],
+          "_chunked": ["--seq1f1b-kv-cache", "chunked"]}
 
 
 def layout(pp, vp, tp=1):
@@ -76,13 +79,19 @@ CASES = {
     "B_mbs2_pp4v2_s4_uniform_comp": (4, "B", "mbs2", layout(4, 2), splits(4, "uniform_comp"), ""),
     "A_mbs2_tp2pp2v2_s2": (4, "A", "mbs2", layout(2, 2, tp=2), splits(2), ""),
     "B_mbs1_tp2pp2v2_s4_sp": (4, "B", "mbs1", layout(2, 2, tp=2), splits(4), "_sp"),
+    "C_mbs1_pp4v4_s2": (4, "C", "mbs1", layout(4, 4), splits(2), ""),
+    "B_mbs2_pp2v2_s3_chunked": (2, "B", "mbs2", layout(2, 2), splits(3), "_chunked"),
+    # tp=2 x pp=4: eight processes
+    "A_mbs1_tp2pp4v2_s2_uniform_comp": (8, "A", "mbs1", layout(4, 2, tp=2),
+                                        splits(2, "uniform_comp"), ""),
 }
 SAVED = "A_mbs1_pp2v2_s2"  # also saves its final checkpoint, reloaded into pp=1 below
 
 
 def reference_name(model, batch, extra):
-    # sequence parallel is meaningless at tp=1: its reference is the plain run
-    return f"ref_{model}_{batch}{'' if extra == '_sp' else extra}"
+    # sequence parallel is meaningless at tp=1 and the chunked cache at s=1: their
+    # reference is the plain run
+    return f"ref_{model}_{batch}{'' if extra in ('_sp', '_chunked') else extra}"
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +104,7 @@ def results(tmp_path_factory):
         sub = tmp / model
         sub.mkdir()
         starts[model] = init_checkpoint(sub, flags + BATCHES["mbs1"])
-    by_world = {1: [], 2: [], 4: []}
+    by_world = {1: [], 2: [], 4: [], 8: []}
     references = {}
     saved_dir = tmp / "saved_interleaved"
     for name, (world, model, batch, lay, split_flags, extra) in CASES.items():
@@ -104,13 +113,13 @@ def results(tmp_path_factory):
         if name == SAVED:
             argv += ["--save", str(saved_dir)]
         by_world[world].append({"name": name, "argv": argv, "params": True})
-        ref_extra = "" if extra == "_sp" else extra
+        ref_extra = "" if extra in ("_sp", "_chunked") else extra
         references[reference_name(model, batch, extra)] = with_corpus(
             MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra], corpus)
     for ref, argv in references.items():
         by_world[1].append({"name": ref, "argv": argv, "params": True})
     out = {}
-    for world in (2, 4, 1):
+    for world in (2, 4, 8, 1):
         out.update(run_configs(tmp, world, by_world[world]))
     # the interleaved checkpoint (model0/model1 per rank) into one process: no more steps
     out.update(run_configs(tmp, 1, [{
