@@ -9,15 +9,23 @@ Same flags as Megatron-LM's pretrain_gpt.py (see README); runs on CUDA GPUs over
 NCCL and on CPUs over gloo.
 """
 
-import torch
+import warnings
 
-from megatron.core import parallel_state
-from megatron.core.utils import get_attr_wrapped_model
+# megatron-core warns, at import and when building layers, that the optional GPU
+# libraries (Apex, Transformer Engine) are missing; on a CPU machine that is expected,
+# and a flag mistake's one-line error should not sit under a dozen of these lines.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed",
+                        category=UserWarning)
 
-from megatron.seqsplit.documents import DocumentIdsDataset
-from megatron.seqsplit.split_context import SplitContext
-from megatron.trainer.model import gpt_model_provider
-from megatron.trainer.training import pretrain
+import torch  # noqa: E402
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
+
+from megatron.seqsplit.documents import DocumentIdsDataset  # noqa: E402
+from megatron.seqsplit.split_context import SplitContext  # noqa: E402
+from megatron.trainer.model import gpt_model_provider  # noqa: E402
+from megatron.trainer.training import pretrain  # noqa: E402
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):

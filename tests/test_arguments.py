@@ -63,6 +63,14 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--seq1f1b-splits", "2", "--transformer-impl", "transformer_engine"], 1,
      "--transformer-impl"),
     (["--recompute-granularity", "full"], 1, "--recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "0"], 1, "--recompute-num-layers"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], 1,
+     "--recompute-num-layers"),
+    (["--num-query-groups", "0"], 1, "--num-query-groups"),
+    (["--global-batch-size", "0"], 1, "--global-batch-size"),
+    (["--global-batch-size", "-4"], 1, "--global-batch-size"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes"),
     (["--distributed-backend", "nccl"], 1, "--distributed-backend"),
     (["--no-such-flag"], 1, "--no-such-flag"),
     (["--micro-batch-size", "two"], 1, "--micro-batch-size"),
@@ -96,7 +104,7 @@ def test_bad_flag_exits_nonzero_on_every_rank_with_one_line():
     flags = GOOD + ["--pipeline-model-parallel-size", "2", "--num-layers", "3"]
     procs = [subprocess.Popen([sys.executable, "pretrain_gpt.py"] + flags, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONWARNINGS="ignore", RANK=str(rank),
+                              env=dict(os.environ, RANK=str(rank),
                                        WORLD_SIZE="2", LOCAL_RANK=str(rank),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT="29619"))
              for rank in range(2)]

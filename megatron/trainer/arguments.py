@@ -202,6 +202,9 @@ def validate_args(args, world_size: int, cuda_available: bool):
 
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
+    for flag in ("global_batch_size", "distributed_timeout_minutes"):
+        _require(getattr(args, flag) >= 1,
+                 f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     _require(args.global_batch_size % (args.micro_batch_size * dp) == 0,
              f"--global-batch-size ({args.global_batch_size}) must be divisible by "
              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
@@ -224,6 +227,8 @@ def validate_args(args, world_size: int, cuda_available: bool):
     if args.group_query_attention:
         _require(args.num_query_groups is not None,
                  "--group-query-attention needs --num-query-groups")
+        _require(args.num_query_groups >= 1,
+                 f"--num-query-groups must be >= 1, got {args.num_query_groups}")
         _require(args.num_attention_heads % args.num_query_groups == 0,
                  f"--num-query-groups ({args.num_query_groups}) must divide "
                  f"--num-attention-heads ({args.num_attention_heads})")
@@ -270,6 +275,12 @@ def validate_args(args, world_size: int, cuda_available: bool):
     if args.recompute_method is not None:
         _require(args.recompute_granularity == "full",
                  "--recompute-method needs --recompute-granularity full")
+    if args.recompute_num_layers is not None:
+        _require(args.recompute_granularity == "full",
+                 "--recompute-num-layers needs --recompute-granularity full "
+                 "(selective recomputation covers every layer)")
+        _require(args.recompute_num_layers >= 1,
+                 f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
 
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters

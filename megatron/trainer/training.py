@@ -338,6 +338,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
     skipped = 0
     run_start, run_start_iteration = time.time(), iteration
+    outside = 0.0  # seconds of evaluation and checkpointing: not training throughput
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
@@ -371,6 +372,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
                 tensorboard.add("learning-rate", lr, iteration)
                 tensorboard.add("tokens-per-second", tokens_per_iteration / elapsed, iteration)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
+        paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
         if valid_iterator is not None and iteration % args.eval_interval == 0:
             valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func)
             if "lm loss" in valid:
@@ -382,22 +384,27 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                           scheduler)
+        window_start += time.time() - paused
+        outside += time.time() - paused
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f" exiting at iteration {iteration} (--exit-interval)")
             break
+    paused = time.time()
     if args.save and (args.train_iters == 0 or iteration % args.save_interval != 0):
         checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                       scheduler)
+    outside += time.time() - paused
     total = time.time() - run_start
+    training_time = max(total - outside, 1e-9)
     done = iteration - run_start_iteration
     peaks = stage_peaks_gb(None)
     if parallel_state.is_pipeline_last_stage():
         final = f"{history.losses[-1]:.6g}" if history.losses else "n/a"
-        per_iter = f"{total / done * 1000:.1f}" if done else "n/a"
+        per_iter = f"{training_time / done * 1000:.1f}" if done else "n/a"
         print_last_rank(
             f"[summary] iterations: {done} (skipped {skipped}) | time: {total:.1f}s | "
             f"ms/iteration: {per_iter} | final lm loss: {final} | "
-            f"tokens/s: {done * tokens_per_iteration / max(total, 1e-9):.1f} | "
+            f"tokens/s: {done * tokens_per_iteration / training_time:.1f} | "
             f"peak memory per pipeline stage (GB): {' '.join(f'{p:.3f}' for p in peaks)}")
     tensorboard.close()
     return history
