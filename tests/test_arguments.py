@@ -90,6 +90,34 @@ def test_mistakes_name_the_flag(extra, world, flag):
         parse(extra, world_size=world)
 
 
+def test_data_mistakes_stop_before_training(tmp_path):
+    """What the dataset builder would refuse after the process groups exist is refused
+    while parsing: a bad --split, a split share left empty, bad blend weights, a missing
+    tokenizer; Megatron-LM's prefixes-only blend form is accepted."""
+    from packed_documents import write_document_corpus
+
+    prefix = str(tmp_path / "docs")
+    write_document_corpus(prefix, vocab_size=200)  # 24 sequences
+    base = [f for f in GOOD if f != "--mock-data"] + ["--tokenizer-type", "NullTokenizer"]
+
+    def parse_data(*flags):
+        return parse_args(base + list(flags), world_size=1, cuda_available=False)
+
+    parse_data("--data-path", prefix, "--split", "90,10,0")
+    parse_data("--data-path", prefix, prefix, "--split", "90,10,0")  # prefixes only
+    parse_data("--data-path", "0.3", prefix, "0.7", prefix, "--split", "90,10,0")
+    for flags, flag in (
+            (["--data-path", prefix, "--split", "abc"], "--split"),
+            (["--data-path", prefix], "--split"),  # 969,30,1 of 24 sequences: no test split
+            (["--data-path", "-1", prefix, "2", prefix, "--split", "90,10,0"], "--data-path"),
+            (["--data-path", prefix + ".bin", "--split", "90,10,0"], "--data-path")):
+        with pytest.raises(ArgumentError, match=flag):
+            parse_data(*flags)
+    with pytest.raises(ArgumentError, match="--tokenizer-model"):
+        parse(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+               str(tmp_path / "missing")])
+
+
 def test_data_flags():
     base = [f for f in GOOD if f not in ("--mock-data",)]
     with pytest.raises(ArgumentError, match="--data-path"):

@@ -309,8 +309,11 @@ def validate_args(args, world_size: int, cuda_available: bool):
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs "
                                        "--tokenizer-model (a tokenizer.json file or directory)")
+        _require(os.path.exists(args.tokenizer_model),
+                 f"--tokenizer-model {args.tokenizer_model}: no such file or directory "
+                 "(nothing is downloaded: give a local tokenizer.json or its directory)")
     if args.data_path:
-        _check_data_path(args.data_path)
+        _check_data(args.data_path, args.split)
 
     # checkpoints
     if args.save is not None and args.save_interval is None:
@@ -386,24 +389,16 @@ def _validate_virtual_pipeline(args):
         raise ArgumentError(str(err))
 
 
-def _check_data_path(data_path):
-    if len(data_path) > 1:
-        _require(len(data_path) % 2 == 0,
-                 "--data-path takes one prefix, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ...")
-        for weight in data_path[0::2]:
-            try:
-                float(weight)
-            except ValueError:
-                raise ArgumentError(f"--data-path weight {weight!r} is not a number; "
-                                    "use W1 PREFIX1 W2 PREFIX2 ...")
-        prefixes = data_path[1::2]
-    else:
-        prefixes = data_path
-    for prefix in prefixes:
-        for ext in (".bin", ".idx"):
-            _require(os.path.isfile(prefix + ext),
-                     f"--data-path {prefix}: {prefix + ext} not found (the prefix is the path "
-                     "without .bin/.idx, as written by tools/preprocess_data.py)")
+def _check_data(data_path, split):
+    """The data files and the split, as the dataset builder will read them, checked
+    before any process group exists (its errors name the flag)."""
+    from megatron.dataprep.gpt_datasets import DataPathError, check_splits, parse_data_path
+
+    try:
+        prefixes, _ = parse_data_path(data_path)
+        check_splits(prefixes, split)
+    except DataPathError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _validate_seq1f1b(args):
