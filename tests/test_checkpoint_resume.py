@@ -13,6 +13,9 @@ FLAGS = [f for f in TINY_MODEL] + [
 ]
 FLAGS[FLAGS.index("--hidden-dropout") + 1] = "0.1"
 FLAGS[FLAGS.index("--attention-dropout") + 1] = "0.1"
+# evaluation at iterations 2, 4 and 6: the resumed run must read the same validation samples
+FLAGS[FLAGS.index("--eval-iters") + 1] = "1"
+FLAGS += ["--eval-interval", "2"]
 
 
 def test_resume_equals_uninterrupted(tmp_path):
@@ -27,6 +30,10 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert len(straight) == 6 and len(results["first_half"]["losses"]) == 3
     assert_close_series(results["first_half"]["losses"], straight[:3], 1e-6, "before save")
     assert_close_series(results["second_half"]["losses"], straight[3:], 1e-6, "after resume")
+    valid = results["straight"]["validation_losses"]
+    assert len(valid) == 3 and len(results["second_half"]["validation_losses"]) == 2
+    assert_close_series(results["second_half"]["validation_losses"], valid[1:], 1e-6,
+                        "validation after resume")
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 

@@ -245,8 +245,11 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(
         train_ds, args.micro_batch_size, consumed_samples,
         num_microbatches=args.num_microbatches))
+    # a resumed run evaluates on the validation samples the uninterrupted run would reach
+    # (Megatron-LM's consumed_valid_samples, derived from the iteration)
+    consumed_valid = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
     valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
-        valid_ds, args.micro_batch_size, 0, num_microbatches=args.num_microbatches))
+        valid_ds, args.micro_batch_size, consumed_valid, num_microbatches=args.num_microbatches))
                       if valid_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
