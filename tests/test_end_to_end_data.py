@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from distributed import ROOT, assert_close_series, run_configs
+from packed_documents import document_cases
 
 
 def tool(*argv):
@@ -22,7 +23,9 @@ def test_corpus_to_training(tmp_path):
     tool("tools/train_tokenizer.py", "--input", str(corpus), "--json-key", "content",
          "--vocab-size", "1024", "--output-dir", str(tmp_path / "tok"))
     vocab, merges = tmp_path / "tok" / "vocab.json", tmp_path / "tok" / "merges.txt"
-    tool("tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "content",
+    # the file paths are short documents: the packed-document runs train on them, so
+    # their rows hold many document boundaries (a file's content is longer than a row)
+    tool("tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "content", "path",
          "--output-prefix", str(tmp_path / "stdlib"), "--tokenizer-type", "GPT2BPETokenizer",
          "--vocab-file", str(vocab), "--merge-file", str(merges), "--append-eod",
          "--workers", "2")
@@ -40,12 +43,14 @@ def test_corpus_to_training(tmp_path):
         "--data-cache-path", str(tmp_path / "cache"),
         "--pipeline-model-parallel-size", "2",
     ]
+    paths = str(tmp_path / "stdlib_path_document")
     docs = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    docs_flags = [paths if f == prefix else f for f in flags] + docs
     results = run_configs(tmp_path, 2, [
         {"name": "1f1b", "argv": flags},
         {"name": "seq1f1b", "argv": flags + ["--seq1f1b-splits", "2"]},
-        {"name": "docs_1f1b", "argv": flags + docs},
-        {"name": "docs_seq1f1b", "argv": flags + docs + ["--seq1f1b-splits", "4"]},
+        {"name": "docs_1f1b", "argv": docs_flags},
+        {"name": "docs_seq1f1b", "argv": docs_flags + ["--seq1f1b-splits", "4"]},
     ])
     for name in ("1f1b", "docs_1f1b"):
         losses = results[name]["losses"]
@@ -55,3 +60,6 @@ def test_corpus_to_training(tmp_path):
     assert_close_series(results["seq1f1b"]["losses"], results["1f1b"]["losses"], 1e-5, "split")
     assert_close_series(results["docs_seq1f1b"]["losses"], results["docs_1f1b"]["losses"],
                         1e-5, "split, packed documents")
+    # ... and the split runs really met packed documents
+    met = document_cases(results["docs_seq1f1b"]["forward_units"])
+    assert {"crosses a split edge", "shorter than its split"} <= met, met
