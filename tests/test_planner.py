@@ -332,3 +332,39 @@ def test_recorder_observer_interface_and_shift(tmp_path):
         rec.on_unit_end(0, Unit(BACKWARD, 0, 0))
     tl = rec.gather_and_write(str(tmp_path / "obs.json"), chrome=False)
     assert [(e["kind"], e["split"], e["start"], e["end"]) for e in tl.ranks[0]] == [("F", 1, 0.0, 1.0)]
+
+
+def test_chunked_kv_cache_memory_model():
+    """--kv-cache-layout chunked: a split's K/V chunk from its forward, the gradients of
+    earlier chunks from the last split's backward, everything freed by split 0's
+    backward; never more than the buffer layout (one full buffer from split 0's forward
+    plus an fp32 stash over the last split's prefix)."""
+    from megatron.planner.cli import build_parser, config_from_args
+    from megatron.planner.costs import CostModel
+    from megatron.planner.gpus import get_gpu
+    from megatron.planner.predict import split_lengths
+    from megatron.schedules.units import BACKWARD, FORWARD, Unit
+
+    args = build_parser().parse_args(["--model", "1.3B", "--seq-length", "8192",
+                                      "--pipeline-model-parallel-size", "2",
+                                      "--seq1f1b-splits", "4", "--seq1f1b-balance-method",
+                                      "uniform_comp"])
+    c = config_from_args(args)
+    lengths = split_lengths(c, 4)
+    models = {layout: CostModel(c.model, c.parallel, get_gpu(c.gpu), c.seq_length, lengths,
+                                c.recompute, layout) for layout in ("buffer", "chunked")}
+    kv_tok = models["chunked"].kv_bytes_per_token() * models["chunked"].layers_per_chunk
+    order = [Unit(FORWARD, 0, j) for j in range(4)] + [Unit(BACKWARD, 0, j) for j in (3, 2, 1, 0)]
+    held = {layout: [] for layout in models}
+    for layout, model in models.items():
+        total = 0.0
+        for unit in order:
+            effect = model.memory_effect(0, unit)
+            total += effect.at_start.get("kv_cache", 0.0) + effect.at_end.get("kv_cache", 0.0)
+            held[layout].append(total)
+    offsets = [sum(lengths[:j]) for j in range(4)]
+    expected = [kv_tok * sum(lengths[:j + 1]) for j in range(4)]  # chunks written so far
+    expected += [kv_tok * (8192 + offsets[j]) for j in (3, 2, 1)] + [0.0]
+    assert held["chunked"] == pytest.approx(expected)
+    assert held["buffer"][-1] == pytest.approx(0.0)
+    assert all(a <= b + 1e-6 for a, b in zip(held["chunked"], held["buffer"]))

@@ -24,7 +24,13 @@ def plan(args):
 
 @pytest.fixture(scope="module")
 def long_pair():
-    return plan(LONG + BALANCE), plan(LONG)
+    # balance needs the chunked KV cache (its default with the flag); plain SlimPipe with it
+    return plan(LONG + BALANCE), plan(LONG + ["--seq1f1b-kv-cache", "chunked"])
+
+
+def test_balance_needs_the_chunked_cache():
+    with pytest.raises(PlanError, match="--seq1f1b-kv-cache chunked"):
+        plan(LONG + BALANCE + ["--kv-cache-layout", "buffer"])
 
 
 @pytest.mark.parametrize("extra", [

@@ -88,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=BALANCE_METHODS, default="average")
     s.add_argument("--seq1f1b-split-alignment", type=int,
                    help="split lengths are multiples of this (default: TP size with --sequence-parallel, else 1)")
-    s.add_argument("--kv-cache-layout", choices=KV_LAYOUTS, default="buffer",
-                   help="buffer: one full-length K/V buffer per in-flight microbatch (this project's "
-                   "executor); concat: each split keeps a concatenated prefix copy (original Seq1F1B code)")
+    s.add_argument("--kv-cache-layout", "--seq1f1b-kv-cache", dest="kv_cache_layout",
+                   choices=KV_LAYOUTS, default=None,
+                   help="buffer: one full-length K/V buffer per in-flight microbatch; chunked: "
+                   "per-split chunks (both this project's executor, --seq1f1b-kv-cache); concat: "
+                   "each split keeps a concatenated prefix copy (original Seq1F1B code). Default: "
+                   "chunked with --slimpipe-attention-balance (which needs it), else buffer")
     s.add_argument("--recompute-granularity", choices=["full", "selective"])
     s.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     s.add_argument("--recompute-num-layers", type=int, default=1)
@@ -241,7 +244,8 @@ def config_from_args(args) -> PlanConfig:
         recompute=Recompute(args.recompute_granularity, args.recompute_method,
                             args.recompute_num_layers),
         gpu=args.gpu,
-        kv_layout=args.kv_cache_layout,
+        kv_layout=args.kv_cache_layout or (
+            "chunked" if args.slimpipe_attention_balance else "buffer"),
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         attention_balance=args.slimpipe_attention_balance,
         attention_balance_exchange_cost=args.slimpipe_attention_balance_exchange_cost,

@@ -25,7 +25,9 @@ WEIGHT_BYTES = BF16
 GRAD_BYTES = FP32
 OPTIMIZER_BYTES = 3 * FP32
 
-KV_LAYOUTS = ("buffer", "concat")
+# buffer / chunked: --seq1f1b-kv-cache of this project's executor; concat: the original
+# Seq1F1B code's (each split saves a concatenated copy of its prefix)
+KV_LAYOUTS = ("buffer", "chunked", "concat")
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,9 @@ class CostModel:
         return {"sharded": sharded, "replicated": replicated}
 
     def kv_in_cache(self) -> bool:
-        """With splits and the buffer layout, a split's K/V live in the cache, not its activations."""
-        return self.num_splits > 1 and self.kv_layout == "buffer"
+        """With splits and this project's layouts, a split's K/V live in the cache, not its
+        activations (the kernels keep views of it, or with chunks only q, out and LSE)."""
+        return self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
 
     def full_layer_bytes(self, tokens: float) -> float:
         """Activation bytes of one layer for ``tokens`` tokens (micro-batch included)."""
@@ -238,6 +241,8 @@ class CostModel:
                 if self.kv_layout == "buffer":
                     if j == 0:  # full-sequence K/V buffer of the microbatch
                         at_start["kv_cache"] = kv_tok * self.seq_length
+                elif self.kv_layout == "chunked":  # this split's own K/V chunk
+                    at_start["kv_cache"] = kv_tok * self.split_lengths[j]
                 elif self.recompute.granularity == "full":
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
                 else:  # concat: this split saves its own copy of the prefix K/V
@@ -257,6 +262,15 @@ class CostModel:
                         at_start["kv_cache"] = acc
                     if j == 0:
                         at_end["kv_cache"] = -acc - kv_tok * self.seq_length
+                elif self.kv_layout == "chunked":
+                    # after split j's backward the gradients of chunks < j wait for their
+                    # own splits (in the K/V dtype); split 0's frees every chunk
+                    waiting_after = kv_tok * self.offsets[j]
+                    waiting_before = kv_tok * self.offsets[j + 1] if j < s - 1 else 0.0
+                    delta = waiting_after - waiting_before
+                    if j == 0:
+                        delta -= kv_tok * self.seq_length
+                    at_end["kv_cache"] = delta
                 else:
                     acc = kv_tok * self.offsets[s - 1]
                     own = (

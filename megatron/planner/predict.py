@@ -230,6 +230,9 @@ def validate(c: PlanConfig) -> None:
     if c.attention_balance and c.schedule != "slimpipe":
         raise PlanError(f"--slimpipe-attention-balance needs --schedule slimpipe "
                         f"(got --schedule {c.schedule})")
+    if c.attention_balance and c.kv_layout != "chunked":
+        raise PlanError("--slimpipe-attention-balance needs --seq1f1b-kv-cache chunked, as in "
+                        f"training (got --kv-cache-layout {c.kv_layout})")
     if c.schedule == "slimpipe":
         _validate_slimpipe(c)
         return
