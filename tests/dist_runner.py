@@ -9,10 +9,11 @@ norms and, with "params", a path to the final parameters gathered into the unspl
 (tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor. It also
 holds "forward_units": one entry per call of `forward_step` with a split on the last
 rank ({call, microbatch, split, splits, offset, length}, and for a microbatch's last
-split the document ids of its rows when there are any), so a test can see that the split schedule ran,
-with which splits, on which documents; and "reports": for every call of the pipeline
-schedule (training steps, then evaluation), the per-microbatch loss reports it returned
-on the last rank, so a test can compare Seq1F1B's return value with megatron-core's.
+split the document ids of its rows when there are any), so a test can see that the
+split schedule ran, with which splits, on which documents; and "reports": for every
+call of the pipeline schedule (training steps, then evaluation), the per-microbatch
+loss reports it returned on the last rank, so a test can compare Seq1F1B's return
+value with megatron-core's (the runner wraps `training.get_forward_backward_func`).
 """
 
 import json
@@ -135,7 +136,8 @@ def main(spec_path, out_path):
                 captured["params"] = gather_full_parameters(args, model)
 
         result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                          recording_forward_step(units, reports), argv=run["argv"], on_finish=on_finish)
+                          recording_forward_step(units, reports), argv=run["argv"],
+                          on_finish=on_finish)
         entry = {"losses": result.losses, "validation_losses": result.validation_losses,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
                  "forward_units": units, "reports": reports}

@@ -4,8 +4,8 @@ Every configuration trains 3 iterations from a shared iteration-0 checkpoint and
 compared, inside this test, with (a) the same layout and flags at s = 1 (megatron-core's
 own 1F1B) and (b) a single-process pp=1 run with the same flags: per-iteration loss,
 grad norm and validation loss within 1e-5 relative, every parameter after the optimizer
-steps within 1e-5 (of the tensor's largest entry). Every microbatch count (5) is a
-multiple of no split count. What the last stage ran is checked too: every microbatch
+steps within 1e-5 (`assert_params_close`). Every microbatch count (5) is a multiple of
+no split count. What the last stage ran is checked too: every microbatch
 in s splits that tile the sequence, and with packed documents the split cases the data
 must exercise.
 """
@@ -112,9 +112,8 @@ add("A", "mbs1", "pp2", 3, "average")
 add("B", "mbs2", "pp2", 4, "uniform_comp")
 add("B", "mbs1", "pp1", 3, "average")
 add("B", "mbs1", "pp2", 4, "average", "_seq46")
-for n in (3,):
-    add("A", "mbs2", "pp2", n, "average", "_pertoken")
-    add("B", "mbs1", "pp1", n, "average", "_pertoken")
+add("A", "mbs2", "pp2", 3, "average", "_pertoken")
+add("B", "mbs1", "pp1", 3, "average", "_pertoken")
 # sequence parallel (tp=2): exact against tp=1
 for n, method in ((2, "average"), (4, "uniform_comp")):
     add("B", "mbs1", "tp2pp2", n, method, "_sp")

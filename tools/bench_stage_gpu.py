@@ -252,9 +252,11 @@ def report(args, results, predictions):
     return "\n".join(lines)
 
 
-def op_report(op_times, top, op_differences):
+def op_report(op_times, top):
     """Per rank and split schedule: the operators whose self time moved most against 1F1B
     (one profiled iteration each)."""
+    from megatron.benchmarks.stage import op_differences
+
     lines = []
     for (rank, splits, method), times in op_times.items():
         base = op_times.get((rank, 1, None))
@@ -277,7 +279,6 @@ def main(argv=None):
     from megatron.benchmarks.stage import (
         StageEmulator,
         measure,
-        op_differences,
         predict_pipeline,
         profile_ops,
         split_lengths_for,
@@ -343,7 +344,7 @@ def main(argv=None):
     print(report(args, results, predictions))
     if op_times:
         print()
-        print(op_report(op_times, args.profile_ops, op_differences))
+        print(op_report(op_times, args.profile_ops))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:

@@ -387,8 +387,9 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                           scheduler)
-        window_start += time.time() - paused
-        outside += time.time() - paused
+        spent = time.time() - paused
+        window_start += spent
+        outside += spent
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f" exiting at iteration {iteration} (--exit-interval)")
             break
