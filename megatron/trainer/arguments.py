@@ -95,7 +95,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                                       "before the next chunk starts (default: the pp size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="every process group's timeout: a collective or p2p transfer that "
+                        "waits longer (a peer stopped, dead or hung) stops the job")
 
     g = parser.add_argument_group("sequence-split pipeline (Seq1F1B)")
     g.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=int,
@@ -165,6 +167,21 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving a checkpoint with --save) when the iteration "
                         "is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (SLURM preemption, torchrun forwarding it), finish the "
+                        "current iteration, save a checkpoint with --save and exit 0")
+    g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
+                   help="refused: data is read in the training process (no DataLoader "
+                        "workers), so --exit-signal-handler already covers it")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit 0 after the iteration during which this "
+                        "many minutes of the run have passed (decided on all ranks together)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="stop at the first NaN/inf loss or gradient, before the optimizer "
+                        "step and without saving (default)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="train on through non-finite values (not recommended)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
@@ -202,9 +219,10 @@ def validate_args(args, world_size: int, cuda_available: bool):
 
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
-    for flag in ("global_batch_size", "distributed_timeout_minutes"):
-        _require(getattr(args, flag) >= 1,
-                 f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    _require(args.global_batch_size >= 1,
+             f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    _require(args.distributed_timeout_minutes > 0,
+             f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
     _require(args.global_batch_size % (args.micro_batch_size * dp) == 0,
              f"--global-batch-size ({args.global_batch_size}) must be divisible by "
              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
@@ -324,6 +342,14 @@ def validate_args(args, world_size: int, cuda_available: bool):
     if args.load is not None and args.exit_on_missing_checkpoint:
         _require(os.path.isdir(args.load), f"--load {args.load}: no such directory")
     _require(args.eval_interval >= 1, "--eval-interval must be >= 1")
+    _require(not args.exit_signal_handler_for_dataloader,
+             "--exit-signal-handler-for-dataloader is not supported: data is read in the "
+             "training process (there are no DataLoader workers to signal); "
+             "--exit-signal-handler alone covers it: drop the flag")
+    _require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+             f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
+    _require(args.exit_interval is None or args.exit_interval >= 1,
+             f"--exit-interval must be >= 1, got {args.exit_interval}")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
 
     _validate_seq1f1b(args)

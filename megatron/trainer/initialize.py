@@ -30,7 +30,10 @@ def initialize_distributed(args):
             rank=rank,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         )
+    # every group megatron-core creates (pipeline p2p, tensor, data, embedding ...) gets
+    # the same timeout: its default of 30 minutes would let a hung peer stall the job
     parallel_state.initialize_model_parallel(
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,

@@ -56,7 +56,8 @@ def stage_peaks_gb(pp_group_of_all) -> list:
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
                           global_batch_size, loss, grad_norm, tokens_per_s, tflops,
                           stage_peaks):
-    grad = "nan" if grad_norm is None else f"{grad_norm:.6g}"
+    # as Megatron-LM: no norm (--clip-grad 0, an fp16 skip) prints no grad norm field
+    grad = "" if grad_norm is None else f" grad norm: {grad_norm:.6g} |"
     peaks = " ".join(f"{p:.3f}" for p in stage_peaks)
     return (
         f" iteration {iteration:8d}/{train_iters:8d} |"
@@ -65,7 +66,7 @@ def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, 
         f" learning rate: {lr:.6e} |"
         f" global batch size: {global_batch_size:5d} |"
         f" lm loss: {loss:.6g} |"
-        f" grad norm: {grad} |"
+        f"{grad}"
         f" tokens/s: {tokens_per_s:.1f} |"
         f" TFLOP/s per device: {tflops:.4f} |"
         f" peak memory per pipeline stage (GB): {peaks} |"

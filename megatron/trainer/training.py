@@ -26,7 +26,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, initialize
+from megatron.trainer import checkpointing, faults, initialize
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -129,10 +129,12 @@ def reduce_losses(losses_reduced):
 
 
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler,
-               forward_backward_func):
+               forward_backward_func, guard, iteration, progress):
+    """One iteration. Returns (losses, grad norm, step applied, exit reason or None)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    progress.step = f"iteration {iteration}'s pipeline forward/backward (p2p and grad sync)"
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
@@ -142,11 +144,18 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
+    # before the step: a non-finite loss or gradient never reaches the parameters
+    progress.step = f"iteration {iteration}'s health check (all_gather over all ranks)"
+    exit_reason = guard.check(iteration, losses_reduced, model)
+    progress.step = f"iteration {iteration}'s optimizer step (grad norm all-reduce)"
     update_successful, grad_norm, _ = optimizer.step()
+    if args.clip_grad == 0:
+        grad_norm = None  # no clipping, no norm: megatron-core returns a 0.0 placeholder
+    guard.check_grad_norm(iteration, grad_norm)
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     losses = reduce_losses(losses_reduced) if parallel_state.is_pipeline_last_stage() else {}
-    return losses, grad_norm, update_successful
+    return losses, grad_norm, update_successful, exit_reason
 
 
 def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func):
@@ -206,6 +215,18 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     args = parse_args_or_exit(argv, extra_args_provider)
     start = time.time()
     initialize.initialize_distributed(args)
+    guard = faults.IterationGuard(args, start)  # SIGTERM is recorded from here on
+    progress = Progress()
+    try:
+        with faults.stops_cleanly(args, progress):
+            return _pretrain(args, start, guard, progress, datasets_provider, model_provider,
+                             forward_step_func, on_finish)
+    finally:
+        guard.close()
+
+
+def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
+              forward_step_func, on_finish):
     initialize.set_seeds(args.seed)
     train_ds, valid_ds, tokenizer = datasets_provider(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size)
@@ -220,6 +241,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
 
     iteration, consumed_samples = 0, 0
     if args.load is not None:
+        progress.step = "checkpoint load"
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args, model, optimizer, scheduler)
 
@@ -268,7 +290,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
                                   args.slimpipe_attention_balance_exchange_cost))
         print_rank_0(f"> {describe(plan)}")
     result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
-                   scheduler, forward_backward_func, iteration, consumed_samples, observers)
+                   scheduler, forward_backward_func, iteration, consumed_samples, guard,
+                   progress, observers)
     if recorder is not None:
         write_timeline(args, recorder)
     if probe is not None and parallel_state.get_data_parallel_rank() == 0 and \
@@ -331,8 +354,22 @@ def model_shape_from_args(args):
     )
 
 
+_EXIT_REASONS = {
+    "interval": "--exit-interval reached",
+    "sigterm": "SIGTERM received (--exit-signal-handler)",
+    "duration": "--exit-duration-in-mins reached",
+}
+
+
+class Progress:
+    """What the loop is doing now, so that a timed-out collective can say where it was."""
+
+    step = "setup"
+
+
 def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
-          forward_backward_func, iteration, consumed_samples, observers=()):
+          forward_backward_func, iteration, consumed_samples, guard, progress,
+          observers=()):
     tensorboard = _TensorBoard(args.tensorboard_dir)
     flops = model_flops_per_iteration(args)
     tokens_per_iteration = args.global_batch_size * args.seq_length
@@ -347,8 +384,9 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     while iteration < args.train_iters:
         for observer in observers:
             observer.reset()  # keep the last iteration only
-        losses, grad_norm, ok = train_step(args, step_func, train_iterator, model, optimizer,
-                                           scheduler, forward_backward_func)
+        losses, grad_norm, ok, exit_reason = train_step(
+            args, step_func, train_iterator, model, optimizer, scheduler,
+            forward_backward_func, guard, iteration + 1, progress)
         iteration += 1
         consumed_samples += args.global_batch_size
         skipped += 0 if ok else 1
@@ -377,6 +415,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
         paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
         if valid_iterator is not None and iteration % args.eval_interval == 0:
+            progress.step = f"evaluation at iteration {iteration}"
             valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func)
             if "lm loss" in valid:
                 ppl = math.exp(min(20.0, valid["lm loss"]))
@@ -384,17 +423,22 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
                                 f"{valid['lm loss']:.6g} | lm loss PPL: {ppl:.6g} |")
                 tensorboard.add("validation lm loss", valid["lm loss"], iteration)
                 history.validation_losses.append(valid["lm loss"])
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+        if saved:
+            progress.step = f"checkpoint save at iteration {iteration}"
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                           scheduler)
         spent = time.time() - paused
         window_start += spent
         outside += spent
         if args.exit_interval and iteration % args.exit_interval == 0:
-            print_rank_0(f" exiting at iteration {iteration} (--exit-interval)")
+            exit_reason = "interval"
+        if exit_reason is not None:
+            print_rank_0(f" exiting at iteration {iteration}: {_EXIT_REASONS[exit_reason]}")
             break
     paused = time.time()
     if args.save and (args.train_iters == 0 or iteration % args.save_interval != 0):
+        progress.step = f"checkpoint save at iteration {iteration}"
         checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                       scheduler)
     outside += time.time() - paused

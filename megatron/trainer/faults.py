@@ -1,0 +1,184 @@
+"""What stops a training run on purpose: non-finite values, SIGTERM, the wall clock, timeouts.
+
+Megatron-LM's behaviour, in one collective per iteration: after the backward passes and
+before ``optimizer.step()`` every rank contributes a few numbers (its loss sum, its
+gradient sum, whether it received SIGTERM, whether --exit-duration-in-mins has passed)
+to one ``all_gather``. Every rank then holds the same table and reaches the same
+decision, so the whole job stops together: no rank waits for a peer that left.
+
+* A non-finite loss or gradient stops the run before the optimizer applies it and
+  before any checkpoint is written (``--check-for-nan-in-loss-and-grad``, on by
+  default). The grad norm the optimizer returns is the same on every rank, so it is
+  checked without a collective.
+* SIGTERM with ``--exit-signal-handler`` (what SLURM preemption and torchrun send), and
+  ``--exit-duration-in-mins``: finish the iteration, save, exit 0.
+* A timed-out collective or p2p transfer (a peer stopped, dead or hung) becomes one line
+  saying what the rank was doing when it timed out.
+"""
+
+import contextlib
+import math
+import signal
+import sys
+import time
+
+import torch
+
+from megatron.core import parallel_state
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient that is NaN or infinite; the message names where."""
+
+
+class TrainingTimeout(RuntimeError):
+    """A collective or p2p step outlived --distributed-timeout-minutes."""
+
+
+class _SigtermFlag:
+    """Records SIGTERM instead of dying at once (--exit-signal-handler)."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+# columns of the per-rank row gathered every iteration
+_LOSS, _GRAD, _SIGTERM, _OVERTIME, _PP, _TP, _DP = range(7)
+
+
+class IterationGuard:
+    """One all_gather per iteration decides, on every rank alike, whether to stop."""
+
+    def __init__(self, args, start_time):
+        self.args = args
+        self.start_time = start_time
+        self.check_values = args.check_for_nan_in_loss_and_grad
+        # with fp16 loss scaling, overflowing gradients are expected: the optimizer skips
+        # the step and lowers the scale (counted as skipped iterations), so only the
+        # (unscaled) loss is checked
+        self.check_grads = self.check_values and not args.fp16
+        self.sigterm = _SigtermFlag() if args.exit_signal_handler else None
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
+
+    @property
+    def needed(self):
+        return (self.check_values or self.sigterm is not None
+                or self.args.exit_duration_in_mins is not None)
+
+    def close(self):
+        if self.sigterm is not None:
+            self.sigterm.restore()
+            self.sigterm = None
+
+    def check(self, iteration, losses_reduced, model):
+        """Gather this iteration's health from every rank. Raises ``NonFiniteError`` on a
+        non-finite loss or gradient; returns the reason to exit after this iteration
+        (``"sigterm"``, ``"duration"``) or None."""
+        if not self.needed:
+            return None
+        row = torch.zeros(7, dtype=torch.float64, device=self.device)
+        if self.check_values and losses_reduced:
+            row[_LOSS] = torch.stack([x["lm loss"].view(-1)[0].double()
+                                      for x in losses_reduced]).sum()
+        if self.check_grads:
+            row[_GRAD] = _gradient_sum(model, self.device)
+        row[_SIGTERM] = float(self.sigterm is not None and self.sigterm.received)
+        minutes = (time.time() - self.start_time) / 60.0
+        row[_OVERTIME] = float(self.args.exit_duration_in_mins is not None
+                               and minutes > self.args.exit_duration_in_mins)
+        row[_PP] = parallel_state.get_pipeline_model_parallel_rank()
+        row[_TP] = parallel_state.get_tensor_model_parallel_rank()
+        row[_DP] = parallel_state.get_data_parallel_rank()
+        rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(rows, row)
+        table = torch.stack(rows).cpu().tolist()
+        if self.check_values:
+            _raise_on_non_finite(iteration, table)
+        if any(r[_SIGTERM] for r in table):
+            return "sigterm"
+        if any(r[_OVERTIME] for r in table):
+            return "duration"
+        return None
+
+    def check_grad_norm(self, iteration, grad_norm):
+        """The optimizer's grad norm is reduced over the model: equal on every rank, so
+        every rank raises alike without another collective."""
+        if self.check_values and grad_norm is not None and not math.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"grad norm is {grad_norm} at iteration {iteration} (every loss and gradient "
+                f"was finite: the norm overflowed). {_NAN_ADVICE}")
+
+
+_NAN_ADVICE = ("Stopped without saving: the latest checkpoint is the last good state. "
+               "Lower --lr, add --clip-grad, or check the data; "
+               "--no-check-for-nan-in-loss-and-grad turns this check off.")
+
+
+def _gradient_sum(model, device):
+    """Sum of every gradient this rank holds: NaN or inf if any element is (a finite
+    sum of finite gradients stays finite in float64)."""
+    sums = [param.main_grad.sum(dtype=torch.float64)
+            for chunk in model for param in chunk.parameters()
+            if getattr(param, "main_grad", None) is not None]
+    return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64,
+                                                             device=device)
+
+
+def _where(rank, row):
+    return (f"rank {rank} (pipeline stage {int(row[_PP])}, tensor rank {int(row[_TP])}, "
+            f"data rank {int(row[_DP])})")
+
+
+def _raise_on_non_finite(iteration, table):
+    problems = []
+    for rank, row in enumerate(table):
+        if not math.isfinite(row[_LOSS]):
+            problems.append(f"lm loss {row[_LOSS]} on {_where(rank, row)}")
+    for rank, row in enumerate(table):
+        if not math.isfinite(row[_GRAD]):
+            problems.append(f"gradients {row[_GRAD]} on {_where(rank, row)}")
+            break  # every rank behind a bad loss has bad gradients: name the first
+    if problems:
+        raise NonFiniteError(f"non-finite values at iteration {iteration}: "
+                             f"{'; '.join(problems)}. {_NAN_ADVICE}")
+
+
+def timeout_error(error, step, args):
+    """A ``TrainingTimeout`` naming what this rank was doing, if ``error`` is a
+    torch.distributed timeout; None otherwise."""
+    text = str(error)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return None
+    detail = text.strip().splitlines()[-1] if text.strip() else type(error).__name__
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return TrainingTimeout(
+        f"rank {rank}: {step} did not complete within --distributed-timeout-minutes "
+        f"{args.distributed_timeout_minutes:g}: a peer rank is stopped, dead or hung "
+        f"(check its log and its node); the job stops. ({detail.strip()[:300]})")
+
+
+@contextlib.contextmanager
+def stops_cleanly(args, progress):
+    """Turn the run's deliberate stops into one line and a non-zero exit: a non-finite
+    value (every rank raises alike; rank 0 prints), a timed-out distributed step (each
+    rank that timed out prints its own line: it names the rank and what it was doing)."""
+    try:
+        yield
+    except NonFiniteError as error:
+        if torch.distributed.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors
+        timeout = timeout_error(error, progress.step, args)
+        if timeout is None:
+            raise
+        print(f"error: {timeout}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,171 @@
+"""Faults injected into real training processes (torchrun, pp 2, Seq1F1B s 2): a NaN, SIGTERM
+to the launcher or to the workers, the wall-clock limit, a stopped peer. Each test asserts
+what the user sees and that no checkpoint was lost or written after the fault."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from distributed import ROOT, TINY_MODEL, _free_port
+
+PP2_SEQ1F1B = TINY_MODEL + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                            "--seq1f1b-splits", "2"]
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _torchrun(argv, extra_launcher=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), *extra_launcher, "pretrain_gpt.py", *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _kill_tree(proc)
+    return out, err
+
+
+def _kill_tree(proc):
+    """SIGKILL the launcher and the workers it started, by pid (never by name)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+def _wait_for_iteration(proc, target, timeout=120):
+    """Read the launcher's stdout until the last rank logged iteration `target`."""
+    deadline = time.time() + timeout
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        match = re.match(r" iteration\s+(\d+)/", line)
+        if match and int(match.group(1)) >= target:
+            return lines
+        assert time.time() < deadline, "training did not reach iteration %d:\n%s" % (
+            target, "".join(lines[-20:]))
+    raise AssertionError("training ended before iteration %d:\n%s" % (target, "".join(lines)))
+
+
+def _workers(proc):
+    return psutil.Process(proc.pid).children()
+
+
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def test_non_finite_loss_stops_before_saving(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "30", "--lr", "1e4", "--save", str(ckpt),
+                                    "--save-interval", "1"])
+    out, err = _finish(proc, 300)
+    assert proc.returncode != 0
+    errors = _error_lines(err)
+    assert len(errors) == 1, err[-3000:]
+    match = re.match(r"error: non-finite values at iteration (\d+): .*(nan|inf).* on rank \d "
+                     r"\(pipeline stage \d", errors[0])
+    assert match, errors[0]
+    bad = int(match.group(1))
+    assert bad >= 2, "lr 1e4 should still give a finite first iteration"
+    # the last good iteration is the latest checkpoint; nothing at or after the bad one
+    assert (ckpt / TRACKER).read_text() == str(bad - 1)
+    saved = sorted(int(p.name[len("iter_"):]) for p in ckpt.glob("iter_*"))
+    assert saved and max(saved) == bad - 1, saved
+    assert "Traceback" not in err.split("error: non-finite")[0]
+
+
+def test_check_can_be_turned_off_and_clip_grad_0_prints_no_placeholder(tmp_path):
+    proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "4", "--lr", "1e4", "--clip-grad", "0",
+                                    "--no-check-for-nan-in-loss-and-grad"])
+    out, err = _finish(proc, 300)
+    assert proc.returncode == 0, err[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith(" iteration")]
+    assert len(lines) == 4
+    assert "lm loss: nan" in lines[-1]  # it did train on through non-finite values
+    assert not any("grad norm" in line for line in lines), lines  # no norm: none printed
+
+
+@pytest.mark.parametrize("target", ["launcher", "workers"])
+def test_sigterm_saves_and_exits(tmp_path, target):
+    """SLURM preemption: SIGTERM to torchrun (it forwards SIGTERM) or to every worker."""
+    ckpt = tmp_path / "ckpt"
+    proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "100000", "--exit-signal-handler",
+                                    "--save", str(ckpt), "--save-interval", "100000"])
+    try:
+        _wait_for_iteration(proc, 3)
+        victims = [proc] if target == "launcher" else _workers(proc)
+        assert victims
+        for victim in victims:
+            victim.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _kill_tree(proc)
+    match = re.search(r"exiting at iteration (\d+): SIGTERM received", out)
+    assert match, out[-2000:] + err[-3000:]
+    stopped = int(match.group(1))
+    assert (ckpt / TRACKER).read_text() == str(stopped)
+    assert f"saved checkpoint at iteration {stopped}" in out
+    if target == "workers":
+        assert proc.returncode == 0, err[-3000:]  # workers exit 0 and so does torchrun
+    # (torchrun itself re-raises the SIGTERM it got: its own exit status is then 1)
+    # nothing lost: the next run resumes from the saved iteration
+    resume = _torchrun(PP2_SEQ1F1B + ["--train-iters", str(stopped + 1), "--load", str(ckpt),
+                                      "--save", str(ckpt)])
+    out, err = _finish(resume, 300)
+    assert resume.returncode == 0, err[-3000:]
+    assert f"loaded checkpoint from {ckpt / f'iter_{stopped:07d}'} at iteration {stopped}" in out
+
+
+def test_exit_duration_saves_and_exits(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "100000", "--exit-duration-in-mins", "0.05",
+                                    "--save", str(ckpt), "--save-interval", "100000"])
+    out, err = _finish(proc, 300)
+    assert proc.returncode == 0, err[-3000:]
+    match = re.search(r"exiting at iteration (\d+): --exit-duration-in-mins reached", out)
+    assert match, out[-2000:]
+    assert (ckpt / TRACKER).read_text() == match.group(1)
+
+
+def test_stopped_peer_ends_the_job_within_the_timeout(tmp_path):
+    """One rank SIGSTOPped: the other's p2p step times out after
+    --distributed-timeout-minutes (0.25 here: 15 s; fractions of a minute are accepted so
+    a test need not wait the 10-minute default), says so, and torchrun ends the job."""
+    proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "100000", "--distributed-timeout-minutes",
+                                    "0.25"], extra_launcher=["--shutdown-timeout", "5"])
+    stopped = None
+    try:
+        _wait_for_iteration(proc, 3)
+        stopped = _workers(proc)[-1]
+        stopped.send_signal(signal.SIGSTOP)
+        start = time.time()
+        out, err = proc.communicate(timeout=15 + 60)
+        took = time.time() - start
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.kill()
+        _kill_tree(proc)
+    assert proc.returncode != 0
+    assert took < 15 + 60
+    errors = _error_lines(err)
+    assert len(errors) == 1, err[-3000:]
+    assert re.match(r"error: rank 0: iteration \d+'s .* did not complete within "
+                    r"--distributed-timeout-minutes 0.25: a peer rank is stopped, dead or hung",
+                    errors[0]), errors[0]
