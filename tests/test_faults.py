@@ -84,6 +84,7 @@ def test_non_finite_loss_stops_before_saving(tmp_path):
     assert match, errors[0]
     bad = int(match.group(1))
     assert bad >= 2, "lr 1e4 should still give a finite first iteration"
+    assert errors[0].endswith(f"checkpoint of iteration {bad - 1} in --save {ckpt}.")
     # the last good iteration is the latest checkpoint; nothing at or after the bad one
     assert (ckpt / TRACKER).read_text() == str(bad - 1)
     saved = sorted(int(p.name[len("iter_"):]) for p in ckpt.glob("iter_*"))

@@ -18,6 +18,7 @@ decision, so the whole job stops together: no rank waits for a peer that left.
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -117,7 +118,7 @@ class IterationGuard:
                 f"was finite: the norm overflowed). {_NAN_ADVICE}")
 
 
-_NAN_ADVICE = ("Stopped without saving: the latest checkpoint is the last good state. "
+_NAN_ADVICE = ("Stopped before the optimizer step, without saving. "
                "Lower --lr, add --clip-grad, or check the data; "
                "--no-check-for-nan-in-loss-and-grad turns this check off.")
 
@@ -151,6 +152,18 @@ def _raise_on_non_finite(iteration, table):
                              f"{'; '.join(problems)}. {_NAN_ADVICE}")
 
 
+def _latest_checkpoint(args):
+    """Where the last good state is, for the non-finite message."""
+    from megatron.trainer.checkpointing import TRACKER_FILE
+
+    tracker = os.path.join(args.save, TRACKER_FILE) if args.save else None
+    if tracker is None or not os.path.isfile(tracker):
+        return "No checkpoint of this run was saved."
+    with open(tracker) as handle:
+        iteration = handle.read().strip()
+    return f"The last good state is the checkpoint of iteration {iteration} in --save {args.save}."
+
+
 def timeout_error(error, step, args):
     """A ``TrainingTimeout`` naming what this rank was doing, if ``error`` is a
     torch.distributed timeout; None otherwise."""
@@ -174,7 +187,7 @@ def stops_cleanly(args, progress):
         yield
     except NonFiniteError as error:
         if torch.distributed.get_rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(f"error: {error} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
         sys.exit(1)
     except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors
         timeout = timeout_error(error, progress.step, args)
