@@ -6,7 +6,10 @@ as written by tools/preprocess_data.py.
 """
 
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+import struct
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy
 
 
 class DataPathError(ValueError):
@@ -54,6 +57,98 @@ def _check_prefix(prefix: str) -> None:
         raise DataPathError(f"--data-path: {' and '.join(missing)} not found (a prefix names "
                             f"the .bin/.idx pair written by tools/preprocess_data.py, e.g. "
                             f"data/corpus_content_document)")
+    _check_pair(prefix)
+
+
+# megatron-core's IndexedDataset index (.idx), version 1: a 34-byte header (magic, version,
+# token dtype code, sequence count, document count), then int32 sequence lengths, int64
+# sequence byte offsets into the .bin, int64 document boundaries (sequence indices), and
+# for multimodal data one int8 mode per sequence.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = struct.Struct("<9sQBQQ")
+_REDO = "re-run tools/preprocess_data.py or copy the file again"
+_BLOCK = 1 << 22  # elements per block when comparing arrays: an .idx can be gigabytes
+
+
+def _check_pair(prefix: str) -> None:
+    """The .bin holds exactly the bytes its .idx describes. Without this, a short .bin
+    trains until a sample reaches its end (then a ValueError naming no file) and a long
+    one (an .idx of another file) trains silently on part of it."""
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    expected = _described_bin_bytes(idx_path)
+    held = os.path.getsize(bin_path)
+    if held != expected:
+        why = "truncated copy?" if held < expected else "the .idx of another file?"
+        raise DataPathError(f"--data-path: {bin_path} holds {held} bytes but {idx_path} "
+                            f"describes {expected} ({why}); {_REDO}")
+
+
+def _described_bin_bytes(idx_path: str) -> int:
+    """The .bin size an .idx describes, after checking the .idx is whole and consistent.
+    Reads the header and memory-maps the arrays: the .bin is never read."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    def bad(what: str) -> DataPathError:
+        return DataPathError(f"--data-path: {idx_path} {what}; {_REDO}")
+
+    held = os.path.getsize(idx_path)
+    if held == 0:
+        raise bad("is empty (0 bytes)")
+    with open(idx_path, "rb") as stream:
+        header = stream.read(_IDX_HEADER.size)
+    if header[:len(_IDX_MAGIC)] != _IDX_MAGIC:
+        raise bad("is not a megatron-core index (it does not start with MMIDIDX)")
+    if len(header) < _IDX_HEADER.size:
+        raise bad(f"is truncated: {held} bytes, shorter than the {_IDX_HEADER.size}-byte header")
+    _, version, code, sequences, documents = _IDX_HEADER.unpack(header)
+    if version != 1:
+        raise bad(f"has index version {version}; megatron-core reads version 1")
+    try:
+        itemsize = DType.size(code)
+    except ValueError:
+        raise bad(f"has an unknown token type code {code}") from None
+    size = _IDX_HEADER.size + sequences * (4 + 8) + documents * 8
+    if held < size:
+        raise bad(f"is truncated: its header describes {sequences} sequences and {documents} "
+                  f"documents ({size} bytes) but it holds {held} bytes")
+    if held not in (size, size + sequences):  # + one int8 mode per sequence (multimodal)
+        raise bad(f"holds {held} bytes, not the {size} its header describes")
+    if sequences == 0:
+        raise bad("describes no sequences (an empty dataset)")
+
+    buffer = numpy.memmap(idx_path, mode="r")
+    lengths = numpy.frombuffer(buffer, numpy.int32, sequences, _IDX_HEADER.size)
+    pointers = numpy.frombuffer(buffer, numpy.int64, sequences,
+                                _IDX_HEADER.size + lengths.nbytes)
+    bounds = numpy.frombuffer(buffer, numpy.int64, documents,
+                              _IDX_HEADER.size + lengths.nbytes + pointers.nbytes)
+    _check_lengths(lengths, bad)
+    if pointers[0] != 0 or not all(
+            numpy.array_equal(numpy.diff(pointers[a:b + 1]),
+                              lengths[a:b].astype(numpy.int64) * itemsize)
+            for a, b in _blocks(sequences - 1)):
+        raise bad("is malformed: its sequence offsets do not follow its sequence lengths")
+    if documents == 0 or bounds[0] != 0 or bounds[-1] != sequences or not all(
+            (numpy.diff(bounds[a:b + 1]) >= 0).all() for a, b in _blocks(documents - 1)):
+        raise bad(f"is malformed: its document boundaries do not run from 0 to its "
+                  f"{sequences} sequences")
+    return int(pointers[-1]) + int(lengths[-1]) * itemsize
+
+
+def _check_lengths(lengths: numpy.ndarray, bad: Callable[[str], DataPathError]) -> None:
+    # megatron-core 0.16.1's GPTDataset spins forever over a zero-length sequence
+    shortest = int(lengths.min())
+    if shortest < 0:
+        raise bad(f"is malformed: sequence {int(lengths.argmin())} has length {shortest}")
+    if shortest == 0:
+        raise bad(f"holds an empty sequence (number {int(lengths.argmin())}), on which "
+                  f"megatron-core's GPT dataset loops forever")
+
+
+def _blocks(count: int) -> Iterator[Tuple[int, int]]:
+    """[begin, end) ranges covering range(count), _BLOCK at a time (bounded memory)."""
+    for begin in range(0, count, _BLOCK):
+        yield begin, min(begin + _BLOCK, count)
 
 
 def check_splits(prefixes: Sequence[str], split: str) -> None:
