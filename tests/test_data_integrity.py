@@ -156,3 +156,23 @@ def test_empty_idx(data, tmp_path):
     open(f"{prefix}.idx", "wb").close()
     with pytest.raises(DataPathError, match="is empty"):
         parse_data_path([str(prefix)])
+
+
+@pytest.mark.parametrize("offset, value, words", [
+    (None, None, None),  # a healthy pair passes block by block
+    (34 + 40 * 4 + 39 * 8, 1, "offsets do not follow"),  # the last offset, a block edge
+    (34 + 40 * 4 + 40 * 8 + 14 * 8, 10**6, "document boundaries"),
+])
+def test_arrays_are_checked_in_blocks(data, tmp_path, monkeypatch, offset, value, words):
+    """The arrays are compared a block at a time (an .idx can be gigabytes): a mismatch
+    on or beside a block edge is found."""
+    import megatron.dataprep.gpt_datasets as gpt_datasets
+
+    monkeypatch.setattr(gpt_datasets, "_BLOCK", 7)
+    prefix = copy_pair(data[0], tmp_path / "blocks")
+    if offset is None:
+        assert parse_data_path([str(prefix)]) == ([str(prefix)], None)
+        return
+    rewrite_idx(prefix, offset, "<q", value)
+    with pytest.raises(DataPathError, match=words):
+        parse_data_path([str(prefix)])
