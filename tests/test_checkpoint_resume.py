@@ -1,10 +1,11 @@
-"""Checkpoints: a resumed run prints the losses of an uninterrupted one; bad loads fail clearly."""
+"""Checkpoints: a resumed run prints the losses of an uninterrupted one, with the plain and
+the distributed optimizer, into the same or another parallel layout; bad loads fail clearly."""
 
 import os
 import subprocess
 import sys
 
-from distributed import ROOT, TINY_MODEL, assert_close_series, run_configs
+from distributed import ROOT, TINY_MODEL, assert_close_series, assert_params_close, run_configs
 
 # dropout on: resuming must restore the RNG streams too, not just weights and Adam state
 FLAGS = [f for f in TINY_MODEL] + [
@@ -35,6 +36,45 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert_close_series(results["second_half"]["validation_losses"], valid[1:], 1e-6,
                         "validation after resume")
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+# dropout off: the resharded runs draw other RNG streams, yet must match the same losses
+DISTOPT = TINY_MODEL + [
+    "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", "6",
+    "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
+    "--use-distributed-optimizer",
+]
+PP2_SPLITS2 = ["--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "2"]
+
+
+def test_distributed_optimizer_resumes_and_reshards(tmp_path):
+    """Saved by dp 2 x pp 2 (Seq1F1B, 2 splits) with the distributed optimizer; resumed in
+    the same layout, in dp 1 x pp 2, in tp 2 and in one process: every one continues
+    the uninterrupted run's losses and ends with its parameters."""
+    ckpt = tmp_path / "ckpt"
+    resume = DISTOPT + ["--load", str(ckpt)]
+    results = run_configs(tmp_path, 4, [
+        {"name": "straight", "argv": DISTOPT + PP2_SPLITS2, "params": True},
+        {"name": "first_half", "argv": DISTOPT + PP2_SPLITS2 + [
+            "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"]},
+        {"name": "dp2_pp2", "argv": resume + PP2_SPLITS2, "params": True},
+    ])
+    results.update(run_configs(tmp_path, 2, [
+        {"name": "dp1_pp2", "argv": resume + PP2_SPLITS2, "params": True},
+        {"name": "tp2", "argv": resume + ["--tensor-model-parallel-size", "2"],
+         "params": True},
+    ]))
+    results.update(run_configs(tmp_path, 1, [
+        {"name": "pp1", "argv": resume, "params": True},
+    ]))
+    straight = results["straight"]
+    assert len(straight["losses"]) == 6 and len(set(straight["losses"])) == 6
+    assert_close_series(results["first_half"]["losses"], straight["losses"][:3], 1e-6,
+                        "before save")
+    for name, rtol in (("dp2_pp2", 1e-6), ("dp1_pp2", 1e-5), ("tp2", 1e-5), ("pp1", 1e-5)):
+        assert_close_series(results[name]["losses"], straight["losses"][3:], rtol,
+                            f"{name} after resume")
+        assert_params_close(results[name]["params"], straight["params"])
 
 
 def _pretrain(tmp_path, argv):

@@ -6,10 +6,45 @@ scheduler, iteration, consumed samples, model-shape flags, RNG states) and
 with one parallel layout loads into another when megatron-core can reshard it
 (the RNG states are then not restored); another model shape is refused with the
 flags that differ.
+
+With ``--use-distributed-optimizer`` the optimizer state is saved in megatron-core's
+``fully_reshardable`` format: one tensor per parameter in the model's own sharding, so
+it reshards across tensor, pipeline and data-parallel sizes like the model does. A
+checkpoint only loads its optimizer state into a run with the same optimizer kind
+(``--no-load-optim`` loads the weights into either).
+
+What a save guarantees, in order:
+
+1. Every rank writes into ``iter_N.incomplete/`` (rank 0 first clears any leftover of
+   a killed save there).
+2. Every rank hashes a share of the files; rank 0 writes ``checksums.json`` (name ->
+   size and sha256 of every file) into it.
+3. Rank 0 renames the directory to ``iter_N/`` (replacing an older ``iter_N/``), then
+   replaces the tracker file atomically.
+
+So a save that dies half-way is never the latest checkpoint, never looks like a
+finished ``iter_N/``, and does not stop the next save of the same iteration. A load
+checks sizes and checksums first and names the damaged file in one line. An ``iter_N/``
+without ``checksums.json`` comes from an older version of this code (the manifest is
+written before the rename): under a tracker it was completed, so it loads after a
+structural check (every file ``.metadata`` references is present and long enough) with
+a printed "not verified" warning.
+
+The ``--save`` directory belongs to one run at a time: ``claim_save_dir`` takes an
+exclusive ``flock`` on ``<dir>/.lock`` (the kernel drops it when the holder dies, so a
+killed run never leaves the directory stuck) and refuses to write into a directory
+holding checkpoints that this run neither resumes from nor can identify.
 """
 
+import fcntl
+import hashlib
+import json
 import os
 import random
+import re
+import shutil
+import socket
+import time
 
 import numpy as np
 import torch
@@ -19,6 +54,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "checksums.json"
+LOCK_FILE = ".lock"
+STAGING_SUFFIX = ".incomplete"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+# the distributed optimizer's format that reshards across tp, pp and dp
+DISTRIBUTED_OPTIMIZER_FORMAT = "fully_reshardable"
 
 # Flags that define the model's shape: a checkpoint only loads into the same values.
 MODEL_SHAPE_FLAGS = (
@@ -35,6 +76,25 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_dir(root, iteration):
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank():
+    return torch.distributed.get_rank()
+
+
+def _exit(message):
+    """Stop every rank with one printed line: every rank reached the same decision, and
+    only rank 0 says it."""
+    raise SystemExit(f"error: {message}" if _rank() == 0 else 1)
+
+
+def _agree(message):
+    """Every rank stops if any rank has a message (the first rank's is printed)."""
+    messages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, message)
+    problems = [m for m in messages if m]
+    if problems:
+        _exit(problems[0])
 
 
 def _layout():
@@ -74,6 +134,58 @@ def _model_key(model, index):
     return "model" if len(model) == 1 else f"model{index}"
 
 
+def _fill_empty_adam_state(optimizer):
+    """Zero Adam state for parameters that have not stepped yet, so that megatron-core's
+    distributed optimizer can describe (and then load into) it: its state_dict() reads
+    every parameter's "step", which torch's Adam only creates at the first step."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param].update(step=torch.tensor(0.0),
+                                              exp_avg=torch.zeros_like(param),
+                                              exp_avg_sq=torch.zeros_like(param))
+
+
+def _optimizer_state(args, optimizer, model_sd, loading):
+    if args.use_distributed_optimizer:
+        if loading:
+            _fill_empty_adam_state(optimizer)
+        # megatron-core's default for it stores flattened ranges, which torch_dist
+        # checkpoints no longer support; this format is the model's own sharding.
+        # "mem_efficient" gathers over the gloo data-parallel group (the other path
+        # moves tensors to CUDA): data-parallel rank 0 writes the state
+        metadata = {"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_FORMAT,
+                    "distrib_optim_fully_reshardable_mem_efficient": True}
+        return optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
+    return optimizer.sharded_state_dict(model_sd, is_loading=loading)
+
+
+def _load_optimizer(args, optimizer, state):
+    if not args.use_distributed_optimizer:
+        optimizer.load_state_dict(state)
+        return
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [state] if len(parts) == 1 else [state[key] for key in sorted(state)]
+    for part, part_state in zip(parts, states):
+        # megatron-core (0.16 to 0.19) copies every Adam state entry of a parameter, "step"
+        # included, from the fully_reshardable tensors, which hold no "step": load the
+        # param groups (the steps), then the tensors with the steps set aside
+        param_state = part_state.pop("param_state")
+        part_state.pop("param_state_sharding_type")
+        part.load_state_dict(part_state)
+        steps = {param: entry.pop("step") for param, entry in part.optimizer.state.items()
+                 if "step" in entry}
+        try:
+            part.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            # its load gives every parameter one shared "step" tensor, which torch's
+            # (single-tensor) Adam would then advance once per parameter per step
+            for param, step in steps.items():
+                part.optimizer.state[param]["step"] = step.clone()
+
+
 def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng,
                         loading=False, with_optimizer=True):
     # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual stages (their
@@ -87,31 +199,196 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "consumed_samples": consumed,
         "model_shape": {flag: getattr(args, flag) for flag in MODEL_SHAPE_FLAGS},
         "layout": list(_layout()),
+        "distributed_optimizer": bool(args.use_distributed_optimizer),
     }
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd["model"] if len(model) == 1 else model_sd, is_loading=loading)
+        state["optimizer"] = _optimizer_state(
+            args, optimizer, model_sd["model"] if len(model) == 1 else model_sd, loading)
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
 
 
+# ---------------------------------------------------------------- manifest (checksums)
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _checkpoint_files(directory):
+    return sorted(name for name in os.listdir(directory)
+                  if name != MANIFEST_FILE and os.path.isfile(os.path.join(directory, name)))
+
+
+def _my_share(names):
+    """The files this rank hashes: the work is spread over all ranks."""
+    return names[_rank()::torch.distributed.get_world_size()]
+
+
+def _write_manifest(directory):
+    """Collective: every rank hashes its share, rank 0 writes ``checksums.json``."""
+    names = [_checkpoint_files(directory) if _rank() == 0 else None]
+    torch.distributed.broadcast_object_list(names, src=0)
+    mine = {}
+    for name in _my_share(names[0]):
+        path = os.path.join(directory, name)
+        mine[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    shares = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shares, mine)
+    if _rank() == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        _write_atomically(os.path.join(directory, MANIFEST_FILE),
+                          json.dumps({"files": files}, indent=1, sort_keys=True))
+
+
+def _write_atomically(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)  # never a torn file
+
+
+def _file_problem(directory, name, entry):
+    """What is wrong with one file the manifest lists, or None."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return f"{name} is missing"
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        kind = "truncated" if size < entry["size"] else "longer than saved"
+        return f"{name} is {kind} ({size} bytes, the save wrote {entry['size']})"
+    if _sha256(path) != entry["sha256"]:
+        return f"{name} does not match its checksum (its bytes changed after the save)"
+    return None
+
+
+def _read_manifest(directory):
+    """(files, problem): the manifest's entries, None if there is none, or a problem."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.exists(path):
+        return None, None
+    try:
+        with open(path) as handle:
+            files = json.load(handle)["files"]
+        if not all(isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+                   for e in files.values()):
+            raise ValueError("bad entry")
+        return files, None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None, f"{MANIFEST_FILE} is unreadable"
+
+
+def _structure_problem(directory):
+    """For a checkpoint without manifest: what dist_checkpointing's files miss, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with open(os.path.join(directory, "metadata.json")) as handle:
+            if "sharded_backend" not in json.load(handle):
+                raise ValueError
+    except FileNotFoundError:
+        return "metadata.json is missing (not a dist_checkpointing checkpoint)"
+    except (OSError, ValueError, TypeError):
+        return "metadata.json is unreadable (not a dist_checkpointing checkpoint)"
+    if not os.path.isfile(os.path.join(directory, "common.pt")):
+        return "common.pt is missing"
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception:  # any unpickling error: the file is damaged
+        return ".metadata is missing or unreadable"
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) < length:
+            return (f"{name} is truncated ({os.path.getsize(path)} bytes, .metadata "
+                    f"needs {length})")
+    return None
+
+
+def _verify(root, path):
+    """Collective: check the checkpoint's files before any rank reads them; every rank
+    stops together on a damaged one."""
+    found = [None]
+    if _rank() == 0:
+        files, problem = _read_manifest(path)
+        if problem is None and files is None:
+            problem = _structure_problem(path)
+            if problem is None:
+                print(f"  warning: {path} has no {MANIFEST_FILE} (saved by an older "
+                      f"version): its files are not verified", flush=True)
+        found[0] = (files or {}, problem)
+    torch.distributed.broadcast_object_list(found, src=0)
+    files, problem = found[0]
+    names = sorted(files)
+    problems = [p for p in (_file_problem(path, n, files[n]) for n in _my_share(names)) if p]
+    _agree(_damaged(root, path, problem or (problems[0] if problems else None)))
+
+
+def _damaged(root, path, problem):
+    if problem is None:
+        return None
+    others = [n for n in _iteration_dirs(root) if n != os.path.basename(path)]
+    choice = (f"write an earlier iteration ({', '.join(others)}) into "
+              f"{os.path.join(root, TRACKER_FILE)}" if others else
+              "start again without this --load")
+    return f"--load {root}: checkpoint {path} is damaged: {problem}; {choice}"
+
+
+# ---------------------------------------------------------------- save
+
+def _remove(path):
+    if os.path.lexists(path):
+        shutil.rmtree(path)
+
+
+def _move_into_place(staging, final):
+    """Rank 0: the finished checkpoint takes its name (replacing an older one of the
+    same iteration, e.g. a --train-iters 0 run saving what it loaded)."""
+    old = final + ".replaced"
+    _remove(old)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(staging, final)
+    _remove(old)
+
+
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
-    path = checkpoint_dir(args.save, iteration)
-    if torch.distributed.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
+    final = checkpoint_dir(args.save, iteration)
+    staging = final + STAGING_SUFFIX
+    if _rank() == 0:
+        _remove(staging)  # what a killed save left behind
+        os.makedirs(staging)
     torch.distributed.barrier()
     state = _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed_samples,
                                 with_rng=True)
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save(state, staging)
     torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        tmp = os.path.join(args.save, TRACKER_FILE + ".tmp")
-        with open(tmp, "w") as handle:
-            handle.write(str(iteration))
-        os.replace(tmp, os.path.join(args.save, TRACKER_FILE))  # atomic: never a torn tracker
-        print(f"  saved checkpoint at iteration {iteration} to {path}", flush=True)
+    _write_manifest(staging)
+    if _rank() == 0:
+        _move_into_place(staging, final)
+        _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
+        print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
     torch.distributed.barrier()
+
+
+# ---------------------------------------------------------------- load
+
+def _iteration_dirs(root):
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for name in os.listdir(root)
+                  if _ITER_DIR.match(name) and os.path.isdir(os.path.join(root, name)))
 
 
 def _latest_iteration(root):
@@ -124,53 +401,176 @@ def _latest_iteration(root):
     return int(text)
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
-    """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists."""
-    iteration = _latest_iteration(args.load) if os.path.isdir(args.load) else None
-    if iteration is None:
-        # --load == --save is Megatron-LM's resume-or-start idiom; anything else is a mistake
-        if args.exit_on_missing_checkpoint or os.path.abspath(args.load) != os.path.abspath(
-                args.save or ""):
-            raise SystemExit(f"error: --load {args.load}: no checkpoint there "
-                             f"({TRACKER_FILE} missing); check the path or drop --load")
-        if torch.distributed.get_rank() == 0:
-            print(f"  no checkpoint in --load {args.load} yet; starting from scratch",
-                  flush=True)
-        return 0, 0
-    path = checkpoint_dir(args.load, iteration)
-    if not os.path.isdir(path):
-        raise SystemExit(f"error: --load {args.load}: {TRACKER_FILE} names iteration "
-                         f"{iteration} but {path} does not exist")
-    common = dist_checkpointing.load_common_state_dict(path)
+def _no_tracker(root):
+    """The one-line refusal for checkpoints without a tracker file naming the latest."""
+    found = _iteration_dirs(root)
+    return (f"{root} holds {', '.join(found)} but no {TRACKER_FILE} (a save was interrupted "
+            f"or the file was deleted): write the iteration to resume from (e.g. "
+            f"{int(_ITER_DIR.match(found[-1]).group(1))}) into {os.path.join(root, TRACKER_FILE)}"
+            f", or use another --save")
+
+
+def _check_model_shape(args, path, common):
     saved_shape = common.get("model_shape", {})
     differ = [f"--{flag.replace('_', '-')} saved {saved_shape[flag]!r}, now "
               f"{getattr(args, flag)!r}"
               for flag in MODEL_SHAPE_FLAGS
               if flag in saved_shape and saved_shape[flag] != getattr(args, flag)]
     if differ:
-        raise SystemExit(f"error: --load {path} holds another model shape: " + "; ".join(differ))
+        _exit(f"--load {path} holds another model shape: " + "; ".join(differ))
+
+
+def _check_optimizer_kind(args, path, common):
+    saved = bool(common.get("distributed_optimizer", False))
+    if args.no_load_optim or saved == bool(args.use_distributed_optimizer):
+        return
+    with_, without = "with", "without"
+    _exit(f"--load {path} was saved {with_ if saved else without} "
+          f"--use-distributed-optimizer and this run is {without if saved else with_} it: "
+          f"its optimizer state does not load; match the flag, or pass --no-load-optim to "
+          f"load the weights only")
+
+
+def _unreadable(root, path, error):
+    detail = str(error).strip().splitlines()
+    detail = detail[-1] if detail else type(error).__name__
+    return _damaged(root, path, f"{type(error).__name__}: {detail[:300]}")
+
+
+def load_checkpoint(args, model, optimizer, scheduler):
+    """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists."""
+    try:
+        iteration = _latest_iteration(args.load) if os.path.isdir(args.load) else None
+    except CheckpointError as error:
+        _exit(str(error))
+    if iteration is None:
+        if _iteration_dirs(args.load):
+            _exit(f"--load {_no_tracker(args.load)}")
+        # --load == --save is Megatron-LM's resume-or-start idiom; anything else is a mistake
+        if args.exit_on_missing_checkpoint or os.path.abspath(args.load) != os.path.abspath(
+                args.save or ""):
+            _exit(f"--load {args.load}: no checkpoint there "
+                  f"({TRACKER_FILE} missing); check the path or drop --load")
+        if _rank() == 0:
+            print(f"  no checkpoint in --load {args.load} yet; starting from scratch",
+                  flush=True)
+        return 0, 0
+    path = checkpoint_dir(args.load, iteration)
+    if not os.path.isdir(path):
+        _exit(f"--load {args.load}: {TRACKER_FILE} names iteration "
+              f"{iteration} but {path} does not exist")
+    _verify(args.load, path)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as error:  # verified files that still do not load: say which
+        _exit(_unreadable(args.load, path, error))
+    _check_model_shape(args, path, common)
+    _check_optimizer_kind(args, path, common)
     same_layout = list(common.get("layout", [])) == list(_layout())
     load_rng = same_layout and not args.no_load_rng
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=not args.no_load_optim)
-    state = dist_checkpointing.load(template, path)
+    try:
+        state = dist_checkpointing.load(template, path)
+    except Exception as error:
+        _exit(_unreadable(args.load, path, error))
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(state[_model_key(model, i)])
     if not args.no_load_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(args, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
-        rng = state["rng_state"]
-        random.setstate(rng["random"])
-        np.random.set_state(rng["np"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        get_cuda_rng_tracker().set_states(rng["tracker"])
-    if torch.distributed.get_rank() == 0:
+        _restore_rng(state["rng_state"])
+    if _rank() == 0:
         note = "" if same_layout else " (parallel layout changed: resharded, RNG not restored)"
         print(f"  loaded checkpoint from {path} at iteration {state['iteration']}{note}",
               flush=True)
     return state["iteration"], state["consumed_samples"]
+
+
+def _restore_rng(rng):
+    random.setstate(rng["random"])
+    np.random.set_state(rng["np"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+# ---------------------------------------------------------------- the --save directory
+
+_held = {}  # absolute --save path -> the open lock file (rank 0 only)
+
+
+def _take_lock(directory):
+    """Rank 0: flock <dir>/.lock for this process's lifetime, or say who holds it."""
+    path = os.path.join(directory, LOCK_FILE)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not written its name yet"
+        handle.close()
+        return (f"--save {directory} is in use by another run ({holder}, holding "
+                f"{path}): wait for it to end, or use another --save")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _held[os.path.abspath(directory)] = handle
+    return None
+
+
+def _overwrite_problem(args):
+    """Rank 0: why this run must not write into --save, or None."""
+    found = _iteration_dirs(args.save)
+    if not found:
+        return None
+    if not os.path.isfile(os.path.join(args.save, TRACKER_FILE)):
+        return f"--save {_no_tracker(args.save)}"
+    if args.load is None or os.path.abspath(args.load) != os.path.abspath(args.save):
+        loads = f"--load {args.load}" if args.load else "no --load"
+        return (f"--save {args.save} already holds checkpoints ({', '.join(found)}) and this "
+                f"run ({loads}) does not resume from them, so it would overwrite them: pass "
+                f"--load {args.save} to resume, or use another --save")
+    return None
+
+
+def claim_save_dir(args):
+    """Collective, before loading: make --save this run's (lock, no foreign checkpoints).
+    Every rank stops together, with one line, if it cannot."""
+    if not args.save:
+        return
+    problem = None
+    if _rank() == 0:
+        _release_all()  # a previous run of this process that stopped without releasing
+        try:
+            os.makedirs(args.save, exist_ok=True)
+            problem = _take_lock(args.save) or _overwrite_problem(args)
+        except OSError as error:
+            problem = f"--save {args.save}: cannot use it ({error.strerror}); check the path"
+        if problem is not None:
+            _release_all()
+    _agree(problem)
+
+
+def release_save_dir(args):
+    """Give --save back (the same process may train another configuration next)."""
+    if args.save and torch.distributed.is_initialized() and _rank() == 0:
+        handle = _held.pop(os.path.abspath(args.save), None)
+        if handle is not None:
+            _unlock(handle)
+
+
+def _release_all():
+    while _held:
+        _unlock(_held.popitem()[1])
+
+
+def _unlock(handle):
+    fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    handle.close()
