@@ -6,11 +6,17 @@ decode, parse and tokenize. Flags follow Megatron-LM's tool.
 
 import argparse
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
+import time
 import warnings
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
 from megatron.dataprep.inputs import InputError, check_columns, iter_chunks, resolve_inputs
@@ -142,11 +148,20 @@ def load_tokenizer(args):
 _ENCODER = None
 
 
-def _init_worker(spec: dict) -> None:
+def _init_worker(spec: dict, main_pid: int) -> None:
     global _ENCODER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers means cores
+    threading.Thread(target=_exit_with, args=(main_pid,), daemon=True).start()
     _ENCODER = _make_encoder(spec)
+
+
+def _exit_with(main_pid: int) -> None:
+    # A main process killed with SIGKILL cannot stop its workers, and they would wait for
+    # tasks forever: each one leaves once it is re-parented.
+    while os.getppid() == main_pid:
+        time.sleep(1)
+    os._exit(1)
 
 
 def _encode_chunk(chunk):
@@ -166,48 +181,147 @@ def _make_encoder(spec: dict):
                         append_eod=spec["append_eod"], splitter=splitter)
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended without returning its task (killed, out of memory, crashed)."""
+
+
+# Why concurrent.futures rather than multiprocessing.Pool: Pool silently replaces a dead
+# worker and the task it held never completes, so the main process waited forever. The
+# executor notices a dead worker and fails every pending task with BrokenProcessPool.
+_POLL_S = 0.5  # how often the main process looks at its workers while it waits
+_GRACE_S = 3.0  # how long the executor gets to report a dead worker before we do
+
+
+class _Workers:
+    """Forked encoding processes; results by future, a dead worker raises WorkerDied."""
+
+    def __init__(self, workers: int, spec: dict):
+        before = set(multiprocessing.active_children())
+        with _fork_environment():
+            self.executor = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("fork"),
+                initializer=_init_worker, initargs=(spec, os.getpid()))
+            # CPython forks every worker at the first submit when the context is fork;
+            # doing it here forks them under _fork_environment and lets us list them.
+            self.executor.submit(os.getpid)
+        self.processes = [p for p in multiprocessing.active_children() if p not in before]
+        self._death_seen_at = None
+        self._ended_first = []
+
+    def submit(self, chunk):
+        try:
+            return self.executor.submit(_encode_chunk, chunk)
+        except BrokenProcessPool:
+            raise WorkerDied() from None
+
+    def result(self, future):
+        while True:
+            try:
+                return future.result(timeout=_POLL_S)
+            except FutureTimeout:
+                self._check_alive()
+            except BrokenProcessPool:
+                raise WorkerDied() from None
+
+    def _check_alive(self) -> None:
+        # Safety net for the case the executor cannot see: a worker killed while sending
+        # its result leaves half a message that the executor's reader waits on forever.
+        if all(p.exitcode is None for p in self.processes):
+            return
+        now = time.monotonic()
+        self._death_seen_at = self._death_seen_at or now
+        if now - self._death_seen_at > _GRACE_S:
+            raise WorkerDied()
+
+    def close(self) -> None:
+        """Finish the tasks already running (at most one window), then end the workers."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def kill(self) -> None:
+        """Stop now: on an interrupt, or when a worker died and the pool may be stuck."""
+        # The main process's end of the result pipe (a CPython internal, hence getattr):
+        # once it and every worker are gone, a half-sent result reads as end-of-file and
+        # the executor's thread stops instead of waiting for the rest of the message.
+        writer = getattr(getattr(self.executor, "_result_queue", None), "_writer", None)
+        # Who had died before we kill anyone (exit codes are read once all are reaped).
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], 0)
+        self._ended_first = [p for p in self.processes if p.sentinel in ended]
+        for p in self.processes:
+            p.kill()
+        for p in self.processes:
+            p.join(timeout=5)
+        if writer is not None:
+            writer.close()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def death_line(self) -> str:
+        """What happened to the worker that died, for the one-line error."""
+        dead = [p for p in self._ended_first if p.exitcode not in (None, 0)]
+        # After one death the executor ends the others with SIGTERM: prefer another cause.
+        p = next((p for p in dead if p.exitcode != -signal.SIGTERM), dead[0] if dead else None)
+        if p is None:
+            return "a preprocessing worker died"
+        if p.exitcode > 0:
+            how = f"exited with code {p.exitcode}"
+        else:
+            how = f"killed by signal {-p.exitcode}{_signal_name(-p.exitcode)}"
+            if p.exitcode == -signal.SIGKILL:
+                how += ", out of memory?"
+        return f"a preprocessing worker (pid {p.pid}) died ({how})"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f" ({signal.Signals(number).name})"
+    except ValueError:  # a real-time signal has no name
+        return ""
+
+
 @contextmanager
-def _worker_pool(workers: int, spec: dict):
-    # Forked workers inherit the imports. TOKENIZERS_PARALLELISM set at fork time keeps
-    # HF tokenizers from warning about a fork after the parent used its thread pool.
+def _fork_environment():
+    # TOKENIZERS_PARALLELISM set at fork time keeps HF tokenizers from warning about a fork
+    # after the parent used its thread pool. Workers must die on SIGTERM: forked with the
+    # main process's SIGTERM -> KeyboardInterrupt handler they could hang in a queue lock.
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Workers must die on the SIGTERM that Pool.terminate() sends: forked with the main
-    # process's SIGTERM -> KeyboardInterrupt handler they can hang in the task queue's
-    # lock instead, and terminate() then waits for them forever.
     old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,))
+        yield
     finally:
         signal.signal(signal.SIGTERM, old_term)
         if old is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = old
-    # Only an interrupt terminates the pool. CPython's Pool.terminate() can hang for good
-    # (its task-handler thread blocked on the task queue's lock after the workers are
-    # killed; seen in this project's strict-mode test), so on any other error, as on
-    # success, the pool is closed and joined: at most the bounded window of chunks
-    # already sent (`_ordered`) is finished first.
+
+
+@contextmanager
+def _worker_pool(workers: int, spec: dict):
+    pool = _Workers(workers, spec)
     try:
         yield pool
+    except WorkerDied:
+        pool.kill()
+        raise WorkerDied(f"{pool.death_line()}; no output written, rerun") from None
     except KeyboardInterrupt:
-        pool.terminate()
+        pool.kill()
         raise
-    finally:
+    except BaseException:
+        pool.close()  # an error in the main process: the workers are fine, let them finish
+        raise
+    else:
         pool.close()
-        pool.join()
 
 
 def _ordered(pool, chunks, window: int):
     """Results in input order, with at most `window` chunks in flight (bounded memory)."""
     pending = deque()
     for chunk in chunks:
-        pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+        pending.append(pool.submit(chunk))
         if len(pending) >= window:
-            yield pending.popleft().get()
+            yield pool.result(pending.popleft())
     while pending:
-        yield pending.popleft().get()
+        yield pool.result(pending.popleft())
 
 
 # ---- the run --------------------------------------------------------------------------
@@ -224,6 +338,8 @@ def run(args, sources, tokenizer):
                 append_eod=args.append_eod, split_sentences=args.split_sentences,
                 keep_newlines=args.keep_newlines)
     report = Report(args.json_keys, args.log_interval)
+    for key in args.json_keys:
+        _remove_leftovers(output_prefix(args, key))
     writers = {}
     try:
         for key in args.json_keys:
@@ -245,6 +361,20 @@ def run(args, sources, tokenizer):
         raise
     report.summary({k: output_prefix(args, k) for k in args.json_keys})
     return report
+
+
+def _remove_leftovers(prefix: str) -> None:
+    """Delete the temporary files of a killed run; name each one, and any still in use."""
+    from megatron.dataprep.writer import leftover_temporaries
+
+    for path, pid, running in leftover_temporaries(prefix):
+        if running:
+            print(f"{PROG}: warning: left {path} alone: process {pid} is running (another "
+                  f"run writing the same --output-prefix?)", file=sys.stderr)
+        else:
+            os.remove(path)
+            print(f"{PROG}: removed leftover temp file {path} from an interrupted run",
+                  file=sys.stderr)
 
 
 def _consume(result, source, writers, report, strict: bool) -> None:
@@ -279,8 +409,12 @@ def _quiet():
         yield
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
 
 
 def main(argv=None) -> int:
@@ -291,15 +425,16 @@ def main(argv=None) -> int:
     except (UsageError, InputError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up on kill too
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated)  # clean up on kill too
     try:
         run(args, sources, tokenizer)
-    except DataError as exc:
+    except (DataError, WorkerDied) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; temporary files removed, nothing written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what = "stopped by SIGTERM" if isinstance(exc, _Terminated) else "interrupted"
+        print(f"{PROG}: {what}; temporary files removed, nothing written", file=sys.stderr)
+        return 128 + signal.SIGTERM if isinstance(exc, _Terminated) else 130
     finally:
         signal.signal(signal.SIGTERM, old_term)
     return 0

@@ -5,12 +5,18 @@ them (index written, both synced) and `publish` renames them into place, `.idx` 
 removing any older `.idx` first. A run that dies at any point therefore never leaves a
 `.bin` beside an `.idx` that does not describe it. With several outputs, finalize them all
 before publishing any, so that a late failure rarely leaves some published and some not.
+A run killed outright (SIGKILL, power loss) leaves its temporary files behind, named after
+its process id; `leftover_temporaries` finds them for the next run to remove.
 """
 
+import glob
 import os
-from typing import Sequence
+from typing import List, Sequence, Tuple
 
 import numpy
+
+
+_TMP_TAG = ".tmp-"
 
 
 class AtomicIndexedWriter:
@@ -19,7 +25,7 @@ class AtomicIndexedWriter:
 
         self.bin_path = path_prefix + ".bin"
         self.idx_path = path_prefix + ".idx"
-        tag = f".tmp-{os.getpid()}"
+        tag = f"{_TMP_TAG}{os.getpid()}"
         self._tmp_bin = self.bin_path + tag
         self._tmp_idx = self.idx_path + tag
         self._builder = IndexedDatasetBuilder(self._tmp_bin, dtype=dtype)
@@ -52,6 +58,30 @@ class AtomicIndexedWriter:
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)
+
+
+def leftover_temporaries(path_prefix: str) -> List[Tuple[str, int, bool]]:
+    """(path, pid, pid still running) of each temporary file some run left for this prefix."""
+    found = []
+    for ext in (".bin", ".idx"):
+        pattern = glob.escape(path_prefix + ext + _TMP_TAG) + "*"
+        for path in sorted(glob.glob(pattern)):
+            pid = path.rsplit(_TMP_TAG, 1)[1]
+            if pid.isdigit():
+                found.append((path, int(pid), _running(int(pid))))
+    return found
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():  # an earlier run in this same process (tests): not a live writer
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _fsync(path: str) -> None:
