@@ -1,0 +1,265 @@
+"""Faults injected into checkpoints and --save directories, seen through real processes.
+
+A damaged checkpoint (a truncated, missing or rewritten file) stops the load with one
+line naming the file; a save killed at any moment never becomes the latest checkpoint nor
+blocks the next save; checkpoints without a tracker, or of another run, are not
+overwritten; a --save directory held by a live run is refused, and freed when it dies.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+from distributed import ROOT, TINY_MODEL, _free_port, run_configs
+
+BASE = TINY_MODEL + ["--global-batch-size", "2"]
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER2 = "iter_0000002"
+
+
+def _env():
+    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", RANK="0",
+                WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def _pretrain(argv, timeout=300):
+    return subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _start(argv, world_size=1):
+    if world_size == 1:
+        cmd, env = [sys.executable, "pretrain_gpt.py"] + argv, _env()
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(world_size), "--master-port", str(_free_port()), "pretrain_gpt.py"] + argv
+        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill_tree(proc):
+    """SIGKILL a run and then what it started, by pid: megatron-core's checkpoint writer
+    leaves a multiprocessing manager behind a killed run, holding its output pipes."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.communicate(timeout=60)
+
+
+def _one_error(proc_stderr):
+    """The single 'error:' line the user sees, and no Python traceback of ours."""
+    errors = [line for line in proc_stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc_stderr[-3000:]
+    assert 'File "' + os.path.join(ROOT, "megatron") not in proc_stderr, proc_stderr[-3000:]
+    return errors[0]
+
+
+def _wait_for(proc, pattern, timeout=120):
+    """Read `proc`'s stdout until a line matches; returns the match."""
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        match = re.search(pattern, line)
+        if match:
+            return match
+        assert time.time() < deadline, f"no {pattern!r} within {timeout}s"
+    raise AssertionError(f"the run ended before printing {pattern!r}: {proc.stderr.read()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """Checkpoints of iterations 1 and 2 (tracker: 2), saved once for every case."""
+    directory = tmp_path_factory.mktemp("pristine") / "ckpt"
+    saved = _pretrain(BASE + ["--train-iters", "2", "--save-interval", "1",
+                              "--save", str(directory)])
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    return directory
+
+
+def _copy(pristine, tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(pristine, target)
+    (target / ".lock").unlink(missing_ok=True)
+    return target
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _garbage_in_a_tensor(directory):
+    """64 bytes of garbage in the middle of a weight's bytes inside a .distcp file."""
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    index, info = next((i, s) for i, s in storage.items()
+                       if i.fqn.endswith("weight") and s.length >= 256)
+    with open(directory / info.relative_path, "r+b") as handle:
+        handle.seek(info.offset + info.length // 2)
+        handle.write(os.urandom(64))
+    return info.relative_path
+
+
+def _distcp(directory):
+    return sorted(p.name for p in directory.glob("*.distcp"))[0]
+
+
+# case -> (how to damage iter_0000002, what the error must say about which file)
+DAMAGES = {
+    "distcp_truncated": (lambda d: _truncate(d / _distcp(d)),
+                         r"__0_0\.distcp is truncated \(\d+ bytes, the save wrote \d+\)"),
+    "common_pt_missing": (lambda d: (d / "common.pt").unlink(), r"common\.pt is missing"),
+    "metadata_json_missing": (lambda d: (d / "metadata.json").unlink(),
+                              r"metadata\.json is missing"),
+    "metadata_json_garbage": (lambda d: (d / "metadata.json").write_text("{garbage"),
+                              r"metadata\.json is (truncated|longer than saved)"),
+    "garbage_in_tensor": (_garbage_in_a_tensor,
+                          r"__0_\d\.distcp does not match its checksum"),
+    # checkpoints without the manifest (older versions): a structural check still names it
+    "old_distcp_truncated": (lambda d: ((d / "checksums.json").unlink(),
+                                        _truncate(d / _distcp(d))),
+                             r"__0_0\.distcp is truncated \(\d+ bytes, \.metadata needs \d+\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_damaged_checkpoint_is_one_line_naming_the_file(pristine, tmp_path, case):
+    ckpt = _copy(pristine, tmp_path)
+    damage, says = DAMAGES[case]
+    damage(ckpt / ITER2)
+    loaded = _pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    assert loaded.returncode != 0
+    error = _one_error(loaded.stderr)
+    assert error.startswith(f"error: --load {ckpt}: checkpoint {ckpt / ITER2} is damaged: "), error
+    assert re.search(says, error), error
+    # and what to do: the earlier checkpoint is named with the file that picks it
+    assert error.endswith(f"write an earlier iteration (iter_0000001) into {ckpt / TRACKER}")
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(pristine, tmp_path):
+    ckpt = _copy(pristine, tmp_path)
+    (ckpt / ITER2 / "checksums.json").unlink()
+    loaded = _pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert f"warning: {ckpt / ITER2} has no checksums.json" in loaded.stdout
+    assert "not verified" in loaded.stdout
+    assert f"loaded checkpoint from {ckpt / ITER2} at iteration 2" in loaded.stdout
+
+
+def test_tracker_naming_a_missing_iteration(pristine, tmp_path):
+    ckpt = _copy(pristine, tmp_path)
+    (ckpt / TRACKER).write_text("7")
+    loaded = _pretrain(BASE + ["--train-iters", "8", "--load", str(ckpt)])
+    assert loaded.returncode != 0
+    assert _one_error(loaded.stderr) == (f"error: --load {ckpt}: {TRACKER} names iteration 7 "
+                                         f"but {ckpt / 'iter_0000007'} does not exist")
+
+
+def test_save_killed_at_any_moment_is_never_the_latest(tmp_path):
+    """SIGKILL a run that saves every iteration, mostly while it is saving: the tracker
+    names a complete checkpoint, and the next run resumes and saves over the leftovers."""
+    ckpt = tmp_path / "ckpt"
+    run = _start(BASE + ["--train-iters", "100000", "--save-interval", "1",
+                         "--save", str(ckpt)])
+    try:
+        _wait_for(run, r"saved checkpoint at iteration 3 ")
+        time.sleep(0.15)  # into a later save
+    finally:
+        _kill_tree(run)
+    latest = int((ckpt / TRACKER).read_text())
+    # what a killed save leaves: an iter_N.incomplete, as an older version's partial iter_N
+    leftover = ckpt / f"iter_{latest + 1:07d}"
+    leftover.mkdir(exist_ok=True)
+    (leftover / "__0_0.distcp").write_bytes(b"partial")
+    resumed = _pretrain(BASE + ["--train-iters", str(latest + 1), "--load", str(ckpt),
+                                "--save", str(ckpt)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt / f'iter_{latest:07d}'} at iteration {latest}" \
+        in resumed.stdout
+    assert f"saved checkpoint at iteration {latest + 1}" in resumed.stdout
+    assert (ckpt / TRACKER).read_text() == str(latest + 1)
+    assert not list(ckpt.glob("*.incomplete")) and not list(ckpt.glob("*.replaced"))
+    manifest = json.loads((leftover / "checksums.json").read_text())["files"]
+    assert "__0_0.distcp" in manifest and "common.pt" in manifest
+    assert (leftover / "__0_0.distcp").stat().st_size == manifest["__0_0.distcp"]["size"]
+
+
+def test_checkpoints_without_tracker_are_not_overwritten(pristine, tmp_path):
+    ckpt = _copy(pristine, tmp_path)
+    (ckpt / TRACKER).unlink()
+    for argv, flag in ((["--load", str(ckpt), "--save", str(ckpt)], "--save"),
+                       (["--load", str(ckpt)], "--load")):
+        refused = _pretrain(BASE + ["--train-iters", "3"] + argv)
+        assert refused.returncode != 0
+        assert _one_error(refused.stderr) == (
+            f"error: {flag} {ckpt} holds iter_0000001, iter_0000002 but no {TRACKER} (a save "
+            f"was interrupted or the file was deleted): write the iteration to resume from "
+            f"(e.g. 2) into {ckpt / TRACKER}, or use another --save")
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000001", "iter_0000002"]
+    assert not (ckpt / TRACKER).exists()
+
+
+def test_a_new_run_does_not_overwrite_another_runs_checkpoints(pristine, tmp_path):
+    ckpt = _copy(pristine, tmp_path)
+    before = (ckpt / ITER2 / "checksums.json").read_text()
+    # two ranks: rank 0 decides, both stop (torchrun ends the job), one line is printed
+    refused = _start(BASE + ["--train-iters", "2", "--save", str(ckpt)], world_size=2)
+    out, err = refused.communicate(timeout=120)
+    assert refused.returncode != 0
+    assert _one_error(err) == (
+        f"error: --save {ckpt} already holds checkpoints (iter_0000001, iter_0000002) and "
+        f"this run (no --load) does not resume from them, so it would overwrite them: pass "
+        f"--load {ckpt} to resume, or use another --save")
+    assert (ckpt / ITER2 / "checksums.json").read_text() == before
+
+
+def test_save_dir_held_by_a_live_run_is_refused_until_it_dies(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = _start(BASE + ["--train-iters", "100000", "--save-interval", "100000",
+                           "--save", str(ckpt)])
+    try:
+        _wait_for(first, r" iteration\s+2/")  # past claim_save_dir: it holds the lock
+        start = time.time()
+        second = _pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)], timeout=120)
+        assert second.returncode != 0
+        assert time.time() - start < 60
+        error = _one_error(second.stderr)
+        assert error.startswith(f"error: --save {ckpt} is in use by another run (host "), error
+        assert f", pid {first.pid}, since " in error
+        assert error.endswith(f"holding {ckpt / '.lock'}): wait for it to end, or use "
+                              f"another --save"), error
+    finally:
+        _kill_tree(first)
+    assert first.returncode == -signal.SIGKILL
+    third = _pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "saved checkpoint at iteration 1" in third.stdout
+
+
+def test_one_process_releases_save_dir_between_runs(tmp_path):
+    """dist_runner trains configurations in turn in one process: the second resumes in
+    the first one's --save (the lock was released)."""
+    ckpt = tmp_path / "ckpt"
+    results = run_configs(tmp_path, 1, [
+        {"name": "first", "argv": BASE + ["--train-iters", "1", "--save", str(ckpt)]},
+        {"name": "second", "argv": BASE + ["--train-iters", "2", "--load", str(ckpt),
+                                           "--save", str(ckpt)]},
+    ])
+    assert len(results["second"]["losses"]) == 1
+    assert (ckpt / TRACKER).read_text() == "2"
