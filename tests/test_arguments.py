@@ -23,6 +23,10 @@ def test_good_flags_parse():
     assert args.data_parallel_size == 2 and args.num_microbatches == 2
     assert args.distributed_backend == "gloo" and args.tokenizer_type == "NullTokenizer"
     assert args.ffn_hidden_size == 256 and args.num_query_groups == 4
+    # Megatron-LM's defaults: the NaN check on, no signal handler, 10-minute timeouts
+    assert args.check_for_nan_in_loss_and_grad and not args.exit_signal_handler
+    assert args.distributed_timeout_minutes == 10 and args.exit_duration_in_mins is None
+    assert not parse(["--no-check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad
 
 
 def test_every_attention_backend_is_a_choice():
@@ -71,6 +75,9 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--global-batch-size", "0"], 1, "--global-batch-size"),
     (["--global-batch-size", "-4"], 1, "--global-batch-size"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes"),
+    (["--exit-signal-handler-for-dataloader"], 1, "--exit-signal-handler-for-dataloader"),
+    (["--exit-duration-in-mins", "0"], 1, "--exit-duration-in-mins"),
+    (["--exit-interval", "0"], 1, "--exit-interval"),
     (["--distributed-backend", "nccl"], 1, "--distributed-backend"),
     (["--no-such-flag"], 1, "--no-such-flag"),
     (["--micro-batch-size", "two"], 1, "--micro-batch-size"),
