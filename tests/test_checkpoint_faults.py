@@ -148,7 +148,7 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(pristine, tmp_path, case
     assert error.startswith(f"error: --load {ckpt}: checkpoint {ckpt / ITER2} is damaged: "), error
     assert re.search(says, error), error
     # and what to do: the earlier checkpoint is named with the file that picks it
-    assert error.endswith(f"write an earlier iteration (iter_0000001) into {ckpt / TRACKER}")
+    assert error.endswith(f"write another saved iteration (1) into {ckpt / TRACKER}")
 
 
 def test_checkpoint_without_manifest_loads_with_a_warning(pristine, tmp_path):
@@ -263,3 +263,16 @@ def test_one_process_releases_save_dir_between_runs(tmp_path):
     ])
     assert len(results["second"]["losses"]) == 1
     assert (ckpt / TRACKER).read_text() == "2"
+
+
+def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_path):
+    """The plain optimizer's state does not load into the distributed optimizer (nor the
+    reverse): one line says so and how to load the weights only."""
+    ckpt = _copy(pristine, tmp_path)
+    refused = _pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
+                                "--use-distributed-optimizer"])
+    assert refused.returncode != 0
+    assert _one_error(refused.stderr) == (
+        f"error: --load {ckpt / ITER2} was saved without --use-distributed-optimizer and this "
+        f"run is with it: its optimizer state does not load; match the flag, or pass "
+        f"--no-load-optim to load the weights only")

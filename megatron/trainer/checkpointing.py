@@ -338,8 +338,9 @@ def _verify(root, path):
 def _damaged(root, path, problem):
     if problem is None:
         return None
-    others = [n for n in _iteration_dirs(root) if n != os.path.basename(path)]
-    choice = (f"write an earlier iteration ({', '.join(others)}) into "
+    others = [str(int(_ITER_DIR.match(n).group(1))) for n in _iteration_dirs(root)
+              if n != os.path.basename(path)]
+    choice = (f"write another saved iteration ({', '.join(others)}) into "
               f"{os.path.join(root, TRACKER_FILE)}" if others else
               "start again without this --load")
     return f"--load {root}: checkpoint {path} is damaged: {problem}; {choice}"
@@ -389,6 +390,10 @@ def _iteration_dirs(root):
         return []
     return sorted(name for name in os.listdir(root)
                   if _ITER_DIR.match(name) and os.path.isdir(os.path.join(root, name)))
+
+
+def _same_dir(a, b):
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def _latest_iteration(root):
@@ -447,8 +452,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
         if _iteration_dirs(args.load):
             _exit(f"--load {_no_tracker(args.load)}")
         # --load == --save is Megatron-LM's resume-or-start idiom; anything else is a mistake
-        if args.exit_on_missing_checkpoint or os.path.abspath(args.load) != os.path.abspath(
-                args.save or ""):
+        if args.exit_on_missing_checkpoint or not _same_dir(args.load, args.save):
             _exit(f"--load {args.load}: no checkpoint there "
                   f"({TRACKER_FILE} missing); check the path or drop --load")
         if _rank() == 0:
@@ -532,7 +536,7 @@ def _overwrite_problem(args):
         return None
     if not os.path.isfile(os.path.join(args.save, TRACKER_FILE)):
         return f"--save {_no_tracker(args.save)}"
-    if args.load is None or os.path.abspath(args.load) != os.path.abspath(args.save):
+    if not _same_dir(args.load, args.save):
         loads = f"--load {args.load}" if args.load else "no --load"
         return (f"--save {args.save} already holds checkpoints ({', '.join(found)}) and this "
                 f"run ({loads}) does not resume from them, so it would overwrite them: pass "
