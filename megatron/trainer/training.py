@@ -221,7 +221,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
         with faults.stops_cleanly(args, progress):
             return _pretrain(args, start, guard, progress, datasets_provider, model_provider,
                              forward_step_func, on_finish)
-    finally:
+    finally:  # also after a deliberate stop: the process may train another configuration
+        checkpointing.release_save_dir(args)
         guard.close()
 
 
@@ -239,6 +240,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     if args.bf16 or args.fp16:
         config.grad_scale_func = optimizer.scale_loss
 
+    checkpointing.claim_save_dir(args)
     iteration, consumed_samples = 0, 0
     if args.load is not None:
         progress.step = "checkpoint load"
