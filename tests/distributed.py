@@ -82,3 +82,73 @@ def assert_params_close(path_a, path_b, rtol=1e-5, atol=1e-6):
     for name in a:
         assert a[name].shape == b[name].shape, f"{name}: {a[name].shape} vs {b[name].shape}"
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+# --- runs started as real processes, for the fault tests --------------------------------
+
+def _single_process_env():
+    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", RANK="0",
+                WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def pretrain(argv, timeout=300):
+    """`python pretrain_gpt.py ARGV` as one process, to the end."""
+    return subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT,
+                          env=_single_process_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_pretrain(argv, world_size=1, launcher_flags=()):
+    """pretrain_gpt.py started in the background: one process, or `world_size` torchrun
+    workers (`launcher_flags` go to torchrun). Stop it with `kill_tree`."""
+    if world_size == 1:
+        cmd, env = [sys.executable, "pretrain_gpt.py"] + argv, _single_process_env()
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(world_size), "--master-port", str(_free_port()), *launcher_flags,
+               "pretrain_gpt.py"] + argv
+        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def kill_tree(proc):
+    """SIGKILL a run and everything it started, by pid (never by name): torchrun's workers,
+    and the multiprocessing manager megatron-core's checkpoint writer leaves behind a
+    killed run, holding its output pipes. Returns the run's remaining (stdout, stderr)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for member in [proc] + children:
+        try:
+            member.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    proc.wait(timeout=60)
+    return proc.communicate(timeout=60)
+
+
+def wait_for_line(proc, pattern, timeout=120):
+    """Read `proc`'s stdout until a line matches `pattern`; returns the match."""
+    import re
+    import time
+
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        match = re.search(pattern, line)
+        if match:
+            return match
+        assert time.time() < deadline, f"no {pattern!r} within {timeout}s"
+    raise AssertionError(f"the run ended before printing {pattern!r}: "
+                         f"{proc.stderr.read()[-3000:]}")
+
+
+def one_error_line(stderr):
+    """The single 'error:' line the user sees, with no traceback through our code."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert 'File "' + os.path.join(ROOT, "megatron") not in stderr, stderr[-3000:]
+    return errors[0]

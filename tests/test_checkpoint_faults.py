@@ -11,83 +11,24 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from distributed import ROOT, TINY_MODEL, _free_port, run_configs
+from distributed import (TINY_MODEL, kill_tree, one_error_line, pretrain, run_configs,
+                         start_pretrain, wait_for_line)
 
 BASE = TINY_MODEL + ["--global-batch-size", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER2 = "iter_0000002"
 
 
-def _env():
-    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", RANK="0",
-                WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-
-
-def _pretrain(argv, timeout=300):
-    return subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _start(argv, world_size=1):
-    if world_size == 1:
-        cmd, env = [sys.executable, "pretrain_gpt.py"] + argv, _env()
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(world_size), "--master-port", str(_free_port()), "pretrain_gpt.py"] + argv
-        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _kill_tree(proc):
-    """SIGKILL a run and then what it started, by pid: megatron-core's checkpoint writer
-    leaves a multiprocessing manager behind a killed run, holding its output pipes."""
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.communicate(timeout=60)
-
-
-def _one_error(proc_stderr):
-    """The single 'error:' line the user sees, and no Python traceback of ours."""
-    errors = [line for line in proc_stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc_stderr[-3000:]
-    assert 'File "' + os.path.join(ROOT, "megatron") not in proc_stderr, proc_stderr[-3000:]
-    return errors[0]
-
-
-def _wait_for(proc, pattern, timeout=120):
-    """Read `proc`'s stdout until a line matches; returns the match."""
-    deadline = time.time() + timeout
-    for line in proc.stdout:
-        match = re.search(pattern, line)
-        if match:
-            return match
-        assert time.time() < deadline, f"no {pattern!r} within {timeout}s"
-    raise AssertionError(f"the run ended before printing {pattern!r}: {proc.stderr.read()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     """Checkpoints of iterations 1 and 2 (tracker: 2), saved once for every case."""
     directory = tmp_path_factory.mktemp("pristine") / "ckpt"
-    saved = _pretrain(BASE + ["--train-iters", "2", "--save-interval", "1",
+    saved = pretrain(BASE + ["--train-iters", "2", "--save-interval", "1",
                               "--save", str(directory)])
     assert saved.returncode == 0, saved.stderr[-3000:]
     return directory
@@ -142,9 +83,9 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(pristine, tmp_path, case
     ckpt = _copy(pristine, tmp_path)
     damage, says = DAMAGES[case]
     damage(ckpt / ITER2)
-    loaded = _pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    loaded = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
     assert loaded.returncode != 0
-    error = _one_error(loaded.stderr)
+    error = one_error_line(loaded.stderr)
     assert error.startswith(f"error: --load {ckpt}: checkpoint {ckpt / ITER2} is damaged: "), error
     assert re.search(says, error), error
     # and what to do: the earlier checkpoint is named with the file that picks it
@@ -154,7 +95,7 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(pristine, tmp_path, case
 def test_checkpoint_without_manifest_loads_with_a_warning(pristine, tmp_path):
     ckpt = _copy(pristine, tmp_path)
     (ckpt / ITER2 / "checksums.json").unlink()
-    loaded = _pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    loaded = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert f"warning: {ckpt / ITER2} has no checksums.json" in loaded.stdout
     assert "not verified" in loaded.stdout
@@ -164,9 +105,9 @@ def test_checkpoint_without_manifest_loads_with_a_warning(pristine, tmp_path):
 def test_tracker_naming_a_missing_iteration(pristine, tmp_path):
     ckpt = _copy(pristine, tmp_path)
     (ckpt / TRACKER).write_text("7")
-    loaded = _pretrain(BASE + ["--train-iters", "8", "--load", str(ckpt)])
+    loaded = pretrain(BASE + ["--train-iters", "8", "--load", str(ckpt)])
     assert loaded.returncode != 0
-    assert _one_error(loaded.stderr) == (f"error: --load {ckpt}: {TRACKER} names iteration 7 "
+    assert one_error_line(loaded.stderr) == (f"error: --load {ckpt}: {TRACKER} names iteration 7 "
                                          f"but {ckpt / 'iter_0000007'} does not exist")
 
 
@@ -174,19 +115,19 @@ def test_save_killed_at_any_moment_is_never_the_latest(tmp_path):
     """SIGKILL a run that saves every iteration, mostly while it is saving: the tracker
     names a complete checkpoint, and the next run resumes and saves over the leftovers."""
     ckpt = tmp_path / "ckpt"
-    run = _start(BASE + ["--train-iters", "100000", "--save-interval", "1",
+    run = start_pretrain(BASE + ["--train-iters", "100000", "--save-interval", "1",
                          "--save", str(ckpt)])
     try:
-        _wait_for(run, r"saved checkpoint at iteration 3 ")
+        wait_for_line(run, r"saved checkpoint at iteration 3 ")
         time.sleep(0.15)  # into a later save
     finally:
-        _kill_tree(run)
+        kill_tree(run)
     latest = int((ckpt / TRACKER).read_text())
     # what a killed save leaves: an iter_N.incomplete, as an older version's partial iter_N
     leftover = ckpt / f"iter_{latest + 1:07d}"
     leftover.mkdir(exist_ok=True)
     (leftover / "__0_0.distcp").write_bytes(b"partial")
-    resumed = _pretrain(BASE + ["--train-iters", str(latest + 1), "--load", str(ckpt),
+    resumed = pretrain(BASE + ["--train-iters", str(latest + 1), "--load", str(ckpt),
                                 "--save", str(ckpt)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"loaded checkpoint from {ckpt / f'iter_{latest:07d}'} at iteration {latest}" \
@@ -204,9 +145,9 @@ def test_checkpoints_without_tracker_are_not_overwritten(pristine, tmp_path):
     (ckpt / TRACKER).unlink()
     for argv, flag in ((["--load", str(ckpt), "--save", str(ckpt)], "--save"),
                        (["--load", str(ckpt)], "--load")):
-        refused = _pretrain(BASE + ["--train-iters", "3"] + argv)
+        refused = pretrain(BASE + ["--train-iters", "3"] + argv)
         assert refused.returncode != 0
-        assert _one_error(refused.stderr) == (
+        assert one_error_line(refused.stderr) == (
             f"error: {flag} {ckpt} holds iter_0000001, iter_0000002 but no {TRACKER} (a save "
             f"was interrupted or the file was deleted): write the iteration to resume from "
             f"(e.g. 2) into {ckpt / TRACKER}, or use another --save")
@@ -219,10 +160,10 @@ def test_a_new_run_does_not_overwrite_another_runs_checkpoints(pristine, tmp_pat
     ckpt = _copy(pristine, tmp_path)
     before = (ckpt / ITER2 / "checksums.json").read_text()
     # two ranks: rank 0 decides, both stop (torchrun ends the job), one line is printed
-    refused = _start(BASE + ["--train-iters", "2", "--save", str(ckpt)], world_size=2)
+    refused = start_pretrain(BASE + ["--train-iters", "2", "--save", str(ckpt)], world_size=2)
     out, err = refused.communicate(timeout=120)
     assert refused.returncode != 0
-    assert _one_error(err) == (
+    assert one_error_line(err) == (
         f"error: --save {ckpt} already holds checkpoints (iter_0000001, iter_0000002) and "
         f"this run (no --load) does not resume from them, so it would overwrite them: pass "
         f"--load {ckpt} to resume, or use another --save")
@@ -231,23 +172,23 @@ def test_a_new_run_does_not_overwrite_another_runs_checkpoints(pristine, tmp_pat
 
 def test_save_dir_held_by_a_live_run_is_refused_until_it_dies(tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = _start(BASE + ["--train-iters", "100000", "--save-interval", "100000",
+    first = start_pretrain(BASE + ["--train-iters", "100000", "--save-interval", "100000",
                            "--save", str(ckpt)])
     try:
-        _wait_for(first, r" iteration\s+2/")  # past claim_save_dir: it holds the lock
+        wait_for_line(first, r" iteration\s+2/")  # past claim_save_dir: it holds the lock
         start = time.time()
-        second = _pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)], timeout=120)
+        second = pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)], timeout=120)
         assert second.returncode != 0
         assert time.time() - start < 60
-        error = _one_error(second.stderr)
+        error = one_error_line(second.stderr)
         assert error.startswith(f"error: --save {ckpt} is in use by another run (host "), error
         assert f", pid {first.pid}, since " in error
         assert error.endswith(f"holding {ckpt / '.lock'}): wait for it to end, or use "
                               f"another --save"), error
     finally:
-        _kill_tree(first)
+        kill_tree(first)
     assert first.returncode == -signal.SIGKILL
-    third = _pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)])
+    third = pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)])
     assert third.returncode == 0, third.stderr[-3000:]
     assert "saved checkpoint at iteration 1" in third.stdout
 
@@ -269,10 +210,10 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_pa
     """The plain optimizer's state does not load into the distributed optimizer (nor the
     reverse): one line says so and how to load the weights only."""
     ckpt = _copy(pristine, tmp_path)
-    refused = _pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
+    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
                                 "--use-distributed-optimizer"])
     assert refused.returncode != 0
-    assert _one_error(refused.stderr) == (
+    assert one_error_line(refused.stderr) == (
         f"error: --load {ckpt / ITER2} was saved without --use-distributed-optimizer and this "
         f"run is with it: its optimizer state does not load; match the flag, or pass "
         f"--no-load-optim to load the weights only")
