@@ -3,7 +3,9 @@
 #
 #   bash exp.sh            CPU demo, end to end on the built-in corpus (Python's standard
 #                          library): corpus -> BPE tokenizer -> .bin/.idx -> pp=2 training
-#                          with 1F1B and with Seq1F1B (s=4) -> comparison + timelines.
+#                          with 1F1B, Seq1F1B (s=4) and SlimPipe (4 slices) -> one table
+#                          (tools/demo_table.py; non-zero exit if the losses differ) +
+#                          timelines with stage 0's activation memory over time.
 #   bash exp.sh --dry-run  print the commands instead of running them.
 #
 #   GPU runs in the published style (set MODEL or GPUS_PER_NODE; torchrun launches one
@@ -24,6 +26,17 @@ if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; fi
 run() {
   echo "+ $*"
   if [[ $DRY_RUN == 0 ]]; then "$@"; fi
+}
+
+# run a command with its whole output in LOG (what the table reads); the screen shows
+# no warnings and every 5th iteration line only. A failing command fails the script.
+run_logged() {
+  local log=$1
+  shift
+  echo "+ $* > $log"
+  if [[ $DRY_RUN == 0 ]]; then
+    "$@" 2>&1 | tee "$log" | { grep --line-buffered -v -i "warn" | grep --line-buffered -v -E "iteration +[0-9]*[1-46-9]/" || true; }
+  fi
 }
 
 PYTHON=${PYTHON:-python}
@@ -49,29 +62,41 @@ if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
     --attention-dropout 0 --hidden-dropout 0
     --micro-batch-size 1 --global-batch-size 8 --train-iters 20
     --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --lr-decay-style cosine
-    --weight-decay 0.1 --clip-grad 1.0 --log-interval 5 --eval-interval 20 --eval-iters 1
+    --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 20 --eval-iters 1
     --data-path "$DATA/stdlib_content_document" --split 98,2,0
     --tokenizer-type GPT2BPETokenizer --vocab-file "$DATA/tokenizer/vocab.json"
     --merge-file "$DATA/tokenizer/merges.txt" --seed 1234
     --pipeline-model-parallel-size 2
   )
-  for SPLITS in 1 4; do
-    NAME=$([[ $SPLITS == 1 ]] && echo 1f1b || echo seq1f1b_s$SPLITS)
-    run $PYTHON -m torch.distributed.run --nproc-per-node 2 --master-port 29531 \
-      pretrain_gpt.py "${MODEL_ARGS[@]}" --seq1f1b-splits $SPLITS \
-      --timeline-file "$RUNS/timeline_$NAME.json" 2>&1 | tee "$RUNS/$NAME.log" \
-      | grep -v -i "warn"
+  # name | schedule flags. Every run trains the same model on the same data, so the
+  # losses must be equal; the table tool checks it and fails the demo if they are not.
+  SCHEDULES=(
+    "1f1b|--seq1f1b-splits 1"
+    "seq1f1b_s4|--seq1f1b-splits 4"
+    "slimpipe_n4|--pipeline-schedule slimpipe --slimpipe-slices 4"
+  )
+  NAMES=()
+  for ENTRY in "${SCHEDULES[@]}"; do
+    NAME=${ENTRY%%|*}
+    read -r -a FLAGS <<< "${ENTRY#*|}"
+    NAMES+=("$NAME")
+    run_logged "$RUNS/$NAME.log" $PYTHON -m torch.distributed.run --nproc-per-node 2 \
+      --master-port 29531 pretrain_gpt.py "${MODEL_ARGS[@]}" "${FLAGS[@]}" \
+      --timeline-file "$RUNS/timeline_$NAME.json" \
+      --activation-memory-file "$RUNS/memory_$NAME.json"
   done
-  run $PYTHON tools/draw_timeline.py "$RUNS/timeline_1f1b.json" "$RUNS/timeline_seq1f1b_s4.json" \
-    --titles "1F1B (recorded, CPU)" "Seq1F1B s=4 (recorded, CPU)" -o "$RUNS/timelines.png"
+  TIMELINES=() MEMORY=()
+  for NAME in "${NAMES[@]}"; do
+    TIMELINES+=("$RUNS/timeline_$NAME.json") MEMORY+=("$RUNS/memory_$NAME.json")
+  done
+  run $PYTHON tools/draw_timeline.py "${TIMELINES[@]}" --memory "${MEMORY[@]}" \
+    --titles "${NAMES[@]}" -o "$RUNS/timelines.png"
   if [[ $DRY_RUN == 0 ]]; then
     echo
-    echo "== 1F1B vs Seq1F1B (pp=2, 8 microbatches of 1024 tokens, CPU) =="
-    for NAME in 1f1b seq1f1b_s4; do
-      echo "$NAME: $(grep '\[summary\]' "$RUNS/$NAME.log")"
-    done
-    echo "timelines: $RUNS/timelines.png"
+    echo "== pp=2, 8 microbatches of 1024 tokens, 20 iterations, CPU (gloo) =="
   fi
+  run $PYTHON tools/demo_table.py "$RUNS" "${NAMES[@]}"
+  [[ $DRY_RUN == 1 ]] || echo "timelines (last training iteration) + stage-0 memory: $RUNS/timelines.png"
   exit 0
 fi
 

@@ -133,3 +133,40 @@ def test_slurm_example_refuses_to_run_outside_slurm():
     result = _dry_run(dict(DRY_RUN="1"), script="examples/slurm_seq1f1b.sbatch", args=())
     assert result.returncode != 0
     assert "sbatch" in result.stderr
+
+
+def _without_data(argv):
+    """The demo's argv with mock data instead of the corpus its data step would build."""
+    out, words = [], iter(argv)
+    for word in words:
+        if word in ("--data-path", "--tokenizer-type", "--vocab-file", "--merge-file"):
+            next(words)
+        else:
+            out.append(word)
+    return out + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192"]
+
+
+def test_cpu_demo_commands_compare_three_schedules_in_one_table(tmp_path):
+    runs = tmp_path / "runs"
+    result = _dry_run({"DATA_DIR": str(tmp_path / "data"), "RUNS_DIR": str(runs)})
+    assert result.returncode == 0, result.stderr
+    lines = [line[2:] for line in result.stdout.splitlines() if line.startswith("+ ")]
+    trainings = [shlex.split(line) for line in lines if "pretrain_gpt.py" in line]
+    names, schedules = [], []
+    for words in trainings:
+        assert words[-2] == ">"  # the whole output goes to the log the table reads
+        argv = _without_data(words[words.index("pretrain_gpt.py") + 1:-2])
+        args = parse_args(argv, world_size=2, cuda_available=False)
+        name = Path(words[-1]).stem
+        assert args.timeline_file == str(runs / f"timeline_{name}.json")
+        assert args.activation_memory_file == str(runs / f"memory_{name}.json")
+        assert args.log_interval == 1  # every iteration's loss is compared
+        names.append(name)
+        schedules.append((args.pipeline_schedule, args.seq1f1b_splits, args.slimpipe_slices))
+    assert schedules[0][1:] == (1, None) and schedules[1][1:] == (4, None)
+    assert schedules[2] == ("slimpipe", 1, 4)
+    table = [shlex.split(line) for line in lines if "tools/demo_table.py" in line]
+    assert table == [["python", "tools/demo_table.py", str(runs), *names]]
+    (draw,) = [shlex.split(line) for line in lines if "tools/draw_timeline.py" in line]
+    assert draw[draw.index("--memory") + 1:draw.index("--titles")] == [
+        str(runs / f"memory_{name}.json") for name in names]

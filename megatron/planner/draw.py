@@ -85,16 +85,26 @@ def draw_timelines(
     suptitle: Optional[str] = None,
     width: float = 13.0,
     dpi: int = 90,
+    memory: Optional[Sequence[Dict]] = None,
+    memory_title: str = "",
 ) -> str:
-    """Draw one or more timelines stacked on a shared time axis; returns ``path``."""
+    """Draw one or more timelines stacked on a shared time axis; returns ``path``.
+
+    ``memory``: optional curves for a panel under the timelines, on the same time
+    axis: dicts with ``label``, ``times`` (s from the timeline's origin) and ``bytes``
+    (e.g. an activation-memory probe's samples of one stage)."""
     spans = [t.span for t in timelines]
     span = max(spans) if spans else 1.0
     scale, unit = _time_unit(span)
     heights = [max(t.pp_size, 1) * 0.42 + 0.9 for t in timelines]
+    if memory:
+        heights.append(2.2)
     fig, axes = plt.subplots(
-        len(timelines), 1, figsize=(width, sum(heights) + 0.9), sharex=True,
+        len(heights), 1, figsize=(width, sum(heights) + 0.9), sharex=True,
         gridspec_kw={"height_ratios": heights}, squeeze=False,
     )
+    if memory:
+        _draw_memory_panel(axes[-1, 0], memory, scale, memory_title)
     # a label ("12.3") needs about 16 pixels at font size 6
     label_min = span * scale * 16.0 / (width * dpi * 0.85)
     for i, (ax, tl) in enumerate(zip(axes[:, 0], timelines)):
@@ -120,6 +130,19 @@ def draw_timelines(
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def _draw_memory_panel(ax, memory: Sequence[Dict], scale: float, title: str):
+    cmap = plt.get_cmap("tab10")
+    for i, curve in enumerate(memory):
+        ax.step([t * scale for t in curve["times"]], [b / 2**20 for b in curve["bytes"]],
+                where="post", color=cmap(i % cmap.N), label=curve.get("label", ""),
+                linewidth=1.2)
+    ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def draw_timeline(timeline: Timeline, path: str, title: Optional[str] = None, **kw) -> str:

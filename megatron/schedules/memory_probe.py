@@ -7,7 +7,8 @@ saved tensor's storage (parameters excluded) with a reference count, released wh
 autograd drops the saved tensor after backward. At every unit boundary it samples
 the bytes of live storages; the peak over an iteration is the stage's activation
 peak (the KV cache across splits is included: its buffers are what split attention
-saves). The KV cache is counted from the executor's store itself (buffers and
+saves). Each sample also keeps its wall-clock time (``time.time``, the clock of the
+timeline recorder), so a memory-over-time curve can be drawn under the timeline. The KV cache is counted from the executor's store itself (buffers and
 gradient accumulators, once each), so it is included even when a recomputing
 checkpoint runs the first forward without saving anything. On GPU it also reports
 ``torch.cuda.max_memory_allocated``.
@@ -17,6 +18,7 @@ It is an executor observer (``on_unit_start`` / ``on_unit_end``).
 
 import json
 import os
+import time
 import weakref
 
 import torch
@@ -59,7 +61,7 @@ class ActivationMemoryProbe:
         if model is not None:
             self.exclude_parameters(model)
         self.peak_bytes = 0
-        self.samples = []  # (unit string, live bytes) at each unit end
+        self.samples = []  # (unit string, live bytes, time.time()) at each unit boundary
         self._hooks = None
         self.kv_store = None
 
@@ -100,7 +102,7 @@ class ActivationMemoryProbe:
 
     def _sample(self, label):
         live = self._live_bytes()
-        self.samples.append((label, live))
+        self.samples.append((label, live, time.time()))
         self.peak_bytes = max(self.peak_bytes, live)
 
     # executor observer interface
@@ -117,8 +119,12 @@ class ActivationMemoryProbe:
         self._sample(str(unit))
 
     def report(self):
+        # times relative to the first sample: it is taken as the iteration's first unit
+        # starts, which is where a recorded timeline's rank-0 row starts too
+        origin = self.samples[0][2] if self.samples else 0.0
         out = {"activation_peak_bytes": self.peak_bytes,
-               "samples": [[label, live] for label, live in self.samples]}
+               "samples": [[label, live] for label, live, _ in self.samples],
+               "sample_times": [when - origin for _, _, when in self.samples]}
         if torch.cuda.is_available():
             out["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
         return out

@@ -31,20 +31,43 @@ def model_flops_per_iteration(args) -> float:
     return 3.0 * per_token * tokens
 
 
-def peak_memory_bytes() -> int:
-    """GPU: torch.cuda.max_memory_allocated. CPU: the process's peak resident set."""
+# the memory column's heading says what it measures
+GPU_MEMORY = "peak memory per pipeline stage (GB)"  # max_memory_allocated, as Megatron-LM
+CPU_RESIDENT = "peak resident set per pipeline stage (GB)"
+CPU_ACTIVATIONS = "activation peak per pipeline stage (GB)"
+
+
+def _probe(observers):
+    """The activation-memory probe among the schedule's observers, if any."""
+    return next((o for o in observers if hasattr(o, "peak_bytes")), None)
+
+
+def memory_label(observers=()) -> str:
+    if torch.cuda.is_available():
+        return GPU_MEMORY
+    return CPU_ACTIVATIONS if _probe(observers) is not None else CPU_RESIDENT
+
+
+def peak_memory_bytes(observers=()) -> int:
+    """GPU: torch.cuda.max_memory_allocated. CPU: the probe's activation peak of the last
+    iteration when --activation-memory-file is on (the resident set buries activations
+    under weights, Python and allocator caches), else the process's peak resident set."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
+    probe = _probe(observers)
+    if probe is not None:
+        return probe.peak_bytes
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def stage_peaks_gb(pp_group_of_all) -> list:
-    """Peak memory of every pipeline stage (max over its ranks), in GB. Collective."""
+def stage_peaks_gb(observers=()) -> list:
+    """Peak memory of every pipeline stage (max over its ranks), in GB, as
+    ``peak_memory_bytes`` measures it. Collective."""
     from megatron.core import parallel_state
 
     world = torch.distributed.get_world_size()
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_memory_bytes())
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_memory_bytes(observers))
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     stages = {}
@@ -55,7 +78,7 @@ def stage_peaks_gb(pp_group_of_all) -> list:
 
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
                           global_batch_size, loss, grad_norm, tokens_per_s, tflops,
-                          stage_peaks):
+                          stage_peaks, memory_heading=GPU_MEMORY):
     # as Megatron-LM: no norm (--clip-grad 0, an fp16 skip) prints no grad norm field
     grad = "" if grad_norm is None else f" grad norm: {grad_norm:.6g} |"
     peaks = " ".join(f"{p:.3f}" for p in stage_peaks)
@@ -69,5 +92,5 @@ def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, 
         f"{grad}"
         f" tokens/s: {tokens_per_s:.1f} |"
         f" TFLOP/s per device: {tflops:.4f} |"
-        f" peak memory per pipeline stage (GB): {peaks} |"
+        f" {memory_heading}: {peaks} |"
     )

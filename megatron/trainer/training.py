@@ -7,6 +7,7 @@ load a checkpoint, then run ``forward_backward_func`` + ``optimizer.step()`` per
 iteration with Megatron-style logging, evaluation and checkpointing.
 """
 
+import contextlib
 import functools
 import math
 import time
@@ -31,6 +32,7 @@ from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import MicrobatchIterator
 from megatron.trainer.metrics import (
     format_iteration_line,
+    memory_label,
     model_flops_per_iteration,
     stage_peaks_gb,
 )
@@ -158,11 +160,25 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     return losses, grad_norm, update_successful, exit_reason
 
 
+@contextlib.contextmanager
+def observers_paused(forward_backward_func):
+    """Detach the schedule's observers (timeline recorder, memory probe) for a while:
+    evaluation's forward passes are not part of the training iteration they record."""
+    settings = getattr(forward_backward_func, "keywords", {}).get("settings")
+    observers = settings.observers if settings is not None else []
+    detached = list(observers)
+    observers.clear()
+    try:
+        yield
+    finally:
+        observers.extend(detached)
+
+
 def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func):
     for chunk in model:
         chunk.eval()
     totals = []
-    with torch.no_grad():
+    with torch.no_grad(), observers_paused(forward_backward_func):
         for _ in range(args.eval_iters):
             totals += forward_backward_func(
                 forward_step_func=forward_step_func,
@@ -402,14 +418,14 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
         lr = scheduler.get_lr(optimizer.param_groups[0])
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window_start) / window_iters
-            peaks = stage_peaks_gb(None)
+            peaks = stage_peaks_gb(observers)
             tflops = flops / elapsed / world / 1e12
             if parallel_state.is_pipeline_last_stage():
                 mean_loss = window_loss / max(window_count, 1)
                 print_last_rank(format_iteration_line(
                     iteration, args.train_iters, consumed_samples, elapsed * 1000, lr,
                     args.global_batch_size, mean_loss, grad_norm,
-                    tokens_per_iteration / elapsed, tflops, peaks))
+                    tokens_per_iteration / elapsed, tflops, peaks, memory_label(observers)))
                 tensorboard.add("lm loss", mean_loss, iteration)
                 tensorboard.add("grad-norm", grad_norm, iteration)
                 tensorboard.add("learning-rate", lr, iteration)
@@ -447,7 +463,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     total = time.time() - run_start
     training_time = max(total - outside, 1e-9)
     done = iteration - run_start_iteration
-    peaks = stage_peaks_gb(None)
+    peaks = stage_peaks_gb(observers)
     if parallel_state.is_pipeline_last_stage():
         final = f"{history.losses[-1]:.6g}" if history.losses else "n/a"
         per_iter = f"{training_time / done * 1000:.1f}" if done else "n/a"
@@ -455,6 +471,6 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
             f"[summary] iterations: {done} (skipped {skipped}) | time: {total:.1f}s | "
             f"ms/iteration: {per_iter} | final lm loss: {final} | "
             f"tokens/s: {done * tokens_per_iteration / training_time:.1f} | "
-            f"peak memory per pipeline stage (GB): {' '.join(f'{p:.3f}' for p in peaks)}")
+            f"{memory_label(observers)}: {' '.join(f'{p:.3f}' for p in peaks)}")
     tensorboard.close()
     return history
