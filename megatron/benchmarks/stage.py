@@ -110,7 +110,7 @@ class StageEmulator:
         import pretrain_gpt
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
-        from megatron.core.utils import get_attr_wrapped_model, get_model_type
+        from megatron.core.utils import get_attr_wrapped_model
 
         self.args, self.config, self.rank, self.pp = args, config, rank, pp
         self.device = torch.device(device)
@@ -129,7 +129,6 @@ class StageEmulator:
         self.model.train()
         self.forward_step = pretrain_gpt.forward_step
         self.set_input_tensor = get_attr_wrapped_model(self.model, "set_input_tensor")
-        self.model_type = get_model_type(self.model)
         self.dtype = config.params_dtype
 
     def make_batches(self, microbatches: int, generator: torch.Generator) -> List[Dict]:
@@ -146,8 +145,10 @@ class StageEmulator:
     def run_iteration(self, microbatches: int, splits: int, lengths: Sequence[int],
                       batches: List[Dict], observers=()) -> None:
         """Run this rank's unit list once (one iteration of this stage)."""
-        from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
         from megatron.schedules.seq1f1b import SplitDataIterator
+        from megatron.trainer.mcore_compat import backward_step
 
         args, config = self.args, self.config
         b, h, L = args.micro_batch_size, args.hidden_size, args.seq_length
@@ -188,7 +189,7 @@ class StageEmulator:
                 if not self.last:  # what recv_backward would return
                     grad = torch.randn(length, b, h, dtype=self.dtype, device=self.device,
                                        generator=generator) * 1e-3
-                backward_step(inputs.pop(key), outputs.pop(key), grad, self.model_type, config)
+                backward_step(inputs.pop(key), outputs.pop(key), grad, config)
                 # the input gradient would be sent upstream here: drop it
             for observer in observers:
                 observer.on_unit_end(self.rank, unit)

@@ -23,8 +23,8 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
+from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.schedules.messages import SEND, Message, checked_chunked_programs, producer
 from megatron.schedules.units import (
@@ -38,6 +38,7 @@ from megatron.schedules.units import (
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.plan import plan_splits, split_offsets
 from megatron.seqsplit.split_context import SplitContext, slice_batch
+from megatron.trainer.mcore_compat import backward_step
 
 
 @dataclass
@@ -147,7 +148,6 @@ def forward_backward_pipelining_seq1f1b(
         if hasattr(observer, "attach_kv_store"):
             observer.attach_kv_store(kv_store)
     split_iterators = [SplitDataIterator(iterator) for iterator in iterators]
-    model_type = get_model_type(model)
     set_input_tensors = [get_attr_wrapped_model(chunk, "set_input_tensor") for chunk in chunks]
 
     def context(unit: Unit) -> SplitContext:
@@ -230,8 +230,7 @@ def forward_backward_pipelining_seq1f1b(
             output_tensor = _normalise_loss(output_tensor, unit.microbatch)
         if unit == last_backward:
             sync_guard.close()
-        grad = backward_step(input_tensor, output_tensor, received_grads.pop(unit, None),
-                             model_type, config)
+        grad = backward_step(input_tensor, output_tensor, received_grads.pop(unit, None), config)
         input_grads[unit] = grad
 
     def _normalise_loss(loss_sum, microbatch):

@@ -15,6 +15,8 @@ import types
 
 import torch
 
+from megatron.trainer import mcore_compat
+
 _APPLIED = False
 
 
@@ -202,28 +204,21 @@ def _patch_distributed_optimizer():
     DistributedOptimizer.__init__ = __init__
 
 
-# Modules that create tensors on "cuda" / torch.cuda.current_device(), or call
-# torch.cuda.synchronize / current_stream, on the training and checkpoint paths.
-_CUDA_DEVICE_CALL_SITES = (
-    "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, shape handshake
-    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens on "cuda"
-    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq device
-    "megatron.core.utils",  # GlobalMemoryBuffer, l2 norm
-    "megatron.core.distributed.param_and_grad_buffer",  # grad buffers
-    "megatron.core.distributed.distributed_data_parallel",  # current_stream in grad sync
-    "megatron.core.distributed.finalize_model_grads",  # num_tokens all-reduce
-    "megatron.core.transformer.utils",  # default causal mask
-    "megatron.core.models.common.language_module.language_module",  # tied embeddings
-    "megatron.core.optimizer.optimizer",  # found_inf, scale buffers
-    "megatron.core.optimizer.clip_grads",  # norm buffers
-    "megatron.core.optimizer.distrib_optimizer",  # distributed optimizer buffers
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # save-time buffers
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize on save
-    "megatron.core.dist_checkpointing.exchange_utils",  # shard exchange buffers
-    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gathers
-    "megatron.core.tensor_parallel.layers",  # weight init device
-    "megatron.core.rerun_state_machine",  # loss checks
-)
+# The megatron-core names patched above, each a row of mcore_compat.TABLE: a version
+# that lacks one, or changed its signature, stops here with that row instead of
+# failing later in a CUDA call.
+_PATCHED_NAMES = (
+    "tensor_parallel.random:CudaRNGStatesTracker.add",
+    "tensor_parallel.random:CudaRNGStatesTracker.fork",
+    "tensor_parallel.random:_get_cuda_rng_state",
+    "tensor_parallel.random:_set_cuda_rng_state",
+    "tensor_parallel.random:_MODEL_PARALLEL_RNG_TRACKER_NAME",
+    "optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+    "optimizer.optimizer:clip_grad_by_total_norm_fp32",
+    "models.common.language_module.language_module:"
+    "LanguageModule.setup_embeddings_and_output_layer",
+    "optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+) + tuple(f"{module}:torch" for module in mcore_compat.CUDA_CALL_SITES)
 
 
 def apply() -> bool:
@@ -233,14 +228,12 @@ def apply() -> bool:
         return False
     if _APPLIED:
         return True
+    mcore_compat.require(*_PATCHED_NAMES)
     _patch_tensor_parallel_random()
     _patch_clip_grads()
     _patch_language_module()
     _patch_distributed_optimizer()
-    for module_name in _CUDA_DEVICE_CALL_SITES:
-        try:
-            _redirect_torch(module_name)
-        except ImportError:
-            pass  # a module this megatron-core version does not have
+    for module_name in mcore_compat.CUDA_CALL_SITES:
+        _redirect_torch("megatron.core." + module_name)
     _APPLIED = True
     return True

@@ -1,0 +1,278 @@
+"""The megatron-core and torch names whose presence or signature depends on the version.
+
+The project supports megatron-core ``SUPPORTED_MCORE`` and overrides, patches or calls
+private and version-dependent names of megatron-core and torch. Each of them is a row of
+``TABLE``: the name, why we need it, the versions it was checked on and the parameters
+we rely on. ``tests/test_mcore_compat.py`` resolves every row on the installed versions
+and fails with the row when a name is gone or its signature no longer has those
+parameters, so a new release breaks one named test instead of a training run.
+
+Where two supported versions differ, the difference is bridged here, once
+(``backward_step``), and the rest of the project calls the bridge.
+"""
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Tuple
+
+SUPPORTED_MCORE = ">=0.16.1,<0.20"
+CHECKED_MCORE = ("0.16.1", "0.19.2")
+CHECKED_TORCH = ("2.13.0",)
+
+_BOTH = "megatron-core " + ", ".join(CHECKED_MCORE)
+_TORCH = "torch " + ", ".join(CHECKED_TORCH)
+
+
+class CompatError(RuntimeError):
+    """A table row no longer holds on the installed megatron-core / torch."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One version-dependent name.
+
+    name: ``"module:attribute.path"``; the attribute may be a module global.
+    why: what the project does with it.
+    checked: the versions it was checked on.
+    params: parameter names the project relies on, in signature order (others may sit
+        between them); empty for names that are not called (classes subclassed for
+        their attributes, module globals).
+    """
+
+    name: str
+    why: str
+    checked: str = _BOTH
+    params: Tuple[str, ...] = ()
+
+    def __str__(self):
+        return f"{self.name} ({self.checked}): {self.why}"
+
+
+def _mcore(name, why, *params, checked=_BOTH):
+    return Entry("megatron.core." + name, why, checked, tuple(params))
+
+
+def _torch(name, why, *params):
+    return Entry(name, why, _TORCH, tuple(params))
+
+
+# Modules whose global ``torch`` cpu_support swaps for a CPU stand-in: they create
+# tensors on "cuda" / torch.cuda.current_device(), or call torch.cuda.synchronize /
+# current_stream, on the training and checkpoint paths.
+CUDA_CALL_SITES = {
+    "pipeline_parallel.p2p_communication": "receive buffers, shape handshake",
+    "pipeline_parallel.schedules": "total_num_tokens on 'cuda'",
+    "models.common.embeddings.rotary_pos_embedding": "inv_freq device",
+    "utils": "GlobalMemoryBuffer, l2 norm",
+    "distributed.param_and_grad_buffer": "grad buffers",
+    "distributed.distributed_data_parallel": "current_stream in grad sync",
+    "distributed.finalize_model_grads": "num_tokens all-reduce",
+    "transformer.utils": "default causal mask",
+    "models.common.language_module.language_module": "tied embeddings",
+    "optimizer.optimizer": "found_inf, scale buffers",
+    "optimizer.clip_grads": "norm buffers",
+    "optimizer.distrib_optimizer": "distributed optimizer buffers",
+    "dist_checkpointing.strategies.state_dict_saver": "save-time buffers",
+    "dist_checkpointing.strategies.filesystem_async": "synchronize on save",
+    "dist_checkpointing.exchange_utils": "shard exchange buffers",
+    "tensor_parallel.mappings": "sequence-parallel gathers",
+    "tensor_parallel.layers": "weight init device",
+    "rerun_state_machine": "loss checks",
+}
+
+_SCHEDULES = "pipeline_parallel.schedules:"
+_P2P = "pipeline_parallel.p2p_communication:P2PCommunicator."
+_RANDOM = "tensor_parallel.random:"
+
+TABLE = (
+    # --- GPT model and layer spec (megatron/seqsplit/model.py) -------------------------
+    _mcore("models.gpt.gpt_model:GPTModel._preprocess",
+           "overridden by SeqSplitGPTModel to recompute RoPE at a split's absolute offset "
+           "(GPTModel has no public RoPE offset up to 0.19: it embeds positions 0..len-1; "
+           "only 'mrope' reads position_ids); returns (decoder_input, rotary_pos_emb, ...)",
+           "self", "input_ids", "position_ids", "decoder_input", "inference_context",
+           "packed_seq_params", "padding_mask"),
+    _mcore("models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.forward",
+           "SeqSplitGPTModel calls rotary_pos_emb(length, offset=split offset)",
+           "self", "max_seq_len", "offset"),
+    _mcore("models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
+           "the local (no Transformer Engine) layer spec we swap attention and norms in",
+           "normalization"),
+    _mcore("transformer.transformer_block:get_num_layers_to_build",
+           "layers of this pipeline stage / virtual stage for the block spec",
+           "config", "vp_stage"),
+    _mcore("transformer.transformer_block:TransformerBlockSubmodules",
+           "block spec: our layer specs plus a sequence-parallel capable final norm",
+           "layer_specs", "layer_norm"),
+    _mcore("transformer.torch_norm:WrappedTorchNorm",
+           "SequenceParallelTorchNorm replaces it and takes the same constructor arguments",
+           "config", "hidden_size", "eps", "persist_layer_norm", "zero_centered_gamma",
+           "normalization"),
+    _mcore("transformer.attention:SelfAttention.__init__",
+           "SplitSelfAttention subclasses it; reads self.checkpoint_core_attention and "
+           "self.core_attention after super().__init__",
+           "self", "config", "submodules", "layer_number", "attn_mask_type"),
+    _mcore("transformer.attention:SelfAttention._checkpointed_attention_forward",
+           "the selective recomputation of core attention that SplitSelfAttention "
+           "replaces by a checkpoint of the kernel (tools/selective_saved_bytes.py finds "
+           "it by this name in the stack)",
+           "self", "query", "key", "value", "attention_mask"),
+    _mcore("packed_seq_params:PackedSeqParams",
+           "SplitContext subclasses it to ride megatron-core's packed_seq_params plumbing "
+           "from GPTModel.forward down to core attention",
+           "qkv_format", "cu_seqlens_q", "cu_seqlens_kv"),
+    # --- pipeline schedules (megatron/schedules, megatron/benchmarks/stage.py) ---------
+    _mcore(_SCHEDULES + "backward_step",
+           "the executor's backward of one unit; 0.16.1 takes an unused model_type before "
+           "config, 0.17+ does not: call mcore_compat.backward_step",
+           "input_tensor", "output_tensor", "output_tensor_grad", "config"),
+    _mcore(_SCHEDULES + "deallocate_output_tensor",
+           "frees a sent activation's data, as megatron's schedules do",
+           "out", "deallocate_pipeline_outputs"),
+    _mcore(_SCHEDULES + "get_forward_backward_func",
+           "megatron-core's own schedule for one split without observers",
+           "pp_size", "vp_size"),
+    _mcore(_SCHEDULES + "get_pp_rank_microbatches",
+           "tests compare our interleaved warmup counts with megatron-core's",
+           "num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage"),
+    _mcore(_SCHEDULES + "get_schedule_table",
+           "tests compare our interleaved unit order with megatron-core's",
+           "num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage"),
+    _mcore(_P2P + "__init__", "the executor builds one per pipeline group",
+           "self", "pp_group", "config"),
+    _mcore(_P2P + "recv_forward", "one message of a given shape",
+           "self", "tensor_shapes", "is_first_stage"),
+    _mcore(_P2P + "send_forward", "one message", "self", "output_tensors", "is_last_stage"),
+    _mcore(_P2P + "recv_backward", "one message of a given shape",
+           "self", "tensor_shapes", "is_last_stage"),
+    _mcore(_P2P + "send_backward", "one message",
+           "self", "input_tensor_grads", "is_first_stage"),
+    _mcore(_P2P + "send_forward_recv_backward", "steady-state exchange, shape per message",
+           "self", "output_tensors", "tensor_shapes", "is_last_stage"),
+    _mcore(_P2P + "send_backward_recv_forward", "steady-state exchange, shape per message",
+           "self", "input_tensor_grads", "tensor_shapes", "is_first_stage"),
+    # --- RNG (cpu_support, checkpointing, initialize, recompute) -----------------------
+    _mcore(_RANDOM + "CudaRNGStatesTracker.add",
+           "cpu_support subclasses the tracker over the CPU generator (uses seeds_, "
+           "states_, _is_initialized)", "self", "name", "seed"),
+    _mcore(_RANDOM + "CudaRNGStatesTracker.fork", "overridden by the CPU tracker",
+           "self", "name"),
+    _mcore(_RANDOM + "_get_cuda_rng_state", "replaced on CPU by torch.get_rng_state"),
+    _mcore(_RANDOM + "_set_cuda_rng_state", "replaced on CPU by torch.set_rng_state",
+           "new_state"),
+    _mcore(_RANDOM + "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+           "the tracker state megatron's dropout forks; the CPU tracker's default name"),
+    _mcore(_RANDOM + "initialize_rng_tracker",
+           "destroy_model_parallel resets the tracker between runs in one process",
+           "force_reset"),
+    _mcore(_RANDOM + "model_parallel_cuda_manual_seed", "set_seeds, as Megatron-LM",
+           "seed"),
+    _mcore(_RANDOM + "checkpoint",
+           "reentrant checkpoint of the attention kernel (same RNG handling as "
+           "megatron's selective recomputation)", "function", "distribute_saved_activations"),
+    # --- CUDA-only call sites patched on CPU (megatron/trainer/cpu_support.py) ---------
+    _mcore("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+           "replaced on CPU: asserts grads are torch.cuda.FloatTensor",
+           "parameters", "max_norm", "total_norm"),
+    _mcore("optimizer.optimizer:clip_grad_by_total_norm_fp32",
+           "optimizer.py imports it by name: replaced there too on CPU"),
+    _mcore("models.common.language_module.language_module:"
+           "LanguageModule.setup_embeddings_and_output_layer",
+           "wrapped on CPU: tied embeddings call weight.data.cuda()", "self"),
+    _mcore("optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+           "wrapped on CPU: checks param.type() == 'torch.cuda.FloatTensor'", "self"),
+    *(_mcore(f"{module}:torch", f"cpu_support swaps this module's torch on CPU: {what}")
+      for module, what in CUDA_CALL_SITES.items()),
+    # --- torch ---------------------------------------------------------------------------
+    _torch("torch.nn.attention.bias:causal_lower_right",
+           "bottom-right causal mask of a split (lq != lk) for SDPA"),
+    _torch("torch.nn.attention.flex_attention:_apply_kernel_options",
+           "CPU flex backend: what flex_attention does before its CPU-backward refusal",
+           "query", "key", "value", "return_lse", "kernel_options"),
+    _torch("torch.nn.attention.flex_attention:_identity",
+           "CPU flex backend: the identity score_mod flex_attention passes"),
+    _torch("torch._higher_order_ops.flex_attention:flex_attention",
+           "CPU flex backend: the higher-order op with an eager autograd"),
+    _torch("torch.distributed.distributed_c10d:_get_default_group",
+           "destroy_groups_except keeps the default group"),
+    _torch("torch.distributed.distributed_c10d:_world",
+           "destroy_groups_except walks _world.pg_map to destroy leftover gloo groups"),
+)
+
+
+def _split(name):
+    module_name, _, attribute = name.partition(":")
+    return module_name, attribute
+
+
+def resolve(entry: Entry):
+    """The object a row names, or CompatError naming the row."""
+    module_name, attribute = _split(entry.name)
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as error:
+        raise CompatError(f"module missing: {entry} [{error}]") from error
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as error:
+            raise CompatError(f"name missing: {entry} [{error}]") from error
+    return obj
+
+
+def _is_subsequence(wanted, names):
+    remaining = iter(names)
+    return all(name in remaining for name in wanted)
+
+
+def check(entry: Entry):
+    """Resolve a row and check its parameters; raises CompatError naming the row."""
+    obj = resolve(entry)
+    if not entry.params:
+        return obj
+    try:
+        names = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError) as error:
+        raise CompatError(f"no signature: {entry} [{error}]") from error
+    if not _is_subsequence(entry.params, names):
+        raise CompatError(f"signature changed: {entry}: expected parameters "
+                          f"{list(entry.params)} in this order, found {names}")
+    return obj
+
+
+def entry(name: str) -> Entry:
+    """The row for a name (with or without the ``megatron.core.`` prefix)."""
+    for row in TABLE:
+        if row.name in (name, "megatron.core." + name):
+            return row
+    raise KeyError(f"{name} is not in mcore_compat.TABLE: add a row for it")
+
+
+def get(name: str):
+    """The checked object for a table name: how the project reaches a row's name."""
+    return check(entry(name))
+
+
+def require(*names: str) -> None:
+    """Check several rows at once (a patching module's names, before it patches)."""
+    for name in names:
+        get(name)
+
+
+# --- bridges between supported versions -------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _backward_step_takes_model_type() -> bool:
+    mcore_backward = get(_SCHEDULES + "backward_step")
+    return "model_type" in inspect.signature(mcore_backward).parameters
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+    """megatron-core's ``backward_step`` on every supported version (0.16.1 takes a
+    ``model_type`` that it ignores; 0.17+ dropped it)."""
+    mcore_backward = get(_SCHEDULES + "backward_step")
+    if _backward_step_takes_model_type():
+        return mcore_backward(input_tensor, output_tensor, output_tensor_grad, None, config)
+    return mcore_backward(input_tensor, output_tensor, output_tensor_grad, config)

@@ -1,0 +1,86 @@
+"""Every version-dependent megatron-core / torch name the project uses still holds.
+
+One test per row of ``megatron.trainer.mcore_compat.TABLE``: on a megatron-core or torch
+release that drops a name or changes the parameters we rely on, the failing test is
+named after the row and its message says why we need the name and where it was checked.
+"""
+
+import importlib.metadata
+import os
+import types
+
+import pytest
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from megatron.trainer import mcore_compat
+from megatron.trainer.mcore_compat import TABLE, CompatError, Entry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("row", TABLE, ids=[row.name for row in TABLE])
+def test_table_row_holds(row):
+    try:
+        mcore_compat.check(row)
+    except CompatError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
+def test_table_names_are_unique():
+    names = [row.name for row in TABLE]
+    assert len(names) == len(set(names))
+
+
+def test_installed_megatron_core_is_supported():
+    installed = Version(importlib.metadata.version("megatron-core"))
+    assert installed in SpecifierSet(mcore_compat.SUPPORTED_MCORE), (
+        f"megatron-core {installed} is outside {mcore_compat.SUPPORTED_MCORE}")
+
+
+def test_requirements_carry_the_supported_range():
+    with open(os.path.join(ROOT, "requirements.txt")) as handle:
+        lines = [line.strip() for line in handle]
+    assert f"megatron-core{mcore_compat.SUPPORTED_MCORE}" in lines
+
+
+def test_checked_versions_lie_in_the_supported_range():
+    supported = SpecifierSet(mcore_compat.SUPPORTED_MCORE)
+    assert all(Version(v) in supported for v in mcore_compat.CHECKED_MCORE)
+
+
+def test_a_missing_name_fails_with_its_row():
+    row = Entry("megatron.core.utils:no_such_name", "why we would need it")
+    with pytest.raises(CompatError, match="name missing: megatron.core.utils:no_such_name"
+                                          r" \(megatron-core .*\): why we would need it"):
+        mcore_compat.check(row)
+
+
+def test_a_missing_module_fails_with_its_row():
+    row = Entry("megatron.core.no_such_module:torch", "a CUDA call site")
+    with pytest.raises(CompatError, match="module missing: megatron.core.no_such_module"):
+        mcore_compat.check(row)
+
+
+def test_a_changed_signature_fails_with_its_row():
+    # the right names in the wrong order are a changed signature too
+    row = Entry("megatron.core.pipeline_parallel.schedules:backward_step", "the executor",
+                params=("config", "input_tensor"))
+    with pytest.raises(CompatError, match=r"signature changed: .*backward_step.*"
+                                          r"expected parameters \['config', 'input_tensor'\]"):
+        mcore_compat.check(row)
+
+
+def test_names_outside_the_table_are_refused():
+    with pytest.raises(KeyError, match="add a row"):
+        mcore_compat.get("utils:no_such_name")
+
+
+def test_backward_step_bridge_returns_the_input_gradient():
+    config = types.SimpleNamespace(timers=None, grad_scale_func=None,
+                                   deallocate_pipeline_outputs=False)
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    output = (x * 3.0).sum()
+    grad = mcore_compat.backward_step(x, output, None, config)
+    assert torch.equal(grad, torch.tensor([3.0, 3.0]))
