@@ -60,9 +60,9 @@ if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
     --max-position-embeddings 1024 --position-embedding-type rope --swiglu
     --normalization RMSNorm --untie-embeddings-and-output-weights
     --attention-dropout 0 --hidden-dropout 0
-    --micro-batch-size 1 --global-batch-size 8 --train-iters 20
+    --micro-batch-size 1 --global-batch-size 8 --train-iters 10
     --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --lr-decay-style cosine
-    --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 20 --eval-iters 1
+    --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 10 --eval-iters 1
     --data-path "$DATA/stdlib_content_document" --split 98,2,0
     --tokenizer-type GPT2BPETokenizer --vocab-file "$DATA/tokenizer/vocab.json"
     --merge-file "$DATA/tokenizer/merges.txt" --seed 1234
@@ -93,7 +93,7 @@ if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
     --titles "${NAMES[@]}" -o "$RUNS/timelines.png"
   if [[ $DRY_RUN == 0 ]]; then
     echo
-    echo "== pp=2, 8 microbatches of 1024 tokens, 20 iterations, CPU (gloo) =="
+    echo "== pp=2, 8 microbatches of 1024 tokens, 10 iterations, CPU (gloo) =="
   fi
   run $PYTHON tools/demo_table.py "$RUNS" "${NAMES[@]}"
   [[ $DRY_RUN == 1 ]] || echo "timelines (last training iteration) + stage-0 memory: $RUNS/timelines.png"

@@ -26,9 +26,9 @@ ITERATION = re.compile(r"\biteration +(\d+)/ *\d+ \|.*?\| lm loss: ([^ |]+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([^ |]+) \|")
 SUMMARY = re.compile(r"\[summary\].*final lm loss: ([^ |]+) \|.*tokens/s: ([^ |]+) \|")
 
-CPU_NOTE = ("CPU numbers show that the schedules compute the same losses and how activation "
-            "memory and the bubble change; tokens/s on 2 shared cores (gloo, probe and "
-            "timeline on) say nothing about GPU speed.")
+CPU_NOTE = ("On CPU the equal losses and the activation peaks (bytes counted by the probe) carry "
+            "over to GPUs; tokens/s and the bubble time one run on 2 shared cores (gloo, probe "
+            "and timeline on) and say nothing about GPU speed.")
 
 
 class RunError(Exception):
