@@ -19,15 +19,16 @@
 #   smoke    every phase above at toy sizes on CPU: checks this script, not the GPU
 #
 # On the lent GPU machine (Python 3.12, PyTorch preinstalled, no network) megatron-core
-# is missing: carry its wheel (see the device tool's README), e.g. from the repo root
+# is missing: carry wheels in .whl/ (see the device tool's README: the device call names
+# .whl in carry), e.g. from the repo root, both supported ends of requirements.txt's range:
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
-# and start each device command with
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-#   export PYTHONPATH=/tmp/site && bash tools/gpu_checks.sh tests train
-# (the device call names .whl in carry). Commit what lands under docs/results/ with
-# the command that produced it.
+#   for v in 0.16.1 0.19.2; do python3 -m pip download --no-deps --only-binary=:all: \
+#       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#       -d .whl megatron-core==$v; done
+# This script then installs, without network, the newest carried megatron-core inside the
+# supported range (tools/offline_install.py; an installed supported one is kept) with the
+# other carried wheels into /tmp/gpu_checks_site, and puts it on PYTHONPATH.
+# Commit what lands under docs/results/ with the command that produced it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${GPU_CHECKS_OUT:-${OUT:-runs/gpu_checks}}
@@ -151,7 +152,10 @@ phase_smoke() {
     stage tiny_pp4 4 8 256
 }
 
-[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+SITE=$("$PY" tools/offline_install.py --wheels "${WHEELS:-.whl}" --target /tmp/gpu_checks_site) \
+    || exit 2
+[ -n "$SITE" ] && export PYTHONPATH="$SITE:$PYTHONPATH"
 environment
 for phase in "$@"; do
     if ! declare -F "phase_$phase" >/dev/null; then
