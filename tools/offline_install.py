@@ -17,10 +17,16 @@ import re
 import subprocess
 import sys
 
-from packaging.requirements import Requirement
-from packaging.tags import sys_tags
-from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
+try:
+    from packaging.requirements import Requirement
+    from packaging.tags import sys_tags
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:  # a bare GPU image may lack `packaging`; pip always carries a copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.tags import sys_tags
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    from pip._vendor.packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
