@@ -80,6 +80,9 @@ DAMAGES = {
 
 @pytest.mark.parametrize("case", list(DAMAGES))
 def test_damaged_checkpoint_is_one_line_naming_the_file(pristine, tmp_path, case):
+    if case == "common_pt_missing" and not (pristine / ITER2 / "common.pt").exists():
+        pytest.skip("this megatron-core (0.19+) keeps the common state inside the "
+                    "torch_dist files: there is no common.pt to lose")
     ckpt = _copy(pristine, tmp_path)
     damage, says = DAMAGES[case]
     damage(ckpt / ITER2)
@@ -136,7 +139,9 @@ def test_save_killed_at_any_moment_is_never_the_latest(tmp_path):
     assert (ckpt / TRACKER).read_text() == str(latest + 1)
     assert not list(ckpt.glob("*.incomplete")) and not list(ckpt.glob("*.replaced"))
     manifest = json.loads((leftover / "checksums.json").read_text())["files"]
-    assert "__0_0.distcp" in manifest and "common.pt" in manifest
+    # every file the save wrote (common.pt only where megatron-core writes one: <= 0.18)
+    assert set(manifest) == {p.name for p in leftover.iterdir()} - {"checksums.json"}
+    assert "__0_0.distcp" in manifest and ".metadata" in manifest
     assert (leftover / "__0_0.distcp").stat().st_size == manifest["__0_0.distcp"]["size"]
 
 

@@ -296,12 +296,16 @@ def _structure_problem(directory):
         return "metadata.json is missing (not a dist_checkpointing checkpoint)"
     except (OSError, ValueError, TypeError):
         return "metadata.json is unreadable (not a dist_checkpointing checkpoint)"
-    if not os.path.isfile(os.path.join(directory, "common.pt")):
-        return "common.pt is missing"
     try:
-        storage = FileSystemReader(directory).read_metadata().storage_data
+        metadata = FileSystemReader(directory).read_metadata()
     except Exception:  # any unpickling error: the file is damaged
         return ".metadata is missing or unreadable"
+    # megatron-core <= 0.18 keeps the common (non-tensor) state in common.pt; 0.19 saves it
+    # as a "common_state" object among the torch_dist files
+    if not os.path.isfile(os.path.join(directory, "common.pt")) and not any(
+            key.startswith("common_state") for key in metadata.state_dict_metadata):
+        return "common.pt is missing"
+    storage = metadata.storage_data
     needed = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0),
