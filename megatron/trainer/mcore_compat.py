@@ -172,6 +172,16 @@ TABLE = (
     _mcore(_RANDOM + "checkpoint",
            "reentrant checkpoint of the attention kernel (same RNG handling as "
            "megatron's selective recomputation)", "function", "distribute_saved_activations"),
+    # --- distributed-optimizer checkpoints (megatron/trainer/checkpointing.py) ---------
+    _mcore("optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict",
+           "saved with metadata {'distrib_optim_sharding_type': 'fully_reshardable', "
+           "'distrib_optim_fully_reshardable_mem_efficient': True} (the default format's "
+           "flattened ranges no longer save; the other fully_reshardable path needs CUDA)",
+           "self", "model_sharded_state_dict", "is_loading", "metadata"),
+    _mcore("optimizer.distrib_optimizer:DistributedOptimizer."
+           "load_parameter_state_from_fully_reshardable",
+           "loads the Adam tensors with the per-parameter 'step' set aside (it would copy "
+           "one shared step into every parameter)", "self", "state_dict"),
     # --- CUDA-only call sites patched on CPU (megatron/trainer/cpu_support.py) ---------
     _mcore("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
            "replaced on CPU: asserts grads are torch.cuda.FloatTensor",
