@@ -101,28 +101,6 @@ def test_a_run_that_did_not_finish_is_named(tmp_path):
     assert "seq1f1b_s4.log has no [summary] line" in result.stderr
 
 
-def test_evaluation_is_not_recorded_by_the_schedules_observers():
-    """The timeline and the probe keep the training iteration: evaluate() detaches them."""
-    import functools
-
-    from megatron.schedules.seq1f1b import Seq1F1BSettings
-    from megatron.trainer.training import observers_paused
-
-    seen = []
-    settings = Seq1F1BSettings(num_splits=1, observers=["recorder", "probe"])
-
-    def schedule(settings):
-        seen.append(list(settings.observers))
-
-    func = functools.partial(schedule, settings=settings)
-    with observers_paused(func):
-        func()
-    func()
-    assert seen == [[], ["recorder", "probe"]]
-    with observers_paused(lambda: None):  # megatron-core's own function has none
-        pass
-
-
 def test_cpu_memory_column_says_what_it_measures():
     import torch
 

@@ -9,7 +9,8 @@ import zipfile
 from packaging.requirements import Requirement
 from packaging.tags import Tag
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+sys.path.insert(0, TOOLS)
 import offline_install  # noqa: E402
 
 CP312 = [Tag("cp312", "cp312", "manylinux_2_28_x86_64"), Tag("py3", "none", "any")]
@@ -45,6 +46,16 @@ def _fake_wheel(folder, name, version):
     return path
 
 
+def _run_without_megatron_core(wheels, target):
+    """The script in its own interpreter, as if megatron-core were not installed."""
+    code = ("import offline_install, sys;"
+            "offline_install.installed_version = lambda: None;"
+            f"sys.exit(offline_install.main(['--wheels', {str(wheels)!r}, "
+            f"'--target', {str(target)!r}]))")
+    return subprocess.run([sys.executable, "-c", code], cwd=TOOLS, capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_installs_the_chosen_wheel_without_network(tmp_path):
     """The script as the GPU machine runs it, on a machine without megatron-core
     (installed_version stubbed to None): real pip, --no-index, into a target folder."""
@@ -55,13 +66,7 @@ def test_installs_the_chosen_wheel_without_network(tmp_path):
     _fake_wheel(str(wheels), "megatron_core", "0.21.0")
     _fake_wheel(str(wheels), "helper_pkg", "1.0")
     target = tmp_path / "site"
-    code = ("import offline_install, sys;"
-            "offline_install.installed_version = lambda: None;"
-            f"sys.exit(offline_install.main(['--wheels', {str(wheels)!r}, "
-            f"'--target', {str(target)!r}]))")
-    tools = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tools, capture_output=True,
-                          text=True, timeout=300)
+    proc = _run_without_megatron_core(wheels, target)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(target)
     assert "megatron_core-0.19.2" in proc.stderr
@@ -70,12 +75,6 @@ def test_installs_the_chosen_wheel_without_network(tmp_path):
 
 
 def test_no_usable_wheel_is_one_clear_line(tmp_path):
-    code = ("import offline_install, sys;"
-            "offline_install.installed_version = lambda: None;"
-            f"sys.exit(offline_install.main(['--wheels', {str(tmp_path)!r}, "
-            f"'--target', {str(tmp_path / 'site')!r}]))")
-    tools = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tools, capture_output=True,
-                          text=True, timeout=60)
+    proc = _run_without_megatron_core(tmp_path, tmp_path / "site")
     assert proc.returncode != 0
     assert proc.stderr.startswith("error: no megatron-core wheel for this Python inside")

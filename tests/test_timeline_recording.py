@@ -6,6 +6,10 @@ from distributed import TINY_MODEL, assert_close_series, run_configs
 
 FLAGS = TINY_MODEL + ["--global-batch-size", "3", "--micro-batch-size", "1",
                       "--train-iters", "2", "--pipeline-model-parallel-size", "2"]
+# evaluation right after the last (recorded) iteration: its forward passes must not be
+# recorded as units of the training iteration
+FLAGS[FLAGS.index("--eval-iters") + 1] = "1"
+FLAGS += ["--eval-interval", "2"]
 
 
 def test_timeline_of_1f1b_and_seq1f1b(tmp_path):

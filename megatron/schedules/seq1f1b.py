@@ -49,7 +49,10 @@ class Seq1F1BSettings:
     balance_method: str = "average"
     alignment: int = 1
     model_shape: Any = None  # megatron.seqsplit.plan.ModelShape, for uniform_comp
-    observers: List[Any] = field(default_factory=list)  # on_unit_start/on_unit_end(rank, unit)
+    # on_unit_start/on_unit_end(rank, unit) of training iterations: forward-only calls
+    # (evaluation) are not shown to them, so a timeline or memory probe of the last
+    # iteration holds the training iteration only
+    observers: List[Any] = field(default_factory=list)
     # "seq1f1b" (interleaved order with virtual stages) or "slimpipe" (splits are its
     # uniform slices; megatron.schedules.slimpipe's order, the Seq1F1B one when v = 1)
     schedule: str = "seq1f1b"
@@ -144,7 +147,8 @@ def forward_backward_pipelining_seq1f1b(
                           alignment=settings.alignment, model=settings.model_shape)
     offsets = split_offsets(lengths)
     kv_store = KVCacheStore(forward_only=forward_only)
-    for observer in settings.observers:
+    observers = () if forward_only else settings.observers
+    for observer in observers:
         if hasattr(observer, "attach_kv_store"):
             observer.attach_kv_store(kv_store)
     split_iterators = [SplitDataIterator(iterator) for iterator in iterators]
@@ -307,7 +311,7 @@ def forward_backward_pipelining_seq1f1b(
 
     for action in actions:
         if isinstance(action, Unit):
-            for observer in settings.observers:
+            for observer in observers:
                 observer.on_unit_start(rank, action)
             kv_store.exchange = exchanges.get(action)
             kv_store.exchange_unit_is_forward = action.is_forward
@@ -318,7 +322,7 @@ def forward_backward_pipelining_seq1f1b(
                 if is_first and action.chunk == 0:
                     input_grads.pop(action, None)  # nothing to send upstream
             kv_store.exchange = None
-            for observer in settings.observers:
+            for observer in observers:
                 observer.on_unit_end(rank, action)
         elif isinstance(action[0], Message):
             run_batch(action)

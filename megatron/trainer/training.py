@@ -7,7 +7,6 @@ load a checkpoint, then run ``forward_backward_func`` + ``optimizer.step()`` per
 iteration with Megatron-style logging, evaluation and checkpointing.
 """
 
-import contextlib
 import functools
 import math
 import time
@@ -160,25 +159,11 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     return losses, grad_norm, update_successful, exit_reason
 
 
-@contextlib.contextmanager
-def observers_paused(forward_backward_func):
-    """Detach the schedule's observers (timeline recorder, memory probe) for a while:
-    evaluation's forward passes are not part of the training iteration they record."""
-    settings = getattr(forward_backward_func, "keywords", {}).get("settings")
-    observers = settings.observers if settings is not None else []
-    detached = list(observers)
-    observers.clear()
-    try:
-        yield
-    finally:
-        observers.extend(detached)
-
-
 def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func):
     for chunk in model:
         chunk.eval()
     totals = []
-    with torch.no_grad(), observers_paused(forward_backward_func):
+    with torch.no_grad():
         for _ in range(args.eval_iters):
             totals += forward_backward_func(
                 forward_step_func=forward_step_func,
@@ -441,8 +426,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
                                 f"{valid['lm loss']:.6g} | lm loss PPL: {ppl:.6g} |")
                 tensorboard.add("validation lm loss", valid["lm loss"], iteration)
                 history.validation_losses.append(valid["lm loss"])
-        saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
-        if saved:
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
             progress.step = f"checkpoint save at iteration {iteration}"
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                           scheduler)
