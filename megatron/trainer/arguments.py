@@ -266,16 +266,10 @@ def validate_args(args, world_size: int, cuda_available: bool):
                  f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
                  f"--seq-length ({args.seq_length}) with learned absolute positions")
 
-    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
-    if not cuda_available:
-        _require(not args.fp16, "--fp16 needs a CUDA GPU (CPU training runs in fp32); "
-                                "drop --fp16")
-        _require(not args.bf16, "--bf16 needs a CUDA GPU (CPU training runs in fp32); "
-                                "drop --bf16")
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if cuda_available else "gloo"
-    _require(cuda_available or args.distributed_backend == "gloo",
-             "--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU")
+    from megatron.trainer.device import device_problems
+
+    problems = device_problems(args, cuda_available)
+    _require(not problems, problems[0] if problems else "")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: meaningless without TP
     if args.transformer_impl == "transformer_engine":
