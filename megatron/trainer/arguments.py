@@ -196,8 +196,11 @@ def _require(condition, message):
         raise ArgumentError(message)
 
 
-def validate_args(args, world_size: int, cuda_available: bool):
-    """Fill defaults derived from other flags and reject inconsistent values."""
+def validate_args(args, world_size: int, cuda_available: bool, check_files: bool = True):
+    """Fill defaults derived from other flags and reject inconsistent values.
+
+    ``check_files=False`` skips what reads the disk (data files, tokenizer files, --load):
+    tools/plan.py validates a training command line for a run elsewhere."""
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
         _require(getattr(args, flag) is not None,
                  f"--{flag.replace('_', '-')} is required")
@@ -317,14 +320,14 @@ def validate_args(args, world_size: int, cuda_available: bool):
         _require(args.vocab_file and args.merge_file,
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
-            _require(os.path.isfile(path), f"{flag} {path}: no such file")
+            _require(not check_files or os.path.isfile(path), f"{flag} {path}: no such file")
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs "
                                        "--tokenizer-model (a tokenizer.json file or directory)")
-        _require(os.path.exists(args.tokenizer_model),
+        _require(not check_files or os.path.exists(args.tokenizer_model),
                  f"--tokenizer-model {args.tokenizer_model}: no such file or directory "
                  "(nothing is downloaded: give a local tokenizer.json or its directory)")
-    if args.data_path:
+    if args.data_path and check_files:
         _check_data(args.data_path, args.split)
 
     # checkpoints
@@ -333,7 +336,7 @@ def validate_args(args, world_size: int, cuda_available: bool):
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
         _require(args.save is not None, "--save-interval needs --save DIR")
-    if args.load is not None and args.exit_on_missing_checkpoint:
+    if args.load is not None and args.exit_on_missing_checkpoint and check_files:
         _require(os.path.isdir(args.load), f"--load {args.load}: no such directory")
     _require(args.eval_interval >= 1, "--eval-interval must be >= 1")
     _require(not args.exit_signal_handler_for_dataloader,
