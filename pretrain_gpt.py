@@ -24,6 +24,7 @@ from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 
 from megatron.seqsplit.documents import DocumentIdsDataset  # noqa: E402
 from megatron.seqsplit.split_context import SplitContext  # noqa: E402
+from megatron.trainer.device import compute_device  # noqa: E402
 from megatron.trainer.model import gpt_model_provider  # noqa: E402
 from megatron.trainer.training import pretrain  # noqa: E402
 
@@ -68,7 +69,7 @@ def get_batch(data_iterator, args, vp_stage=None):
     if not (first or last or args.reset_attention_mask):
         return {}
     batch = next(data_iterator)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = compute_device()  # the flags' device (gloo on a GPU machine: the CPU)
     return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
             for key, value in batch.items()}
 

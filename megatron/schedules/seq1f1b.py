@@ -165,7 +165,7 @@ def forward_backward_pipelining_seq1f1b(
 
     forward_data_store = []
     # megatron-core all-reduces this over NCCL on GPU: keep it on the device
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = next(model.parameters()).device  # the run's device, not "CUDA if present"
     total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
     tokens_per_microbatch = {}  # last stage: loss-mask tokens of each microbatch so far
     received_inputs, received_grads = {}, {}

@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from megatron.trainer import mcore_compat
+from megatron.trainer import device, mcore_compat
 
 _APPLIED = False
 
@@ -224,7 +224,7 @@ _PATCHED_NAMES = (
 def apply() -> bool:
     """Apply the CPU patches if CUDA is unavailable. Returns whether they are active."""
     global _APPLIED
-    if torch.cuda.is_available():
+    if device.on_cuda():  # the run's device (gloo on a GPU machine is a CPU run)
         return False
     if _APPLIED:
         return True

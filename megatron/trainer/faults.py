@@ -27,6 +27,8 @@ import torch
 
 from megatron.core import parallel_state
 
+from megatron.trainer import device
+
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient that is NaN or infinite; the message names where."""
@@ -66,8 +68,7 @@ class IterationGuard:
         # (unscaled) loss is checked
         self.check_grads = self.check_values and not args.fp16
         self.sigterm = _SigtermFlag() if args.exit_signal_handler else None
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = device.compute_device()
 
     @property
     def needed(self):

@@ -10,18 +10,19 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron.trainer import cpu_support
+from megatron.trainer import cpu_support, device
 
 
 def initialize_distributed(args):
     """Create the default process group (torchrun's env) and megatron-core's groups."""
+    device.use_device(args)  # the flags' device, before the CPU patches ask for it
     cpu_support.apply()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if torch.cuda.is_available():
+    if device.on_cuda():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(

@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+from megatron.trainer import device
+
 
 def model_flops_per_iteration(args) -> float:
     """Training FLOPs of one iteration (forward + backward = 3x forward).
@@ -43,7 +45,7 @@ def _probe(observers):
 
 
 def memory_label(observers=()) -> str:
-    if torch.cuda.is_available():
+    if device.on_cuda():
         return GPU_MEMORY
     return CPU_ACTIVATIONS if _probe(observers) is not None else CPU_RESIDENT
 
@@ -52,7 +54,7 @@ def peak_memory_bytes(observers=()) -> int:
     """GPU: torch.cuda.max_memory_allocated. CPU: the probe's activation peak of the last
     iteration when --activation-memory-file is on (the resident set buries activations
     under weights, Python and allocator caches), else the process's peak resident set."""
-    if torch.cuda.is_available():
+    if device.on_cuda():
         return torch.cuda.max_memory_allocated()
     probe = _probe(observers)
     if probe is not None:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.trainer import device
 from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
 
 
@@ -18,7 +19,7 @@ def params_dtype(args):
 
 
 def transformer_config_from_args(args) -> TransformerConfig:
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device.on_cuda(args)
     dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
