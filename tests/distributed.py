@@ -61,7 +61,7 @@ def init_checkpoint(tmp_path, model_flags):
     if not (directory / "latest_checkpointed_iteration.txt").exists():
         run_configs(tmp_path, 1, [{
             "name": "init",
-            "argv": model_flags + ["--train-iters", "0", "--save", str(directory)],
+            "argv": model_flags + ["--train-iters", "0", "--save", str(directory), "--save-interval", "1000"],
         }])
     return ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
 

@@ -82,7 +82,7 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--no-such-flag"], 1, "--no-such-flag"),
     (["--micro-batch-size", "two"], 1, "--micro-batch-size"),
     (["--data-path", "/nonexistent/prefix"], 1, "--data-path"),
-    (["--save-interval", "5"], 1, "--save"),
+    (["--save", "/tmp/ckpt"], 1, "--save-interval"),
     (["--virtual-pipeline-model-parallel-size", "2"], 1, "--pipeline-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "3"], 2,
      "--num-layers"),

@@ -131,7 +131,7 @@ def test_save_killed_at_any_moment_is_never_the_latest(tmp_path):
     leftover.mkdir(exist_ok=True)
     (leftover / "__0_0.distcp").write_bytes(b"partial")
     resumed = pretrain(BASE + ["--train-iters", str(latest + 1), "--load", str(ckpt),
-                                "--save", str(ckpt)])
+                                "--save", str(ckpt), "--save-interval", "1000"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"loaded checkpoint from {ckpt / f'iter_{latest:07d}'} at iteration {latest}" \
         in resumed.stdout
@@ -148,7 +148,7 @@ def test_save_killed_at_any_moment_is_never_the_latest(tmp_path):
 def test_checkpoints_without_tracker_are_not_overwritten(pristine, tmp_path):
     ckpt = _copy(pristine, tmp_path)
     (ckpt / TRACKER).unlink()
-    for argv, flag in ((["--load", str(ckpt), "--save", str(ckpt)], "--save"),
+    for argv, flag in ((["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1000"], "--save"),
                        (["--load", str(ckpt)], "--load")):
         refused = pretrain(BASE + ["--train-iters", "3"] + argv)
         assert refused.returncode != 0
@@ -165,7 +165,7 @@ def test_a_new_run_does_not_overwrite_another_runs_checkpoints(pristine, tmp_pat
     ckpt = _copy(pristine, tmp_path)
     before = (ckpt / ITER2 / "checksums.json").read_text()
     # two ranks: rank 0 decides, both stop (torchrun ends the job), one line is printed
-    refused = start_pretrain(BASE + ["--train-iters", "2", "--save", str(ckpt)], world_size=2)
+    refused = start_pretrain(BASE + ["--train-iters", "2", "--save", str(ckpt), "--save-interval", "1000"], world_size=2)
     out, err = refused.communicate(timeout=120)
     assert refused.returncode != 0
     assert one_error_line(err) == (
@@ -182,7 +182,7 @@ def test_save_dir_held_by_a_live_run_is_refused_until_it_dies(tmp_path):
     try:
         wait_for_line(first, r" iteration\s+2/")  # past claim_save_dir: it holds the lock
         start = time.time()
-        second = pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)], timeout=120)
+        second = pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1000"], timeout=120)
         assert second.returncode != 0
         assert time.time() - start < 60
         error = one_error_line(second.stderr)
@@ -193,7 +193,7 @@ def test_save_dir_held_by_a_live_run_is_refused_until_it_dies(tmp_path):
     finally:
         kill_tree(first)
     assert first.returncode == -signal.SIGKILL
-    third = pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt)])
+    third = pretrain(BASE + ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1000"])
     assert third.returncode == 0, third.stderr[-3000:]
     assert "saved checkpoint at iteration 1" in third.stdout
 
@@ -203,9 +203,9 @@ def test_one_process_releases_save_dir_between_runs(tmp_path):
     the first one's --save (the lock was released)."""
     ckpt = tmp_path / "ckpt"
     results = run_configs(tmp_path, 1, [
-        {"name": "first", "argv": BASE + ["--train-iters", "1", "--save", str(ckpt)]},
+        {"name": "first", "argv": BASE + ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1000"]},
         {"name": "second", "argv": BASE + ["--train-iters", "2", "--load", str(ckpt),
-                                           "--save", str(ckpt)]},
+                                           "--save", str(ckpt), "--save-interval", "1000"]},
     ])
     assert len(results["second"]["losses"]) == 1
     assert (ckpt / TRACKER).read_text() == "2"

@@ -90,7 +90,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     assert "--load" in missing.stderr and "no checkpoint" in missing.stderr
 
     ckpt = tmp_path / "small"
-    saved = _pretrain(tmp_path, base + ["--save", str(ckpt)])
+    saved = _pretrain(tmp_path, base + ["--save", str(ckpt), "--save-interval", "1000"])
     assert saved.returncode == 0, saved.stderr[-2000:]
     other = list(base)
     other[other.index("--hidden-size") + 1] = "64"

@@ -111,7 +111,7 @@ def results(tmp_path_factory):
         argv = with_corpus(MODELS[model] + BATCHES[batch] + starts[model] + lay + split_flags
                            + EXTRAS[extra], corpus)
         if name == SAVED:
-            argv += ["--save", str(saved_dir)]
+            argv += ["--save", str(saved_dir), "--save-interval", "1000"]
         by_world[world].append({"name": name, "argv": argv, "params": True})
         ref_extra = "" if extra in ("_sp", "_chunked") else extra
         references[reference_name(model, batch, extra)] = with_corpus(

@@ -127,7 +127,7 @@ def results(tmp_path_factory):
     for model, flags in MODELS.items():
         directory = tmp / f"init_{model}"
         single.append({"name": f"init_{model}", "argv": flags + BATCHES["m1"][:4] + [
-            "--train-iters", "0", "--save", str(directory)]})
+            "--train-iters", "0", "--save", str(directory), "--save-interval", "1000"]})
         starts[model] = ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
     by_world = {2: [], 4: []}
     references = {}

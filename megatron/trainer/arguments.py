@@ -12,15 +12,46 @@ import torch
 
 from megatron.seqsplit.attention_backends import BACKEND_NAMES
 from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS
+from megatron.trainer.megatron_lm_flags import (
+    add_no_op_flags,
+    no_op_flags_given,
+    size_one_problems,
+    take_refused,
+)
+
+# Megatron-LM's --attention-backend names that are not kernels of ours
+MEGATRON_ATTENTION_BACKENDS = ("local", "unfused", "fused")
 
 
 class ArgumentError(ValueError):
     """A flag value the run cannot work with; the message names the flag and the fix."""
 
 
+class ArgumentErrors(ArgumentError):
+    """Every flag problem of one command line, one per line."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # unknown flags and bad types: one line, not a usage dump
-        raise ArgumentError(f"{message} (see `{self.prog} --help`)")
+    """argparse that records a bad value or choice and goes on parsing, so that every
+    problem of a command line is reported together."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.problems = []
+
+    def error(self, message):  # what argparse cannot go on after (a missing value)
+        raise ArgumentErrors(self.problems + [f"{message} (see `{self.prog} --help`)"])
+
+    def _get_values(self, action, arg_strings):
+        try:
+            return super()._get_values(action, arg_strings)
+        except argparse.ArgumentError as error:  # a bad type or choice: keep the default
+            self.problems.append(str(error))
+            return action.default
 
 
 def _str2bool(value):
@@ -38,12 +69,24 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention; --num-query-groups defaults to 1 (as in "
+                        "Megatron-LM)")
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute", "none"],
                    default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_false",
+                   dest="add_position_embedding",
+                   help="no learned absolute position embedding: --position-embedding-type "
+                        "none (with rope, nothing changes)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times the TP size")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="LayerNorm weights centred on zero (gamma = 1 + weight)")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--swiglu", action="store_true")
@@ -54,21 +97,56 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
-    g.add_argument("--attention-backend", choices=["auto", *BACKEND_NAMES], default="auto",
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="layer implementation; default as Megatron-LM: transformer_engine "
+                        "when Transformer Engine is importable, else local (with a note)")
+    g.add_argument("--attention-backend", choices=["auto", *BACKEND_NAMES,
+                                                   *MEGATRON_ATTENTION_BACKENDS],
+                   default="auto",
                    help="core attention kernel (local layer spec); auto: flash when usable, "
-                        "else sdpa; flex is opt-in and has no dropout")
+                        "else sdpa; flex is opt-in and has no dropout. Megatron-LM's names: "
+                        "local and unfused mean sdpa here (PyTorch's kernel), fused "
+                        "(cuDNN through Transformer Engine) is refused")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Megatron-LM's older spelling of --attention-backend flash")
 
     g = parser.add_argument_group("batch and training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train for this many samples instead of --train-iters")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   metavar="START INCREMENT SAMPLES",
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples "
+                        "(needs --train-samples), as Megatron-LM")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="learning rate of the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of the input embedding and output layer")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
+                                                "inverse-square-root", "WSD"],
+                   default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay iterations (or samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine",
+                                                    "minus_sqrt"], default="exponential")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"],
+                   default="constant")
+    g.add_argument("--optimizer", choices=["adam"], default="adam",
+                   help="Adam(W) as megatron-core builds it (sgd is not supported here)")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -76,6 +154,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (default with --bf16: fp32)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32 (on with --bf16 unless "
+                        "--grad-reduce-in-bf16)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
@@ -94,6 +181,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    default=None, help="interleaved schedule: microbatches each chunk runs "
                                       "before the next chunk starts (default: the pp size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the data-parallel gradient reduction with backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with the "
+                        "next forward (needs --use-distributed-optimizer and "
+                        "--overlap-grad-reduce)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10,
                    help="every process group's timeout: a collective or p2p transfer that "
@@ -146,7 +239,17 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="DataLoader worker processes reading samples (0: read in the "
+                        "training process)")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read .bin files with plain reads instead of memory maps")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="accepted; no attention mask is ever built in the data loader here "
+                        "(the kernels mask causally, documents by their ids)")
     g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                                "SentencePieceTokenizer", "Llama2Tokenizer",
                                                 "NullTokenizer"], default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
@@ -158,6 +261,36 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print the model TFLOP/s per GPU in the iteration line")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
+                   help="0: iteration time only; 1: forward-backward, optimizer and other "
+                        "top-level timers; 2: also per-unit compute and communication")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="disable Python's automatic garbage collection; collect every "
+                        "--manual-gc-interval iterations")
+    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc, do not collect around evaluation")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
+                   help="empty the CUDA cache after forward/backward (1) and after the "
+                        "optimizer step (2); nothing to do on CPU")
+    g.add_argument("--profile", action="store_true",
+                   help="profile --profile-step-start to --profile-step-end on "
+                        "--profile-ranks: a torch.profiler trace, and on GPU "
+                        "cudaProfilerStart/Stop (nsys --capture-range=cudaProfilerApi)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted: --profile always writes a torch.profiler trace here")
+    g.add_argument("--wandb-project", type=str, default="")
+    g.add_argument("--wandb-exp-name", type=str, default="")
+    g.add_argument("--wandb-save-dir", type=str, default="")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
@@ -184,8 +317,20 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="train on through non-finite values (not recommended)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights from --load; start at iteration 0 "
+                        "without optimizer or RNG state")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model-shape flags from the checkpoint in --load")
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch", "zarr", "torch_dcp",
+                                             "fsdp_dtensor"], default="torch_dist",
+                   help="only torch_dist (megatron-core distributed checkpoints) is written "
+                        "and read here")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
+    add_no_op_flags(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -199,19 +344,128 @@ def _require(condition, message):
 def validate_args(args, world_size: int, cuda_available: bool, check_files: bool = True):
     """Fill defaults derived from other flags and reject inconsistent values.
 
+    Every problem is collected (each check below is independent, or skipped when an
+    earlier one failed on a value it needs) and raised together as ``ArgumentErrors``.
     ``check_files=False`` skips what reads the disk (data files, tokenizer files, --load):
     tools/plan.py validates a training command line for a run elsewhere."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
-        _require(getattr(args, flag) is not None,
-                 f"--{flag.replace('_', '-')} is required")
+    problems = []
+    checks = (
+        lambda: _check_required(args),
+        lambda: _check_megatron_compat(args, cuda_available),
+        lambda: _derive_parallel_layout(args, world_size),
+        lambda: _check_model_shape(args),
+        lambda: problems.extend(_device_problems(args, cuda_available)),
+        lambda: _check_recompute(args),
+        lambda: _derive_training_length(args),
+        lambda: _check_learning_rate(args),
+        lambda: _check_data_flags(args, check_files),
+        lambda: _check_checkpoint_flags(args, check_files),
+        lambda: _check_exit_flags(args),
+        lambda: _validate_seq1f1b(args),
+        lambda: _validate_slimpipe(args),
+    )
+    for check in checks:
+        try:
+            check()
+        except ArgumentErrors as error:
+            problems.extend(error.problems)
+        except ArgumentError as error:
+            problems.append(str(error))
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError):
+            if not problems:  # not a consequence of a problem already reported
+                raise
+    if problems:
+        raise ArgumentErrors(problems)
+    return args
+
+
+def _device_problems(args, cuda_available):
+    from megatron.trainer.device import device_problems
+
+    return device_problems(args, cuda_available)
+
+
+def _check_required(args):
+    problems = []
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, flag) is None:
+            problems.append(f"--{flag.replace('_', '-')} is required")
+    if args.train_iters is None and args.train_samples is None:
+        problems.append("give the training length: --train-iters N or --train-samples N")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "micro_batch_size", "tensor_model_parallel_size",
-                "pipeline_model_parallel_size", "log_interval", "seq1f1b_split_alignment")
+                "pipeline_model_parallel_size", "log_interval", "seq1f1b_split_alignment",
+                "make_vocab_size_divisible_by", "tensorboard_log_interval")
     for flag in positive:
-        _require(getattr(args, flag) >= 1,
-                 f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    _require(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag in ("train_iters", "train_samples", "num_workers"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    if problems:
+        raise ArgumentErrors(problems)
 
+
+def _check_megatron_compat(args, cuda_available):
+    """Megatron-LM's spellings, its defaults that depend on the machine, and the
+    Megatron-LM flags whose values this trainer cannot honour."""
+    problems = size_one_problems(args)
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        args.position_embedding_type = "none"
+    if args.use_flash_attn:
+        if args.attention_backend not in ("auto", "flash"):
+            problems.append(f"--use-flash-attn contradicts --attention-backend "
+                            f"{args.attention_backend}; keep one")
+        args.attention_backend = "flash"
+    if args.attention_backend == "fused":
+        problems.append("--attention-backend fused is Transformer Engine's cuDNN attention, "
+                        "which the split-aware layers do not use; use --attention-backend "
+                        "flash (flash-attn) or auto")
+    elif args.attention_backend in ("local", "unfused"):
+        args.attention_backend = "sdpa"  # PyTorch's own kernel: the unfused path here
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if _te_importable() else "local"
+        args.transformer_impl_note = (
+            None if args.transformer_impl == "transformer_engine" else
+            "note: --transformer-impl local (Megatron-LM's default, transformer_engine, "
+            "needs Transformer Engine, which is not installed)")
+    elif args.transformer_impl == "transformer_engine" and not _te_importable():
+        problems.append("--transformer-impl transformer_engine needs Transformer Engine "
+                        "installed; use --transformer-impl local")
+    if args.ckpt_format != "torch_dist":
+        problems.append(f"--ckpt-format {args.ckpt_format} is not supported: checkpoints here "
+                        "are megatron-core distributed checkpoints; use --ckpt-format "
+                        "torch_dist (Megatron-LM's default)")
+    if args.overlap_param_gather:
+        if not args.use_distributed_optimizer:
+            problems.append("--overlap-param-gather needs --use-distributed-optimizer "
+                            "(as in Megatron-LM)")
+        if not args.overlap_grad_reduce:
+            problems.append("--overlap-param-gather needs --overlap-grad-reduce "
+                            "(as in Megatron-LM)")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        problems.append("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 "
+                        "contradict each other; keep one")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        problems.append("--grad-reduce-in-bf16 needs --bf16")
+    args.no_op_flags = no_op_flags_given(args)
+    if problems:
+        raise ArgumentErrors(problems)
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except Exception:  # not installed, or a build that does not load
+        return False
+
+
+def _derive_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) "
@@ -231,12 +485,46 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
              f"use a multiple of {args.micro_batch_size * dp}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    _derive_batch_rampup(args)
 
     _require(args.num_layers % pp == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp})")
     _resolve_pipeline_schedule(args)
     _validate_virtual_pipeline(args)
+
+
+def _derive_batch_rampup(args):
+    """--rampup-batch-size START INCREMENT SAMPLES: the global batch sizes the run will
+    use (megatron-core's calculator decides them), each checked against the layout."""
+    args.rampup_global_batch_sizes = [args.global_batch_size]
+    if args.rampup_batch_size is None:
+        return
+    values = args.rampup_batch_size
+    _require(len(values) == 3, "--rampup-batch-size takes three numbers: START INCREMENT "
+                               f"SAMPLES, got {len(values)}")
+    try:
+        start, increment, samples = (int(v) for v in values)
+    except ValueError:
+        raise ArgumentError(f"--rampup-batch-size takes three integers, got {' '.join(values)}")
+    _require(args.train_samples is not None,
+             "--rampup-batch-size needs --train-samples (as in Megatron-LM)")
+    unit = args.micro_batch_size * args.data_parallel_size
+    _require(start >= 1 and increment >= 1 and samples >= 0,
+             "--rampup-batch-size: START and INCREMENT must be >= 1 and SAMPLES >= 0")
+    _require(start % unit == 0 and increment % unit == 0,
+             f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be "
+             f"multiples of --micro-batch-size x data-parallel size ({unit})")
+    _require((args.global_batch_size - start) % increment == 0 and
+             start <= args.global_batch_size,
+             f"--rampup-batch-size: --global-batch-size ({args.global_batch_size}) minus START "
+             f"({start}) must be a non-negative multiple of INCREMENT ({increment})")
+    args.rampup_batch_size = [start, increment, samples]
+    args.rampup_global_batch_sizes = list(range(start, args.global_batch_size + 1, increment))
+
+
+def _check_model_shape(args):
+    tp = args.tensor_model_parallel_size
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
@@ -246,8 +534,8 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
     if args.num_query_groups is not None and not args.group_query_attention:
         args.group_query_attention = True
     if args.group_query_attention:
-        _require(args.num_query_groups is not None,
-                 "--group-query-attention needs --num-query-groups")
+        if args.num_query_groups is None:
+            args.num_query_groups = 1  # Megatron-LM's default
         _require(args.num_query_groups >= 1,
                  f"--num-query-groups must be >= 1, got {args.num_query_groups}")
         _require(args.num_attention_heads % args.num_query_groups == 0,
@@ -268,20 +556,11 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         _require(args.max_position_embeddings >= args.seq_length,
                  f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
                  f"--seq-length ({args.seq_length}) with learned absolute positions")
-
-    from megatron.trainer.device import device_problems
-
-    problems = device_problems(args, cuda_available)
-    _require(not problems, problems[0] if problems else "")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: meaningless without TP
-    if args.transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine "
-                                "installed; use --transformer-impl local")
 
+
+def _check_recompute(args):
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method {uniform,block}")
@@ -297,21 +576,105 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         _require(args.recompute_num_layers >= 1,
                  f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
 
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _require(args.lr_warmup_iters <= args.lr_decay_iters or args.lr_decay_style == "constant"
-             or args.train_iters == 0, f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed "
-             f"--lr-decay-iters ({args.lr_decay_iters})")
+
+def _derive_training_length(args):
+    """--train-iters or --train-samples (never both), and the learning-rate schedule's
+    lengths in samples, as Megatron-LM counts them."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        _require(args.rampup_batch_size is None,
+                 "--rampup-batch-size needs --train-samples instead of --train-iters "
+                 "(as in Megatron-LM)")
+        for flag, value, unset in (("--lr-decay-samples", args.lr_decay_samples, None),
+                                   ("--lr-warmup-samples", args.lr_warmup_samples, 0),
+                                   ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, None)):
+            _require(value == unset, f"{flag} counts samples: use it with --train-samples, or "
+                                     f"the --...-iters flag with --train-iters")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        decay = args.lr_decay_iters * gbs
+        warmup = args.lr_warmup_iters * gbs
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+        args.train_samples_total = args.train_iters * gbs
+        args.wd_incr_steps = args.train_iters * gbs
+        warmup_flag = "--lr-warmup-iters"
+    else:
+        _require(args.train_iters is None,
+                 "--train-iters and --train-samples are mutually exclusive; keep one")
+        for flag, value, unset in (("--lr-decay-iters", args.lr_decay_iters, None),
+                                   ("--lr-warmup-iters", args.lr_warmup_iters, 0),
+                                   ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters, None)):
+            _require(value == unset, f"{flag} counts iterations: use it with --train-iters, or "
+                                     f"the --...-samples flag with --train-samples")
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples
+        args.train_iters = _iterations_for_samples(args)
+        args.train_samples_total = args.train_samples
+        args.wd_incr_steps = args.train_samples
+        warmup_flag = "--lr-warmup-samples"
+    if args.lr_warmup_fraction is not None:
+        _require(warmup == 0, f"--lr-warmup-fraction and {warmup_flag} are mutually "
+                              "exclusive; keep one")
+        _require(0 <= args.lr_warmup_fraction <= 1,
+                 f"--lr-warmup-fraction must be within [0, 1], got {args.lr_warmup_fraction}")
+        warmup = int(args.lr_warmup_fraction * decay)
+    args.lr_warmup_steps, args.lr_decay_steps, args.lr_wsd_decay_steps = warmup, decay, wsd
+
+
+def _iterations_for_samples(args):
+    """Iterations that --train-samples takes, with the batch sizes the ramp-up uses
+    (megatron-core's calculator, as Megatron-LM counts them)."""
+    if args.rampup_batch_size is None:
+        return args.train_samples // args.global_batch_size
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator,
+    )
+
+    start, increment, ramp_samples = args.rampup_batch_size
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, 0,
+        start, increment, ramp_samples)
+    iterations = consumed = 0
+    while consumed <= ramp_samples and consumed <= args.train_samples:
+        calculator.update(consumed, False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations + (args.train_samples - consumed) // args.global_batch_size
+
+
+def _check_learning_rate(args):
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
     _require(args.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+    _require(args.lr_warmup_steps <= args.lr_decay_steps or args.lr_decay_style == "constant"
+             or args.train_iters == 0,
+             f"the warm-up ({args.lr_warmup_steps} samples) must not exceed the decay "
+             f"({args.lr_decay_steps} samples): check --lr-warmup-* against --lr-decay-*")
+    if args.lr_decay_style == "WSD":
+        _require(args.lr_wsd_decay_steps is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples "
+                 "with --train-samples)")
+    if args.decoupled_min_lr is not None:
+        _require(args.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+    if args.weight_decay_incr_style == "constant":
+        _require(args.start_weight_decay is None and args.end_weight_decay is None,
+                 "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style "
+                 "linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    else:
+        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
+                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                 "--start-weight-decay and --end-weight-decay")
 
-    # data
+
+def _check_data_flags(args, check_files):
     if args.mock_data:
         _require(not args.data_path, "--mock-data and --data-path are mutually exclusive")
     else:
         _require(bool(args.data_path),
                  "no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
                  "or --mock-data")
+    args.split = args.split.strip("'\"")  # launch scripts sometimes pass the quotes along
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer":
@@ -321,6 +684,14 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             _require(not check_files or os.path.isfile(path), f"{flag} {path}: no such file")
+    if args.tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+        _require(_sentencepiece_importable(),
+                 f"--tokenizer-type {args.tokenizer_type} needs the sentencepiece package: "
+                 "pip install sentencepiece")
+        _require(args.tokenizer_model, f"--tokenizer-type {args.tokenizer_type} needs "
+                                       "--tokenizer-model (a .model file)")
+        _require(not check_files or os.path.isfile(args.tokenizer_model),
+                 f"--tokenizer-model {args.tokenizer_model}: no such file")
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs "
                                        "--tokenizer-model (a tokenizer.json file or directory)")
@@ -330,14 +701,30 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
     if args.data_path and check_files:
         _check_data(args.data_path, args.split)
 
-    # checkpoints
-    if args.save is not None and args.save_interval is None:
-        args.save_interval = args.train_iters if args.train_iters > 0 else 1
+
+def _sentencepiece_importable() -> bool:
+    try:
+        import sentencepiece  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _check_checkpoint_flags(args, check_files):
+    # Megatron-LM asserts --save-interval with --save, and never saves without --save
+    _require(args.save is None or args.save_interval is not None,
+             "--save needs --save-interval N (as in Megatron-LM; a checkpoint is also "
+             "written when training ends)")
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
-        _require(args.save is not None, "--save-interval needs --save DIR")
+    for flag in ("finetune", "use_checkpoint_args"):
+        _require(not getattr(args, flag) or args.load is not None,
+                 f"--{flag.replace('_', '-')} needs --load DIR")
     if args.load is not None and args.exit_on_missing_checkpoint and check_files:
         _require(os.path.isdir(args.load), f"--load {args.load}: no such directory")
+
+
+def _check_exit_flags(args):
     _require(args.eval_interval >= 1, "--eval-interval must be >= 1")
     _require(not args.exit_signal_handler_for_dataloader,
              "--exit-signal-handler-for-dataloader is not supported: data is read in the "
@@ -348,10 +735,18 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
     _require(args.exit_interval is None or args.exit_interval >= 1,
              f"--exit-interval must be >= 1, got {args.exit_interval}")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
-
-    _validate_seq1f1b(args)
-    _validate_slimpipe(args)
-    return args
+    _require(args.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.profile:
+        _require(0 <= args.profile_step_start < args.profile_step_end,
+                 f"--profile-step-start ({args.profile_step_start}) must be below "
+                 f"--profile-step-end ({args.profile_step_end})")
+    if args.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ArgumentError("--wandb-project needs the wandb package: pip install wandb "
+                                "(or drop the flag)")
 
 
 def _resolve_pipeline_schedule(args):
@@ -535,21 +930,59 @@ def _gcd(a, b):
     return a
 
 
-def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_available=None):
+def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_available=None,
+               check_files=True):
+    """Parse and validate a command line; every problem (unknown flags, refused
+    Megatron-LM features, bad values, failed checks) is raised together."""
     parser = build_parser(extra_args_provider)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, refused = take_refused(argv)
+    problems = [f"{flag} is refused: {reason}" for flag, reason in refused]
+    args, unknown = parser.parse_known_args(argv)
+    problems += parser.problems
+    problems += [_unknown_flag(parser, token) for token in unknown if token.startswith("-")]
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    return validate_args(args, world_size, cuda_available)
+    if not problems:
+        return validate_args(args, world_size, cuda_available, check_files)
+    try:  # the checks that still make sense, so that one run shows everything
+        validate_args(args, world_size, cuda_available, check_files)
+    except ArgumentErrors as error:
+        problems += error.problems
+    except Exception:  # a consequence of a value already reported as bad
+        pass
+    raise ArgumentErrors(problems)
+
+
+def _unknown_flag(parser, token):
+    import difflib
+
+    flag = token.split("=", 1)[0]
+    known = [s for action in parser._actions for s in action.option_strings
+             if s.startswith("--")]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else f" (see `{parser.prog} --help`)"
+    return f"unknown flag {flag}: neither this trainer nor its Megatron-LM lists know it{hint}"
 
 
 def parse_args_or_exit(argv=None, extra_args_provider=None):
-    """Parse and validate; on a mistake print one line (rank 0 only) and exit 2 on every rank."""
+    """Parse and validate; on mistakes print them, one per line (rank 0 only), and exit 2
+    on every rank."""
     try:
-        return parse_args(argv, extra_args_provider)
+        args = parse_args(argv, extra_args_provider)
     except ArgumentError as error:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            for line in str(error).splitlines():
+                print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for flag, reason in args.no_op_flags:
+            print(f"note: {flag} has no effect here: {reason}", flush=True)
+        if getattr(args, "transformer_impl_note", None):
+            print(args.transformer_impl_note, flush=True)
+        if args.save_interval is not None and args.save is None:
+            print("note: --save-interval without --save: no checkpoints are written "
+                  "(as in Megatron-LM)", flush=True)
+    return args
