@@ -81,11 +81,42 @@ class SplitDataIterator:
     def __next__(self):
         split = self.split
         if split.split_index == 0:
-            self._batches[split.microbatch_id] = next(self.data_iterator)
+            batch = next(self.data_iterator)
+            if not isinstance(batch, dict):
+                raise TypeError(
+                    "with sequence splits the data iterator must yield dicts of per-token "
+                    "tensors ([b, seq_length], e.g. tokens, labels, loss_mask, position_ids) "
+                    f"so that each split gets its slice; got {type(batch).__name__}")
+            self._batches[split.microbatch_id] = batch
         batch = self._batches[split.microbatch_id]
         if split.is_last:
             del self._batches[split.microbatch_id]
         return slice_batch(batch, split.offset, split.length, split.seq_length)
+
+
+class SplitNotConsumedError(RuntimeError):
+    """A forward under sequence splits returned without the model using its split."""
+
+
+def check_split_consumed(split: SplitContext, unit: Unit) -> None:
+    """Refuse a forward whose model did not consume the split (see
+    ``SplitContext.missing_consumers``): it would attend within the split only and
+    train on wrong gradients, silently. Called after every forward unit with more than
+    one split, so the first unit fails, before any backward."""
+    missing = split.missing_consumers()
+    if not missing:
+        return
+    raise SplitNotConsumedError(
+        f"sequence splits (--seq1f1b-splits / --slimpipe-slices > 1): the forward of unit "
+        f"{unit} (microbatch {unit.microbatch}, split {unit.split} of {split.num_splits}, "
+        f"model chunk {unit.chunk}) returned without the split reaching the model's "
+        f"{' and '.join(missing)}, so it would attend within the split only and train on "
+        "wrong gradients. Build the model as megatron.seqsplit.model.SeqSplitGPTModel with "
+        "transformer_layer_spec=split_aware_local_spec(config) (a stock megatron-core "
+        "GPTModel cannot run splits), and have forward_step pass the split on: "
+        "model(tokens, position_ids, None, labels=labels, "
+        "packed_seq_params=data_iterator.split) (the forward_step contract in "
+        "megatron.schedules.dispatch.get_forward_backward_func's docstring)")
 
 
 def _hidden_shape(length, micro_batch_size, config, tp_size):
@@ -201,12 +232,14 @@ def forward_backward_pipelining_seq1f1b(
         input_tensor = received_inputs.pop(unit, None)
         set_input_tensors[unit.chunk]([input_tensor])
         split_iterator = split_iterators[unit.chunk]
-        split_iterator.split = context(unit)
+        split = split_iterator.split = context(unit)
         enable_autocast = getattr(config, "enable_autocast", False)
         autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if enable_autocast
                     else contextlib.nullcontext())
         with autocast:
             output_tensor, loss_func = forward_step_func(split_iterator, chunks[unit.chunk])
+        if settings.num_splits > 1:
+            check_split_consumed(split, unit)
         if holds_loss(unit):
             reduced = loss_func(output_tensor)
             if len(reduced) != 3:

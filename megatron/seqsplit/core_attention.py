@@ -76,6 +76,8 @@ class SplitCausalAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SplitCausalAttention")
         split = packed_seq_params if isinstance(packed_seq_params, SplitContext) else None
+        if split is not None:
+            split.mark_consumed("attention")  # the executor checks it (split_context.CONSUMERS)
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(
             split=split,

@@ -85,6 +85,8 @@ class SeqSplitGPTModel(GPTModel):
             inference_context=inference_context, packed_seq_params=packed_seq_params,
             padding_mask=padding_mask, **kwargs)
         split = packed_seq_params if isinstance(packed_seq_params, SplitContext) else None
+        if split is not None:
+            split.mark_consumed("positions")  # the executor checks it (split_context.CONSUMERS)
         if split is None or split.offset == 0 or outputs[1] is None:
             return outputs
         if self.position_embedding_type != "rope":

@@ -6,12 +6,18 @@ A ``SplitContext`` travels explicitly from the executor, through the user's
 and activation recomputation) down to core attention. No global counters.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
+
+
+# What must use a split for a forward to be exact: the core attention (attends over the
+# cached K/V prefix of the earlier splits) and the model's positions (RoPE at the
+# split's absolute offset). SplitCausalAttention and SeqSplitGPTModel mark them.
+CONSUMERS = ("attention", "positions")
 
 
 @dataclass
@@ -34,6 +40,10 @@ class SplitContext(PackedSeqParams):
     # [b, >= offset + length] document index of every token up to this split's end
     # (--reset-attention-mask); None means one causal sequence per row
     document_ids: Optional[torch.Tensor] = None
+    # which split-aware parts ran on this split during its forward (CONSUMERS): a
+    # model that never saw the split attends within it only, and trains on wrong
+    # gradients, so the executor refuses a forward that leaves one out
+    consumed: set = field(default_factory=set)
 
     def __post_init__(self):
         self.qkv_format = "sbhd"
@@ -47,6 +57,17 @@ class SplitContext(PackedSeqParams):
     @property
     def is_last(self) -> bool:
         return self.split_index == self.num_splits - 1
+
+    def mark_consumed(self, part: str) -> None:
+        """Called by a split-aware part of the model (one of ``CONSUMERS``) that used
+        this split during the forward."""
+        if part not in CONSUMERS:
+            raise ValueError(f"unknown split consumer {part!r}; expected one of {CONSUMERS}")
+        self.consumed.add(part)
+
+    def missing_consumers(self) -> tuple:
+        """The parts of ``CONSUMERS`` that have not used this split (empty when all have)."""
+        return tuple(part for part in CONSUMERS if part not in self.consumed)
 
 
 def slice_batch(batch: dict, offset: int, length: int, seq_length: int) -> dict:
