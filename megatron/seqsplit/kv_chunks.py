@@ -149,7 +149,7 @@ def _attend_backward(exchange, grad_out, q, out, lse, keys, values, kwargs):
 
 
 class _ChunkedSplitAttention(torch.autograd.Function):
-    """(query [l, b, hq, d], own key/value [l, b, g, d]) -> context [b, hq, l, d]."""
+    """(query [l, b, hq, d], own key/value [l, b, g, d]) -> context [l, b, hq, d]."""
 
     @staticmethod
     def forward(ctx, query, key, value, entry, split_index, softmax_scale, documents,
@@ -159,7 +159,11 @@ class _ChunkedSplitAttention(torch.autograd.Function):
                           max_block_elements=max_block_elements)
         out, lse = _attend(_exchange(store, True), query.permute(1, 2, 0, 3), keys, values,
                            ctx.kwargs)
-        ctx.save_for_backward(query, out, lse)
+        # saved and returned in Megatron's [l, b, h, d] layout: the output projection keeps
+        # this same storage, not a second copy. The query is copied so a view of the fused
+        # QKV output does not keep K and V alive twice (they are in the chunks)
+        out = out.permute(2, 0, 1, 3).contiguous()
+        ctx.save_for_backward(query.contiguous(), out, lse)
         ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
         ctx.store = store  # its exchange at backward time is the backward unit's
         ctx.on_first_split_done = on_first_split_done
@@ -171,9 +175,10 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         query, out, lse = ctx.saved_tensors
         keys, values = ctx.chunks
         entry, j = ctx.entry, ctx.split_index
-        dq, dks, dvs = _attend_backward(_exchange(ctx.store, False), grad_out,
-                                        query.permute(1, 2, 0, 3), out, lse, keys, values,
-                                        ctx.kwargs)
+        bhld = (1, 2, 0, 3)  # [l, b, h, d] -> the kernel's [b, h, l, d]
+        dq, dks, dvs = _attend_backward(_exchange(ctx.store, False), grad_out.permute(bhld),
+                                        query.permute(bhld), out.permute(bhld), lse, keys,
+                                        values, ctx.kwargs)
         for c in range(j):  # prefix chunks: their own splits' backwards return these
             _accumulate(entry.grad_keys, c, dks[c])
             _accumulate(entry.grad_values, c, dvs[c])
@@ -214,5 +219,6 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
         out, _ = _attend(_exchange(store, True), query.permute(1, 2, 0, 3), keys, values,
                          dict(softmax_scale=softmax_scale, document_ids=documents,
                               max_block_elements=max_block_elements))
+        out = out.permute(2, 0, 1, 3).contiguous()
     release_after_last_forward(store, entry_id, split, tracked)
-    return out.permute(2, 0, 1, 3).contiguous()
+    return out  # [l, b, hq, d]
