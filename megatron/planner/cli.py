@@ -6,10 +6,11 @@ import sys
 from typing import Dict, List, Optional
 
 from megatron.planner.costs import KV_LAYOUTS, Parallel, Recompute
-from megatron.planner.gpus import GPUS, GIB
+from megatron.planner.gpus import GPUS, GIB, get_gpu
 from megatron.planner.predict import SCHEDULES, PlanConfig, PlanError, Prediction, predict
 from megatron.planner.presets import PRESETS, ModelSpec, get_preset
-from megatron.seqsplit.plan import BALANCE_METHODS
+from megatron.trainer.arguments import ArgumentError, validate_args
+from megatron.trainer.arguments import build_parser as training_parser
 
 
 def _splits(value: str):
@@ -21,151 +22,200 @@ def _splits(value: str):
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="tools/plan.py",
-        description="Predict memory per pipeline stage, bubble and throughput of a Megatron "
-        "training configuration under 1F1B, interleaved 1F1B or Seq1F1B, by simulating "
-        "the schedule. See docs/planner.md for the cost model.",
-    )
-    m = ap.add_argument_group("model (a preset, or explicit Megatron flags; flags override the preset)")
-    m.add_argument("--model", choices=list(PRESETS), help="model preset")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--num-attention-heads", type=int)
-    m.add_argument("--num-query-groups", type=int, help="K/V groups (GQA); default: heads")
-    m.add_argument("--group-query-attention", action="store_true", help="accepted for Megatron compatibility")
-    m.add_argument("--ffn-hidden-size", type=int, help="default 4h (SwiGLU: Megatron's 8h/3 rounded to 64)")
-    m.add_argument("--kv-channels", type=int)
-    m.add_argument("--swiglu", action="store_true", default=None)
-    m.add_argument("--vocab-size", type=int, help="default 50257 (GPT-2 BPE) without a preset")
-    m.add_argument("--disable-bias-linear", action="store_true", default=None)
-    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    m.add_argument("--hidden-dropout", type=float)
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="accepted; the planner always counts an output layer on the last stage")
+_UNSET = object()  # marks a flag the command line did not give
 
-    p = ap.add_argument_group("parallelism and batch")
-    p.add_argument("--seq-length", type=int)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--global-batch-size", type=int,
-                   help="default: 2 x pipeline size microbatches per data-parallel rank")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--world-size", type=int, help="optional check: must equal TP x PP x DP")
 
-    s = ap.add_argument_group("schedule")
-    s.add_argument("--schedule", choices=SCHEDULES + ("interleaved-seq1f1b",),
-                   help="default: slimpipe when a --slimpipe-* flag is given, seq1f1b when "
-                   "--seq1f1b-splits is given (>1 or auto), interleaved-1f1b with virtual "
-                   "stages, else 1f1b; seq1f1b with virtual stages is interleaved Seq1F1B "
-                   "(interleaved-seq1f1b names it explicitly)")
-    s.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    s.add_argument("--virtual-pipeline-model-parallel-size", type=int,
-                   help="model chunks per pipeline rank (instead of "
-                   "--num-layers-per-virtual-pipeline-stage)")
-    s.add_argument("--slimpipe-slices", type=int,
-                   help="SlimPipe: uniform slices per microbatch (a multiple of the PP size)")
-    s.add_argument("--slimpipe-slice-length", type=int,
-                   help="SlimPipe: tokens per slice, dividing --seq-length (instead of "
-                   "--slimpipe-slices)")
-    s.add_argument("--slimpipe-attention-balance", action="store_true",
-                   help="SlimPipe: redistribute attention work between concurrent heavy and "
-                   "light slice units of different ranks (simulated; the report shows the "
-                   "bubble with and without it)")
-    s.add_argument("--slimpipe-attention-balance-exchange-cost", type=float,
-                   help="the plan's communication cost per K/V chunk, as pretrain_gpt.py "
-                   "takes it (default: derived from the GPU's links and attention speed and "
-                   "printed, to pass to training)")
-    s.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
-                   help="interleaved schedule group size (megatron-core default: PP size)")
-    s.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=_splits,
-                   help="N or 'auto' (best predicted throughput that fits)")
-    s.add_argument("--seq1f1b-balance-method", "--pipe-sp-strategy", dest="seq1f1b_balance_method",
-                   choices=BALANCE_METHODS, default="average")
-    s.add_argument("--seq1f1b-split-alignment", type=int,
-                   help="split lengths are multiples of this (default: TP size with --sequence-parallel, else 1)")
-    s.add_argument("--kv-cache-layout", "--seq1f1b-kv-cache", dest="kv_cache_layout",
-                   choices=KV_LAYOUTS, default=None,
-                   help="buffer: one full-length K/V buffer per in-flight microbatch; chunked: "
-                   "per-split chunks (both this project's executor, --seq1f1b-kv-cache); concat: "
-                   "each split keeps a concatenated prefix copy (original Seq1F1B code). Default: "
-                   "chunked with --slimpipe-attention-balance (which needs it), else buffer")
-    s.add_argument("--recompute-granularity", choices=["full", "selective"])
-    s.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
-    s.add_argument("--recompute-num-layers", type=int, default=1)
-
-    o = ap.add_argument_group("hardware and output")
-    o.add_argument("--gpu", choices=list(GPUS), default="a100-80g")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    o.add_argument("--timeline-png", metavar="PATH", help="draw the simulated timeline")
-    o.add_argument("--memory-png", metavar="PATH", help="draw memory over time per stage")
-    o.add_argument("--timeline-json", metavar="PATH",
+def _planner_flags(parser: argparse.ArgumentParser) -> None:
+    """tools/plan.py's own flags, added to the training parser."""
+    g = parser.add_argument_group("planner (tools/plan.py only)")
+    g.add_argument("--model", choices=list(PRESETS),
+                   help="model preset; explicit model flags override its fields")
+    g.add_argument("--gpu", choices=list(GPUS), default="a100-80g",
+                   help="hardware to predict for; 'cpu' models the CPU kernels (fp32 "
+                   "dropout masks, an extra attention output copy per split, attention "
+                   "dropout on SDPA's math kernel)")
+    g.add_argument("--world-size", type=int,
+                   help="GPUs of the run (as torchrun would launch); default TP x PP x DP")
+    g.add_argument("--data-parallel-size", type=int,
+                   help="DP (default: world size / (TP x PP), or 1)")
+    g.add_argument("--schedule", choices=SCHEDULES + ("interleaved-seq1f1b",),
+                   help="default: as --pipeline-schedule; slimpipe when a --slimpipe-* flag "
+                   "is given, seq1f1b when --seq1f1b-splits is given (>1 or auto), "
+                   "interleaved-1f1b with virtual stages, else 1f1b; interleaved-seq1f1b is "
+                   "Seq1F1B over virtual stages")
+    g.add_argument("--kv-cache-layout", dest="kv_cache_layout", choices=KV_LAYOUTS,
+                   help="as --seq1f1b-kv-cache, plus 'concat' (the original Seq1F1B code: "
+                   "each split keeps a concatenated prefix copy). Default: "
+                   "--seq1f1b-kv-cache, or chunked with --slimpipe-attention-balance")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    g.add_argument("--timeline-png", metavar="PATH", help="draw the simulated timeline")
+    g.add_argument("--memory-png", metavar="PATH", help="draw memory over time per stage")
+    g.add_argument("--timeline-json", metavar="PATH",
                    help="write the simulated timeline in the trace format (and PATH.chrome.json)")
-    o.add_argument("--compare-published", action="store_true",
+    g.add_argument("--compare-published", action="store_true",
                    help="print predicted vs published Seq1F1B memory and TFLOP/s (markdown) and exit")
-    o.add_argument("--make-figures", metavar="DIR",
+    g.add_argument("--make-figures", metavar="DIR",
                    help="draw the timeline, memory and comparison pictures into DIR and exit")
+    # '--seq1f1b-splits auto' and '--slimpipe-slices auto' arrive here (see _AUTO)
+    for flag in sorted(set(_AUTO.values())):
+        g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+
+
+# the planner's 'auto' values of integer training flags, rewritten to planner flags
+_AUTO = {"--seq1f1b-splits": "--seq1f1b-splits-auto", "--pipe-sp-splits": "--seq1f1b-splits-auto",
+         "--slimpipe-slices": "--slimpipe-slices-auto"}
+
+
+def _rewrite_auto(argv: List[str]) -> List[str]:
+    out, i = [], 0
+    while i < len(argv):
+        flag, _, value = argv[i].partition("=")
+        if flag in _AUTO and value == "auto":
+            out.append(_AUTO[flag])
+        elif flag in _AUTO and not value and i + 1 < len(argv) and argv[i + 1] == "auto":
+            out.append(_AUTO[flag])
+            i += 1
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser (every training flag, data / logging / checkpoint flags
+    accepted and ignored) plus the planner's flags."""
+    ap = training_parser(_planner_flags)
+    ap.prog = "tools/plan.py"
+    ap.description = ("Predict memory per pipeline stage, bubble and throughput of a "
+                      "pretrain_gpt.py command line by simulating its schedule. See "
+                      "docs/planner.md for the cost model.")
     return ap
 
 
-def model_from_args(args) -> ModelSpec:
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse with every flag the command line did not give left at ``_UNSET`` in
+    ``args.given`` bookkeeping: presets and planner defaults fill only those."""
+    ap = build_parser()
+    defaults = vars(ap.parse_args([]))
+    ns = argparse.Namespace(**{k: _UNSET for k in defaults})
+    ap.parse_args(_rewrite_auto(sys.argv[1:] if argv is None else list(argv)), namespace=ns)
+    given = {k for k, v in vars(ns).items() if v is not _UNSET}
+    for k, v in defaults.items():
+        if getattr(ns, k) is _UNSET:
+            setattr(ns, k, v)
+    if ns.seq1f1b_splits_auto:
+        ns.seq1f1b_splits = "auto"
+        given.add("seq1f1b_splits")
+    if ns.slimpipe_slices_auto:
+        ns.slimpipe_slices = "auto"
+        given.add("slimpipe_slices")
+    ns.given = given
+    return ns
+
+
+_PRESET_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                 "kv_channels", "swiglu", "normalization")
+
+
+def _training_args(args) -> argparse.Namespace:
+    """A copy of ``args`` with the preset and the planner's defaults filled in, checked
+    and completed by the trainer's ``validate_args`` (no file is read)."""
+    given = getattr(args, "given", set(k for k, v in vars(args).items() if v not in (None, False)))
+    t = argparse.Namespace(**vars(args))
     if args.model:
-        base = get_preset(args.model)
-    else:
-        missing = [
-            flag for flag, v in (
-                ("--num-layers", args.num_layers),
-                ("--hidden-size", args.hidden_size),
-                ("--num-attention-heads", args.num_attention_heads),
-            ) if v is None
-        ]
-        if missing:
-            raise PlanError(f"give --model PRESET or all of {', '.join(missing)}")
-        h = args.hidden_size
-        swiglu = bool(args.swiglu)
-        ffn = args.ffn_hidden_size or (int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
-        base = ModelSpec(
-            name="custom",
-            num_layers=args.num_layers,
-            hidden_size=h,
-            num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups or args.num_attention_heads,
-            ffn_hidden_size=ffn,
-            swiglu=swiglu,
-            vocab_size=args.vocab_size or 50257,
-        )
-    overrides = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        kv_channels=args.kv_channels,
-        swiglu=args.swiglu,
-        vocab_size=args.vocab_size,
-        normalization=args.normalization,
-        add_bias_linear=False if args.disable_bias_linear else None,
-        hidden_dropout=None if args.hidden_dropout is None else args.hidden_dropout > 0,
+        preset = get_preset(args.model)
+        for flag in _PRESET_FLAGS:
+            if flag not in given:
+                setattr(t, flag, getattr(preset, flag))
+        if "num_query_groups" not in given and preset.num_query_groups != preset.num_attention_heads:
+            t.num_query_groups = preset.num_query_groups
+        if "disable_bias_linear" not in given:
+            t.disable_bias_linear = not preset.add_bias_linear
+        if "hidden_dropout" not in given:
+            t.hidden_dropout = 0.1 if preset.hidden_dropout else 0.0
+        if "attention_dropout" not in given:
+            t.attention_dropout = 0.1 if preset.attention_dropout else 0.0
+        if "position_embedding_type" not in given:
+            t.position_embedding_type = preset.position_embedding_type
+        if "untie_embeddings_and_output_weights" not in given:
+            t.untie_embeddings_and_output_weights = preset.untie_embeddings
+    elif args.num_layers is None or args.hidden_size is None or args.num_attention_heads is None:
+        missing = [f for f, v in (("--num-layers", args.num_layers), ("--hidden-size",
+                   args.hidden_size), ("--num-attention-heads", args.num_attention_heads))
+                   if v is None]
+        raise PlanError(f"give --model PRESET or all of {', '.join(missing)}")
+    if t.seq_length is None:
+        raise PlanError("--seq-length is required")
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    dp = t.data_parallel_size or (t.world_size // (tp * pp) if t.world_size else 1)
+    world = t.world_size or tp * pp * dp
+    if world != tp * pp * dp:
+        raise PlanError(f"--world-size {world} != TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp}")
+    if t.global_batch_size is None:  # the planner's default: 2 x PP microbatches
+        t.global_batch_size = t.micro_batch_size * dp * 2 * pp
+    t.train_iters = 1 if t.train_iters is None else t.train_iters
+    if not t.data_path:
+        t.mock_data = True
+    if t.vocab_size is None and t.tokenizer_type in (None, "NullTokenizer"):
+        t.vocab_size = (get_preset(args.model).vocab_size if args.model else 50257)
+        t.tokenizer_type = t.tokenizer_type or "NullTokenizer"
+    if t.recompute_granularity == "full" and t.recompute_method is None:
+        t.recompute_method = "uniform"
+    # planner-only values the training checks do not know
+    t.seq1f1b_splits = t.seq1f1b_splits if isinstance(t.seq1f1b_splits, int) else 1
+    t.slimpipe_slices = t.slimpipe_slices if isinstance(t.slimpipe_slices, int) else None
+    layout = args.kv_cache_layout
+    if layout is None and "seq1f1b_kv_cache" not in given and args.slimpipe_attention_balance:
+        layout = "chunked"
+    t.seq1f1b_kv_cache = "chunked" if layout == "chunked" else (
+        "buffer" if layout else t.seq1f1b_kv_cache)
+    t.pipeline_schedule = None if args.schedule else t.pipeline_schedule
+    if args.schedule or isinstance(args.slimpipe_slices, str):
+        t.slimpipe_slices = t.slimpipe_slice_length = None  # checked by the planner
+        t.slimpipe_attention_balance = False
+    cuda = get_gpu(args.gpu).kind != "cpu"
+    try:
+        validate_args(t, world, cuda_available=cuda, check_files=False)
+    except ArgumentError as err:
+        raise PlanError(str(err)) from None
+    t.kv_cache_layout = layout or t.seq1f1b_kv_cache
+    return t
+
+
+def model_from_args(args, t=None) -> ModelSpec:
+    """The model of a (validated) training command line."""
+    t = t or _training_args(args)
+    vocab = t.vocab_size
+    if t.tokenizer_type == "NullTokenizer" and ({"vocab_size", "tokenizer_type", "mock_data"}
+                                                 & getattr(args, "given", set())):
+        vocab += 1  # Megatron's NullTokenizer adds the end-of-document token
+    elif t.tokenizer_type == "GPT2BPETokenizer":
+        vocab = 50257
+    name = args.model or "custom"
+    return ModelSpec(
+        name=name,
+        num_layers=t.num_layers,
+        hidden_size=t.hidden_size,
+        num_attention_heads=t.num_attention_heads,
+        num_query_groups=t.num_query_groups,
+        ffn_hidden_size=t.ffn_hidden_size,
+        swiglu=bool(t.swiglu),
+        vocab_size=vocab,
+        kv_channels=t.kv_channels,
+        add_bias_linear=not t.disable_bias_linear,
+        hidden_dropout=t.hidden_dropout > 0,
+        normalization=t.normalization,
+        untie_embeddings=bool(t.untie_embeddings_and_output_weights),
+        position_embedding_type=t.position_embedding_type,
+        attention_dropout=t.attention_dropout > 0,
     )
-    spec = base.with_overrides(**overrides)
-    if args.model and args.num_attention_heads and args.num_query_groups is None:
-        if base.num_query_groups == base.num_attention_heads:  # MHA preset stays MHA
-            spec = spec.with_overrides(num_query_groups=spec.num_attention_heads)
-    return spec
 
 
 def config_from_args(args) -> PlanConfig:
-    model = model_from_args(args)
-    tp, pp, dp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.data_parallel_size)
-    if args.world_size is not None and args.world_size != tp * pp * dp:
-        raise PlanError(
-            f"--world-size {args.world_size} != TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp}"
-        )
+    t = _training_args(args)
+    model = model_from_args(args, t)
+    tp, pp, dp = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
+                  t.data_parallel_size)
     chunks = 1
     if args.num_layers_per_virtual_pipeline_stage:
         per_stage = model.num_layers // max(pp, 1)
@@ -185,8 +235,10 @@ def config_from_args(args) -> PlanConfig:
             raise PlanError(f"--virtual-pipeline-model-parallel-size {chunks}: --num-layers "
                             f"{model.num_layers} must be divisible by PP {pp} x {chunks}")
     micro = args.micro_batch_size
-    gbs = args.global_batch_size or micro * dp * 2 * pp
+    gbs = t.global_batch_size
     schedule = args.schedule
+    if schedule is None and "pipeline_schedule" in getattr(args, "given", ()):
+        schedule = args.pipeline_schedule if args.pipeline_schedule != "1f1b" else None
     splits = args.seq1f1b_splits
     if schedule == "interleaved-seq1f1b":
         if chunks < 2:
@@ -230,7 +282,7 @@ def config_from_args(args) -> PlanConfig:
         splits = "auto" if schedule == "seq1f1b" else 1
     par = Parallel(
         tp=tp, pp=pp, dp=dp, num_chunks=chunks, micro_batch_size=micro,
-        global_batch_size=gbs, sequence_parallel=args.sequence_parallel,
+        global_batch_size=gbs, sequence_parallel=t.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
     )
     return PlanConfig(
@@ -240,15 +292,17 @@ def config_from_args(args) -> PlanConfig:
         schedule=schedule,
         splits=splits,
         balance_method=args.seq1f1b_balance_method,
-        split_alignment=args.seq1f1b_split_alignment,
-        recompute=Recompute(args.recompute_granularity, args.recompute_method,
-                            args.recompute_num_layers),
+        split_alignment=t.seq1f1b_alignment,
+        recompute=Recompute(t.recompute_granularity, t.recompute_method or "uniform",
+                            t.recompute_num_layers or 1),
         gpu=args.gpu,
-        kv_layout=args.kv_cache_layout or (
-            "chunked" if args.slimpipe_attention_balance else "buffer"),
+        kv_layout=t.kv_cache_layout,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
         attention_balance=args.slimpipe_attention_balance,
-        attention_balance_exchange_cost=args.slimpipe_attention_balance_exchange_cost,
+        attention_balance_exchange_cost=(
+            args.slimpipe_attention_balance_exchange_cost
+            if "slimpipe_attention_balance_exchange_cost" in getattr(args, "given", ()) else None),
+        act_bytes=2 if (t.bf16 or t.fp16) else 4,
     )
 
 
@@ -357,7 +411,10 @@ def balance_records(pred: Prediction) -> Optional[Dict]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        args = parse(argv)
+    except ArgumentError as err:
+        ap.exit(2, f"{ap.prog}: error: {err}\n")
     if args.compare_published or args.make_figures:
         from megatron.planner import published
 
@@ -371,7 +428,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"wrote {path}")
         return 0
     if args.seq_length is None:
-        ap.error("the following arguments are required: --seq-length")
+        ap.exit(2, f"{ap.prog}: error: the following arguments are required: --seq-length\n")
     try:
         config = config_from_args(args)
         pred = predict(config)

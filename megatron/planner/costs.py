@@ -19,11 +19,19 @@ from megatron.schedules.units import FORWARD, Unit
 
 BF16 = 2
 FP32 = 4
-# Megatron-LM with bf16: bf16 weights, fp32 main gradients
-# (accumulate_allreduce_grads_in_fp32), fp32 master weights and Adam m, v.
+# Megatron-LM with bf16/fp16: half-precision weights, fp32 main gradients
+# (accumulate_allreduce_grads_in_fp32), fp32 master weights and Adam m, v. In fp32
+# (no --bf16/--fp16) there is no master copy: weights, gradients, m and v.
 WEIGHT_BYTES = BF16
 GRAD_BYTES = FP32
 OPTIMIZER_BYTES = 3 * FP32
+
+
+def static_bytes_per_param(act_bytes: int) -> Dict[str, int]:
+    """Weight, gradient and optimizer bytes per parameter for the training dtype."""
+    if act_bytes >= FP32:
+        return {"weights": FP32, "gradients": FP32, "optimizer": 2 * FP32}
+    return {"weights": act_bytes, "gradients": FP32, "optimizer": 3 * FP32}
 
 # buffer / chunked: --seq1f1b-kv-cache of this project's executor; concat: the original
 # Seq1F1B code's (each split saves a concatenated copy of its prefix)
@@ -84,6 +92,7 @@ class CostModel:
         split_lengths: List[int],
         recompute: Recompute = Recompute(),
         kv_layout: str = "buffer",
+        act_bytes: int = BF16,
     ):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"--kv-cache-layout must be one of {', '.join(KV_LAYOUTS)}")
@@ -94,6 +103,7 @@ class CostModel:
         self.num_splits = len(self.split_lengths)
         self.recompute = recompute
         self.kv_layout = kv_layout
+        self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
         self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)
         self.vocab = pad_vocab(model.vocab_size, par.tp)
 
@@ -138,93 +148,172 @@ class CostModel:
         """Bytes of weights, gradients and optimizer states on one GPU of ``rank``."""
         params = self.rank_params(rank)
         shards = self.par.dp if self.par.distributed_optimizer else 1
+        per = static_bytes_per_param(self.act_bytes)
         return {
-            "weights": WEIGHT_BYTES * params,
-            "gradients": GRAD_BYTES * params,
-            "optimizer": OPTIMIZER_BYTES * params / shards,
+            "weights": per["weights"] * params,
+            "gradients": per["gradients"] * params,
+            "optimizer": per["optimizer"] * params / shards,
         }
 
     # ----------------------------------------------------------------- activations
-    def layer_activation_bytes_per_token(self, kv_in_cache: bool) -> Dict[str, float]:
-        """Stored activation bytes per token for one layer, no recomputation.
+    # What autograd saves, tensor by tensor, as megatron-core's local layers save it
+    # (found by logging the saved tensors; docs/planner.md lists every term). ``e`` is
+    # the activation dtype's size; statistics (norm mean/rstd, LSE, the loss softmax)
+    # are fp32 in every dtype. A unit covers ``T = b l`` tokens of split ``j``.
 
-        Korthikanti et al. (2022) with flash attention (no ``5 a s / h`` term) and
-        generalised to GQA / SwiGLU / any FFN size. ``sharded`` parts are divided by
-        ``t``; ``replicated`` parts by ``t_sp``.
-        """
-        m = self.model
-        h, a, g, d, f = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_hidden_size
-        sharded = (
-            BF16 * a * d  # Q (flash attention input)
-            + (0 if kv_in_cache else BF16 * 2 * g * d)  # K, V
-            + BF16 * a * d  # attention output = output-projection input
-            + FP32 * a  # softmax log-sum-exp kept by flash attention
-            + BF16 * f * (2 if m.swiglu else 1)  # fc1 output = activation input
-            + BF16 * f  # activation output = fc2 input
-        )
-        replicated = (
-            BF16 * h * 2  # inputs of the two norms
-            + BF16 * h * 2  # QKV input and fc1 input (norm outputs)
-            + (2 * h if m.hidden_dropout else 0)  # two 1-byte dropout masks
-        )
-        return {"sharded": sharded, "replicated": replicated}
+    @property
+    def on_cpu(self) -> bool:
+        return self.gpu.kind == "cpu"
 
-    def kv_in_cache(self) -> bool:
-        """With splits and this project's layouts, a split's K/V live in the cache, not its
-        activations (the kernels keep views of it, or with chunks only q, out and LSE)."""
-        return self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
+    def mask_bytes(self) -> int:
+        """Dropout masks are bool on CUDA and in the activation dtype on CPU."""
+        return self.act_bytes if self.on_cpu else 1
+
+    def norm_bytes(self, tokens: float) -> float:
+        """One norm: its input, statistics and output (the next linear's saved input);
+        megatron's RMSNorm also keeps ``x * rstd``."""
+        h, e = self.model.hidden_size, self.act_bytes
+        if self.model.normalization == "LayerNorm":
+            per = 2 * h * e + 2 * FP32  # input, output; mean and rstd
+        else:
+            per = 3 * h * e + FP32  # input, x * rstd, output; rstd
+        return tokens * per / self.par.tp_sp
+
+    def _rope_bytes(self, length: float) -> float:
+        """RoPE's cos and sin for q and for k: four ``[l, 1, 1, d]`` tensors, not
+        divided by TP nor multiplied by the micro-batch size."""
+        if self.model.position_embedding_type != "rope":
+            return 0.0
+        return 4 * length * self.model.head_dim * self.act_bytes
+
+    def _math_kernel(self) -> bool:
+        """Attention dropout sends SDPA to its math kernel on CPU (scores materialised);
+        the chunked cache has no dropout."""
+        return (self.on_cpu and self.model.attention_dropout
+                and not (self.num_splits > 1 and self.kv_layout == "chunked"))
+
+    def attention_bytes(self, split: int) -> float:
+        """Core attention of one layer for split ``split`` (its projections' inputs
+        included: the norm output of QKV, the attention output of the projection)."""
+        m, t, e = self.model, self.par.tp, self.act_bytes
+        b, l = self.par.micro_batch_size, self.split_lengths[split]
+        tokens = b * l
+        q = m.num_attention_heads * m.head_dim / t * e
+        kv = m.num_query_groups * m.head_dim / t * e
+        qkv = q + 2 * kv
+        lse = FP32 * m.num_attention_heads / t
+        rope = m.position_embedding_type == "rope"
+        split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
+        # q, k, v handed to the kernel: views of the fused QKV output keep it whole;
+        # RoPE's q, k are new tensors
+        unsplit_inputs = (q + kv + qkv) if rope else qkv
+        cos_sin = self._rope_bytes(l)
+        if split_kernel and self.kv_layout == "chunked":
+            # q copy, LSE, output once; the chunked kernel is not checkpointed by
+            # selective recomputation (it keeps no scores to drop)
+            return tokens * (q + lse + q) + cos_sin
+        if self.recompute.granularity == "selective":  # the checkpoint keeps q, k, v
+            return tokens * (unsplit_inputs + q) + cos_sin
+        if self._math_kernel():
+            keys = l + (self.offsets[split] if self.num_splits > 1 else 0)
+            heads = b * m.num_attention_heads / t
+            out = heads * m.head_dim * e * (l + keys)  # scaled q and k
+            out += 3 * heads * l * keys * e  # scores, dropout mask, probabilities
+            if m.num_query_groups < m.num_attention_heads:
+                out += heads * m.head_dim * keys * e  # v expanded to every head
+            elif split == 0 or not split_kernel:
+                out += tokens * qkv  # v: a view of the fused QKV output
+            return out + tokens * q + cos_sin
+        if not split_kernel:
+            return tokens * (unsplit_inputs + lse + q) + cos_sin
+        if split == 0:  # K/V live in the buffer; q a view of QKV (learned) or RoPE's
+            return tokens * ((q if rope else qkv) + lse + q) + cos_sin
+        # later splits: a contiguous q; on CPU the output is copied once more for the
+        # projection
+        copies = 2 if self.on_cpu else 1
+        return tokens * (q + lse + copies * q) + cos_sin
+
+    def mlp_bytes(self, tokens: float) -> float:
+        """fc1 output and activation output (SwiGLU: fc1's 2F output, silu and the
+        product's two F inputs, the F fc2 input)."""
+        f, e = self.model.ffn_hidden_size / self.par.tp, self.act_bytes
+        return tokens * f * e * (5 if self.model.swiglu else 2)
+
+    def dropout_bytes(self, tokens: float) -> float:
+        """The two hidden-dropout masks of a layer."""
+        if not self.model.hidden_dropout:
+            return 0.0
+        return 2 * tokens * self.model.hidden_size * self.mask_bytes() / self.par.tp_sp
+
+    def layer_bytes(self, split: int) -> float:
+        """Activation bytes one layer keeps for split ``split``, no full recomputation."""
+        tokens = self.par.micro_batch_size * self.split_lengths[split]
+        return (2 * self.norm_bytes(tokens) + self.attention_bytes(split)
+                + self.mlp_bytes(tokens) + self.dropout_bytes(tokens))
 
     def full_layer_bytes(self, tokens: float) -> float:
-        """Activation bytes of one layer for ``tokens`` tokens (micro-batch included)."""
-        per = self.layer_activation_bytes_per_token(self.kv_in_cache())
-        return tokens * (per["sharded"] / self.par.tp + per["replicated"] / self.par.tp_sp)
+        """Activation bytes of one layer for ``tokens`` tokens of an unsplit sequence."""
+        split = CostModel(self.model, self.par, self.gpu, self.seq_length,
+                          [tokens / self.par.micro_batch_size], Recompute(), self.kv_layout,
+                          self.act_bytes)
+        return split.layer_bytes(0)
 
     def layer_input_bytes(self, tokens: float) -> float:
-        return tokens * BF16 * self.model.hidden_size / self.par.tp_sp
+        return tokens * self.act_bytes * self.model.hidden_size / self.par.tp_sp
 
-    def stored_layer_bytes(self, tokens: float) -> float:
+    def _checkpoint_bytes(self, split: int, groups: int) -> float:
+        """Full recomputation: each checkpointed group keeps its input; RoPE's
+        frequencies (fp32 ``[l, 1, 1, d]``) are one tensor shared by the groups."""
+        l = self.split_lengths[split]
+        tokens = self.par.micro_batch_size * l
+        freqs = l * self.model.head_dim * FP32 if self.model.position_embedding_type == "rope" else 0
+        return groups * self.layer_input_bytes(tokens) + (freqs if groups else 0)
+
+    def stored_layer_bytes(self, split: int) -> float:
         """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
         n, rc = self.layers_per_chunk, self.recompute
-        full = self.full_layer_bytes(tokens)
-        if rc.granularity == "selective":
-            # core attention recomputed: with flash attention only its LSE goes away
-            lse = tokens * FP32 * self.model.num_attention_heads / self.par.tp
-            return n * (full - lse)
         if rc.granularity == "full":
             k = min(rc.num_layers, n)
             if rc.method == "uniform":
-                return math.ceil(n / k) * self.layer_input_bytes(tokens)
-            return k * self.layer_input_bytes(tokens) + (n - k) * full
-        return n * full
+                return self._checkpoint_bytes(split, math.ceil(n / k))
+            return self._checkpoint_bytes(split, k) + (n - k) * self.layer_bytes(split)
+        return n * self.layer_bytes(split)
 
-    def recompute_transient_bytes(self, tokens: float) -> float:
+    def recompute_transient_bytes(self, split: int) -> float:
         """Activations rebuilt during a backward with full recomputation."""
         rc, n = self.recompute, self.layers_per_chunk
         if rc.granularity != "full":
             return 0.0
         k = min(rc.num_layers, n)
-        return (k if rc.method == "uniform" else 1) * self.full_layer_bytes(tokens)
+        return (k if rc.method == "uniform" else 1) * self.layer_bytes(split)
 
     def edge_bytes(self, rank: int, chunk: int, tokens: float) -> float:
-        """Extra activations of the embedding (first stage) and the loss (last stage)."""
+        """The embedding's (first stage) and the loss's (last stage) saved tensors."""
         h, extra = self.model.hidden_size, 0.0
-        if self.is_first(rank, chunk) and self.model.hidden_dropout:
-            extra += tokens * h / self.par.tp_sp  # embedding dropout mask
+        if self.is_first(rank, chunk):
+            ids = 2 if self.model.position_embedding_type == "learned_absolute" else 1
+            extra += tokens * 8 * ids  # int64 token (and position) ids
+            if self.par.tp > 1:
+                extra += tokens  # the vocab-parallel embedding's bool mask
+            if self.model.hidden_dropout:
+                extra += tokens * h * self.mask_bytes() / self.par.tp_sp
         if self.is_last(rank, chunk):
-            extra += tokens * 2 * BF16 * h / self.par.tp_sp  # final norm input and output
+            extra += self.norm_bytes(tokens)  # final norm (output: the LM head's input)
             extra += tokens * FP32 * self.vocab / self.par.tp  # fp32 softmax of the logits
+            extra += tokens * (1 + 8 + FP32)  # target mask, masked targets, loss mask
         return extra
 
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
-        return self.stored_layer_bytes(tokens) + self.edge_bytes(rank, unit.chunk, tokens)
+        return self.stored_layer_bytes(unit.split) + self.edge_bytes(rank, unit.chunk, tokens)
 
     # -------------------------------------------------------------------- KV cache
     def kv_bytes_per_token(self) -> float:
-        """K and V of one token, one layer, one GPU, in bf16 (micro-batch included)."""
+        """K and V of one token, one layer, one GPU, in the activation dtype (micro-batch
+        included)."""
         m = self.model
-        return 2 * BF16 * self.par.micro_batch_size * m.num_query_groups * m.head_dim / self.par.tp
+        return 2 * self.act_bytes * self.par.micro_batch_size * m.num_query_groups * m.head_dim / self.par.tp
 
     def memory_effect(self, rank: int, unit: Unit) -> MemoryEffect:
         """What ``unit`` allocates and frees on ``rank`` (for the simulator)."""
@@ -249,15 +338,14 @@ class CostModel:
                     at_start["kv_cache"] = kv_tok * self.offsets[j]
         else:
             at_end["activations"] = -act
-            tokens = self.par.micro_batch_size * self.split_lengths[j]
-            rebuilt = self.recompute_transient_bytes(tokens)
+            rebuilt = self.recompute_transient_bytes(j)
             if rebuilt:
                 transient["activations"] = rebuilt
             if s > 1:
                 if self.kv_layout == "buffer":
                     # fp32 prefix-gradient accumulator over the last split's prefix, from
                     # the last split's backward to the first split's backward
-                    acc = 2 * kv_tok * self.offsets[s - 1]
+                    acc = kv_tok * self.offsets[s - 1] * max(FP32, self.act_bytes) / self.act_bytes
                     if j == s - 1:
                         at_start["kv_cache"] = acc
                     if j == 0:
@@ -319,8 +407,7 @@ class CostModel:
         fl = self.unit_flops(rank, unit)
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
         n = self.layers_per_chunk
-        per = self.layer_activation_bytes_per_token(False)
-        elementwise = 2 * n * tokens * (per["sharded"] / self.par.tp + per["replicated"] / self.par.tp_sp)
+        elementwise = 2 * n * self.layer_bytes(unit.split)
         return {
             "gemm": fl["gemm"] / (g.peak_bf16_flops * g.gemm_efficiency),
             "attention": fl["attention"] / (g.peak_bf16_flops * g.attention_efficiency),

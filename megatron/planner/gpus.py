@@ -39,6 +39,7 @@ class GPU:
     layer_overhead_s: float
     reserved_gib: float
     gpus_per_node: int = 8
+    kind: str = "cuda"  # "cpu": models the CPU kernels' saved tensors (docs/planner.md)
     p2p_latency_s: float = 20e-6
     collective_latency_s: float = 10e-6
 
@@ -96,6 +97,23 @@ GPUS = {
         hbm_efficiency=0.75,
         layer_overhead_s=45e-6,
         reserved_gib=2.0,
+    ),
+    # the CPU path of this project's tests and demos: only memory is meant; the rates
+    # are nominal (2 cores) so times stay finite
+    "cpu": GPU(
+        name="cpu",
+        description="CPU (gloo): memory as the CPU kernels save it; times nominal",
+        peak_bf16_flops=1e11,
+        memory_gib=64.0,
+        hbm_bw=20e9,
+        nvlink_bw=5e9,
+        network_bw=5e9,
+        gemm_efficiency=0.5,
+        attention_efficiency=0.3,
+        hbm_efficiency=0.5,
+        layer_overhead_s=1e-3,
+        reserved_gib=0.0,
+        kind="cpu",
     ),
 }
 

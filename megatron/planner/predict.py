@@ -18,7 +18,7 @@ from megatron.planner.costs import (
 )
 from megatron.planner.gpus import GIB, GPU, get_gpu
 from megatron.planner.presets import ModelSpec
-from megatron.planner.simulate import SimResult, simulate
+from megatron.planner.simulate import MemoryEffect, SimResult, simulate
 from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
 from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
 from megatron.schedules.slimpipe import check_slimpipe_shape, slimpipe_schedule
@@ -51,6 +51,7 @@ class PlanConfig:
     # its plan's communication cost per K/V chunk (SliceCosts.exchange); None: derived
     # from the GPU model (CostModel.balance_exchange_cost)
     attention_balance_exchange_cost: Optional[float] = None
+    act_bytes: int = 2  # activation/weight dtype: 2 with --bf16/--fp16, 4 in fp32
 
 
 @dataclass
@@ -313,7 +314,8 @@ def build_schedule(c: PlanConfig, num_splits: int):
 def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
     gpu = get_gpu(c.gpu)
     lengths = split_lengths(c, num_splits)
-    cost = CostModel(c.model, c.parallel, gpu, c.seq_length, lengths, c.recompute, c.kv_layout)
+    cost = CostModel(c.model, c.parallel, gpu, c.seq_length, lengths, c.recompute, c.kv_layout,
+                     c.act_bytes)
     schedule = build_schedule(c, num_splits)
     balance = None
     if c.attention_balance:
@@ -502,3 +504,21 @@ def predict(c: PlanConfig) -> Prediction:
         for r in results
     ]
     return best
+
+
+def boundary_activation_peaks(pred: Prediction) -> List[float]:
+    """Per pipeline rank, the peak bytes of activations + K/V cache sampled at unit
+    boundaries (what ``--activation-memory-file`` measures): what lives only inside a
+    backward (memory rebuilt by full recomputation, a K/V gradient stash before the
+    unit frees its activations) is left out."""
+    cost = pred.cost
+
+    def effect(rank, unit):  # a unit's whole change, seen after it ends
+        e = cost.memory_effect(rank, unit)
+        keys = set(e.at_start) | set(e.at_end)
+        return MemoryEffect({}, {k: e.at_start.get(k, 0.0) + e.at_end.get(k, 0.0)
+                                 for k in keys}, {})
+
+    schedule = build_schedule(pred.config, pred.splits)
+    sim = simulate(schedule, cost.unit_time, cost.p2p_time, effect)
+    return [sim.memory[rank].peak()[0] for rank in range(pred.config.parallel.pp)]

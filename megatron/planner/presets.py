@@ -30,6 +30,10 @@ class ModelSpec:
     hidden_dropout: bool = True  # dropout after attention / MLP (stores a 1-byte mask)
     normalization: str = "LayerNorm"  # or "RMSNorm"
     untie_embeddings: bool = True
+    position_embedding_type: str = "rope"  # or "learned_absolute"
+    # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
+    # sends SDPA to the math kernel, which saves the scores
+    attention_dropout: bool = False
 
     @property
     def head_dim(self) -> int:
