@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron.seqsplit.documents import (
+    PerSplitMemo,
     document_attention_bias,
     document_mask_mod,
     varlen_document_layout,
@@ -89,37 +90,13 @@ class SDPABackend(AttentionBackend):
         )
 
 
-class _PerSplitMemo:
-    """What a backend derives from a split's document ids alone (a mask, a layout), made
-    once per split instead of once per layer: every layer of a pipeline unit passes the
-    same document-id tensor (`kv_cache.key_documents`), so the last value is reused while
-    that tensor (and the other arguments) come back. The tensor is held weakly, so a new
-    one that reuses its memory is never taken for it. With `weak`, the value is too: it
-    then lives only as long as something else keeps it (a kernel, for backward), and
-    without autograd it is remade per layer."""
-
-    def __init__(self, make, weak=False):
-        self._make, self._weak, self._last = make, weak, None
-
-    def __call__(self, document_ids, *args):
-        last = self._last
-        if last is not None and last[0]() is document_ids and last[1] == args:
-            value = last[2]() if self._weak else last[2]
-            if value is not None:
-                return value
-        value = self._make(document_ids, *args)
-        self._last = (weakref.ref(document_ids), args,
-                      weakref.ref(value) if self._weak else value)
-        return value
-
-
 # The SDPA mask is kept for backward by every layer's kernel: one tensor for all of them.
 # (`first_key` is not kept: it is `lk - bias.shape[-1]`.)
-_shared_document_bias = _PerSplitMemo(
+_shared_document_bias = PerSplitMemo(
     lambda ids, lq, dtype: document_attention_bias(ids, lq, dtype)[1], weak=True)
 # The varlen layout costs two host syncs; a few small integer tensors, kept until the
 # next split's.
-_shared_varlen_layout = _PerSplitMemo(lambda ids, lq: varlen_document_layout(ids, lq))
+_shared_varlen_layout = PerSplitMemo(lambda ids, lq: varlen_document_layout(ids, lq))
 
 
 def _reversed_queries_save_memory(q, k):

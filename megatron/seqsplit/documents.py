@@ -21,6 +21,7 @@ Ids must be non-decreasing along a row (documents are contiguous runs), as
 ``document_ids`` makes them.
 """
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,30 @@ class DocumentIdsDataset(torch.utils.data.Dataset):
         return sample
 
 
+class PerSplitMemo:
+    """What a backend derives from a split's document ids alone (a mask, a layout), made
+    once per split instead of once per layer: every layer of a pipeline unit passes the
+    same document-id tensor (`kv_cache.key_documents`), so the last value is reused while
+    that tensor (and the other arguments) come back. The tensor is held weakly, so a new
+    one that reuses its memory is never taken for it. With `weak`, the value is too: it
+    then lives only as long as something else keeps it (a kernel, for backward), and
+    without autograd it is remade per layer."""
+
+    def __init__(self, make, weak=False):
+        self._make, self._weak, self._last = make, weak, None
+
+    def __call__(self, document_ids, *args):
+        last = self._last
+        if last is not None and last[0]() is document_ids and last[1] == args:
+            value = last[2]() if self._weak else last[2]
+            if value is not None:
+                return value
+        value = self._make(document_ids, *args)
+        self._last = (weakref.ref(document_ids), args,
+                      weakref.ref(value) if self._weak else value)
+        return value
+
+
 def document_causal_mask(doc_ids: torch.Tensor, q_offset: int, q_length: int) -> torch.Tensor:
     """Boolean [b, 1, q_length, q_offset + q_length] mask, True where attention is allowed.
 
@@ -62,24 +87,65 @@ def document_causal_mask(doc_ids: torch.Tensor, q_offset: int, q_length: int) ->
     return (same_document & causal)[:, None]
 
 
-def document_attention_bias(doc_ids: torch.Tensor, q_length: int, dtype):
+# CUDA's memory-efficient SDPA kernel copies (pads) a mask unless every stride but the
+# last is a multiple of 8 elements (torch's `preprocess_mask`), and the copy is what it
+# saves for backward: per layer. Rows padded to 16 elements keep the shared mask as is.
+MASK_ROW_ALIGNMENT = 16
+
+
+def first_visible_key(doc_ids: torch.Tensor, q_length: int) -> int:
+    """The earliest start, over the rows, of the document holding the first of the last
+    ``q_length`` positions: no query sees a key before it. One host sync (a shape)."""
+    offset = doc_ids.shape[1] - q_length
+    starts_before = (doc_ids[:, :offset + 1] == doc_ids[:, offset:offset + 1]).int().argmax(dim=1)
+    return int(starts_before.min())
+
+
+def aligned_mask_buffer(shape, dtype, device, alignment=MASK_ROW_ALIGNMENT):
+    """Zeros of ``shape`` whose rows (last dim) start every multiple of ``alignment``
+    elements: a view of a buffer with padded rows, so kernels need not pad a copy."""
+    padded = -(-shape[-1] // alignment) * alignment
+    return torch.zeros(*shape[:-1], padded, dtype=dtype, device=device)[..., :shape[-1]]
+
+
+def document_attention_bias(doc_ids: torch.Tensor, q_length: int, dtype, first_key=None):
     """(first_key, bias): the per-document causal mask of the last ``q_length`` of
     ``doc_ids`` [b, lk] as an additive float mask [b, 1, q_length, lk - first_key]
     (0 where allowed, -inf elsewhere) over the keys from ``first_key`` on.
 
-    ``first_key`` is the earliest start, over the rows, of the document that holds the
-    split's first query: no query of the split sees a key before it (documents are
-    contiguous runs), so those keys are left out of the kernel call altogether. The
-    mask is in the query's dtype because that is what SDPA keeps for backward (a boolean
-    mask is converted on every call); one Python int leaves the device (one sync).
+    ``first_key`` (``first_visible_key``, computed here when not given): no query of
+    the split sees a key before it (documents are contiguous runs), so those keys are
+    left out of the kernel call altogether. The mask is in the query's dtype because
+    that is what SDPA keeps for backward (a boolean mask is converted on every call),
+    with rows aligned (``aligned_mask_buffer``) so CUDA's kernel keeps it uncopied.
     """
-    b, lk = doc_ids.shape
-    offset = lk - q_length
-    starts_before = (doc_ids[:, :offset + 1] == doc_ids[:, offset:offset + 1]).int().argmax(dim=1)
-    first_key = int(starts_before.min())
+    offset = doc_ids.shape[1] - q_length
+    if first_key is None:
+        first_key = first_visible_key(doc_ids, q_length)
     allowed = document_causal_mask(doc_ids[:, first_key:], offset - first_key, q_length)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    bias = aligned_mask_buffer(allowed.shape, dtype, doc_ids.device)
     return first_key, bias.masked_fill_(~allowed, float("-inf"))
+
+
+def visible_key_ranges(doc_ids: torch.Tensor, query_blocks, key_ranges):
+    """For every query block (first, last + 1) and key range (start, end), in absolute
+    positions of ``doc_ids`` [b, positions]: whether any query of the block sees any key
+    of the range (causal, same document), as nested Python lists [block][range].
+
+    Everything is computed on the device and leaves it in one transfer (one host sync
+    for all pairs, where asking pair by pair would sync per pair)."""
+    positions = doc_ids.shape[1]
+    pos = torch.arange(positions, device=doc_ids.device)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    # a query at p sees exactly the keys [doc_start[p], p]
+    doc_start = torch.where(is_start, pos, 0).cummax(dim=1).values  # [b, positions]
+    rows = []
+    for q0, q1 in query_blocks:
+        starts, ends = doc_start[:, q0:q1], pos[q0:q1]
+        rows.append(torch.stack([
+            (starts.clamp_min(k0) <= ends.clamp_max(k1 - 1)).any() for k0, k1 in key_ranges]))
+    return torch.stack(rows).tolist()
 
 
 def document_mask_mod(doc_ids: torch.Tensor, q_length: int):

@@ -17,12 +17,18 @@ no mask is ever saved. Fully masked chunks are skipped.
 
 Layouts: q [b, hq, lq, d]; chunks [b, g, l_c, d] with hq % g == 0 (GQA reads the groups,
 never expanded heads); document_ids [b, lk] or None. Scores and softmax statistics are
-float32 for half inputs (float64 stays float64); matmuls run in the input dtype.
+float32 for half inputs (float64 stays float64). Matmuls take half inputs (P and dS
+rounded to half, as flash-attn does) and keep their products in the statistics dtype.
 """
 
+import functools
+import importlib
+import weakref
 from typing import Sequence
 
 import torch
+
+from megatron.seqsplit.documents import visible_key_ranges
 
 DEFAULT_MAX_BLOCK_ELEMENTS = 1 << 26  # transient scores per (query block, chunk): 256 MiB fp32
 
@@ -46,11 +52,10 @@ def _allowed(q_first, n, start, length, document_ids, device):
     Returns None (everything visible), False (nothing visible) or a bool tensor
     broadcastable to the scores [b, g, r, n, length].
     """
-    causal_all = start + length - 1 <= q_first
-    if causal_all and document_ids is None:
-        return None
     if start > q_first + n - 1:
         return False
+    if start + length - 1 <= q_first and document_ids is None:
+        return None
     q_pos = torch.arange(q_first, q_first + n, device=device)
     k_pos = torch.arange(start, start + length, device=device)
     allowed = (k_pos[None, :] <= q_pos[:, None])[None, None, None]  # [1, 1, 1, n, l]
@@ -59,9 +64,43 @@ def _allowed(q_first, n, start, length, document_ids, device):
         docs_k = document_ids[:, start:start + length]
         same = docs_q[:, :, None] == docs_k[:, None, :]  # [b, n, l]
         allowed = allowed & same[:, None, None]
-    if not bool(allowed.any()):
-        return False
-    return allowed
+    return allowed  # (blocks that see nothing of a chunk were skipped: `_visible_pairs`)
+
+
+class _PerTensorMemo:
+    """tensor -> dict, each entry living as long as its tensor (a WeakKeyDictionary
+    would compare tensors with ==, which is elementwise)."""
+
+    def __init__(self):
+        self._entries = {}  # id(tensor) -> (weak reference, dict)
+
+    def get(self, tensor) -> dict:
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            key = id(tensor)
+            entry = (weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)), {})
+            self._entries[key] = entry
+        return entry[1]
+
+
+# document ids -> {(query blocks, key ranges): visibility}; an entry lives as long as
+# the split's id tensor, which every layer's forward and backward share
+_VISIBILITY = _PerTensorMemo()
+
+
+def _visible_pairs(document_ids, first, blocks, chunks):
+    """[block][chunk] -> whether the block's queries see any key of the chunk, or None
+    without documents (positions alone decide then, with no host sync). With documents
+    one host sync per split, not per (block, chunk) and layer."""
+    if document_ids is None:
+        return None
+    key = (first, tuple(blocks), tuple(zip(chunks.starts, chunks.lengths())))
+    memo = _VISIBILITY.get(document_ids)
+    if key not in memo:
+        memo[key] = visible_key_ranges(
+            document_ids, [(first + i0, first + i1) for i0, i1 in blocks],
+            [(start, start + length) for start, length in key[2]])
+    return memo[key]
 
 
 class _Chunks:
@@ -100,22 +139,123 @@ def _check(q, chunks: _Chunks, document_ids, query_start):
                          f"got {tuple(document_ids.shape)}")
 
 
-def _scores(q_rows, key, allowed, shape5):
-    """Scores [b, g, r, n, l] of pre-scaled query rows, in the statistics dtype; masked
-    entries are -inf. A fresh tensor, so callers may work on it in place."""
-    s = torch.matmul(q_rows, key.transpose(-1, -2)).view(*shape5, key.shape[2])
-    s = s.to(stat_dtype(q_rows.dtype))
+_FP32_OUTPUT_BMM = {}  # device -> whether torch.bmm(half, half, out_dtype=fp32) runs there
+
+
+def _fp32_output_bmm(device) -> bool:
+    """Whether this torch has a half x half -> fp32 batched matmul on ``device`` (CUDA
+    in torch >= 2.8; CPU has none). Tried once per device on a tiny input."""
+    if device not in _FP32_OUTPUT_BMM:
+        tiny = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
+        try:
+            torch.bmm(tiny, tiny, out_dtype=torch.float32)
+            _FP32_OUTPUT_BMM[device] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUTPUT_BMM[device] = False
+    return _FP32_OUTPUT_BMM[device]
+
+
+def _matmul_stat(a, b):
+    """a @ b ([..., m, k] @ [..., k, n]) in the statistics dtype, half inputs included.
+
+    A half matmul rounds its fp32 accumulator to half before we could cast it; flash-
+    attn keeps its products in fp32 (only P and dS are rounded to half, as the callers
+    do), and so do we: with an fp32-output half matmul where torch has one, else on fp32
+    copies (half values are exact in fp32 and in TF32, so the result is the same
+    fp32-accumulated product). The copies are transient, one (query block, chunk) at a
+    time."""
+    stat = stat_dtype(a.dtype)
+    if a.dtype == stat:
+        return torch.matmul(a, b)
+    if _fp32_output_bmm(a.device):
+        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),
+                        out_dtype=stat)
+        return out.view(*a.shape[:-1], b.shape[-1])
+    return torch.matmul(a.to(stat), b.to(stat))
+
+
+def _scores(q_rows, key, allowed, shape5, softmax_scale):
+    """Scaled scores [b, g, r, n, l] of query rows (q's dtype), in the statistics dtype
+    (scaled there: a half pre-scaled query would round); masked entries are -inf. A
+    fresh tensor, so callers may work on it in place."""
+    s = _matmul_stat(q_rows, key.transpose(-1, -2)).view(*shape5, key.shape[2])
+    s.mul_(softmax_scale)
     if allowed is not None:
         s.masked_fill_(~allowed, float("-inf"))
     return s
 
 
+AUTO = "auto"  # flash_forward: flash-attn's kernel when it can run, else this module's
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's largest head dimension
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_flash_attn_func():
+    """flash-attn's public ``flash_attn_func`` when flash-attn >= 2.1 imports, else None.
+
+    Its ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: the LSE
+    [b, h, lq] (fp32, natural log of the scaled scores) is public, which is all a
+    chunk's partial needs (``S_dmask`` is only filled with dropout, which we never
+    ask for). Only a backward that takes an external LSE is private, so backward stays
+    this module's recomputation over the chunks."""
+    try:
+        module = importlib.import_module("flash_attn")
+        version = tuple(int(p) for p in module.__version__.split(".")[:2])
+    except Exception:  # not installed, a broken build, or an odd version string
+        return None
+    return module.flash_attn_func if version >= (2, 1) else None
+
+
+def installed_flash_forward(q):
+    """flash-attn's forward for ``q``'s device, dtype and head dim, or None."""
+    if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
+            or q.shape[-1] > FLASH_MAX_HEAD_DIM):
+        return None
+    return _installed_flash_attn_func()
+
+
+def _flash_causal_flags(first, lq, chunks):
+    """Per chunk, the ``causal`` flag under which flash-attn computes it exactly for the
+    queries at positions first..first+lq-1, or None when some chunk has no such flag.
+
+    False: every query sees every key of the chunk. True: flash's bottom-right causal
+    mask is ours, i.e. the chunk ends with the queries, and it is at least as long as
+    them (flash gives a row that sees no key an LSE of +inf, which would not merge)."""
+    flags = []
+    for start, length in zip(chunks.starts, chunks.lengths()):
+        if start + length - 1 <= first:
+            flags.append(False)
+        elif start + length == first + lq and length >= lq:
+            flags.append(True)
+        else:
+            return None
+    return flags
+
+
+def _flash_partial(flash, q, chunks, causal_flags, softmax_scale):
+    """Partials of flash-attn's forward over every chunk, merged by LSE; no graph (the
+    backward is this module's)."""
+    stat = stat_dtype(q.dtype)
+    out = lse = None
+    with torch.no_grad():
+        for key, value, causal in zip(chunks.keys, chunks.values, causal_flags):
+            part, part_lse, _ = flash(  # flash-attn's layout is [b, l, h, d]: views
+                q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
+            part, part_lse = part.transpose(1, 2).to(stat), part_lse.to(stat)
+            out, lse = ((part, part_lse) if out is None
+                        else merge_partials(out, lse, part, part_lse))
+    return out, lse
+
+
 def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
-                          query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+                          query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS,
+                          flash_forward=AUTO):
     """(out [b, hq, lq, d] in q's dtype, lse [b, hq, lq] in the statistics dtype)."""
     out, lse = lse_attention_partial(q, keys, values, softmax_scale=softmax_scale,
                                      document_ids=document_ids, query_start=query_start,
-                                     max_block_elements=max_block_elements)
+                                     max_block_elements=max_block_elements,
+                                     flash_forward=flash_forward)
     return out.to(q.dtype), lse
 
 
@@ -129,7 +269,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
-                          query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+                          query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS,
+                          flash_forward=AUTO):
     """Like ``lse_attention_forward`` but the output stays in the statistics dtype, to be
     merged with other partials (``merge_partials``).
 
@@ -137,32 +278,44 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
     ``lk - lq`` (the queries are the last keys). A query block placed after every key
     (``query_start >= lk``) sees all of them: a prefix computed apart from its queries
     (with ``document_ids`` [b, query_start + lq], only the keys of its own document).
+
+    ``flash_forward``: flash-attn's ``flash_attn_func`` (or a stand-in with its
+    signature) computes each chunk's partial and LSE where it can (no documents, every
+    query sees a key of every chunk); ``AUTO``: flash-attn's when it is installed and
+    ``q`` is a CUDA fp16/bf16 tensor with head dim <= 256; None: this module's kernel.
     """
     chunks = _Chunks(keys, values)
     _check(q, chunks, document_ids, query_start)
     b, hq, lq, d = q.shape
+    first = chunks.total - lq if query_start is None else query_start
+    flash = installed_flash_forward(q) if flash_forward is AUTO else flash_forward
+    causal = _flash_causal_flags(first, lq, chunks) if flash and document_ids is None else None
+    if causal is not None:
+        return _flash_partial(flash, q, chunks, causal, softmax_scale)
     g = chunks.keys[0].shape[1]
     r = hq // g
     stat = stat_dtype(q.dtype)
-    q5 = q.reshape(b, g, r, lq, d) * softmax_scale  # scaled once, not every score
+    q5 = q.reshape(b, g, r, lq, d)
     out = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
     lse = torch.full((b, g, r, lq), float("-inf"), dtype=stat, device=q.device)
-    first = chunks.total - lq if query_start is None else query_start
     tiny = torch.finfo(stat).min
-    for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
+    blocks = _query_blocks(q, chunks.lengths(), max_block_elements)
+    visible = _visible_pairs(document_ids, first, blocks, chunks)
+    for block, (i0, i1) in enumerate(blocks):
         n = i1 - i0
         q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
         acc_out, acc_lse = out[:, :, :, i0:i1], lse[:, :, :, i0:i1]
-        for key, value, start in zip(chunks.keys, chunks.values, chunks.starts):
+        for c, (key, value, start) in enumerate(zip(chunks.keys, chunks.values, chunks.starts)):
             allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
-            if allowed is False:
+            if allowed is False or (visible is not None and not visible[block][c]):
                 continue
-            s = _scores(q_rows, key, allowed, (b, g, r, n))
+            s = _scores(q_rows, key, allowed, (b, g, r, n), softmax_scale)
             row_max = s.amax(dim=-1, keepdim=True).clamp_min_(tiny)  # finite for empty rows
             probs = s.sub_(row_max).exp_()  # unnormalised, in place
             row_sum = probs.sum(dim=-1)
-            part = torch.matmul(probs.to(value.dtype).view(b, g, r * n, -1), value)
-            part = part.view(b, g, r, n, d).to(stat) / row_sum.clamp_min(torch.finfo(stat).tiny)[..., None]
+            # P rounded to the value dtype (as flash-attn does), the product is not
+            part = _matmul_stat(probs.to(value.dtype).view(b, g, r * n, -1), value)
+            part = part.view(b, g, r, n, d) / row_sum.clamp_min(torch.finfo(stat).tiny)[..., None]
             part_lse = row_max[..., 0] + row_sum.log()  # -inf where a row sees nothing here
             new_lse = torch.logaddexp(acc_lse, part_lse)
             safe = new_lse.clamp_min(tiny)[..., None]
@@ -185,7 +338,7 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     g = chunks.keys[0].shape[1]
     r = hq // g
     stat = stat_dtype(q.dtype)
-    q5 = q.reshape(b, g, r, lq, d) * softmax_scale
+    q5 = q.reshape(b, g, r, lq, d)
     do5 = grad_out.reshape(b, g, r, lq, d)
     lse5 = lse.reshape(b, g, r, lq)
     delta = (grad_out.to(stat) * out.to(stat)).sum(-1).reshape(b, g, r, lq)
@@ -193,27 +346,31 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     dks = [torch.zeros(k.shape, dtype=stat, device=k.device) for k in chunks.keys]
     dvs = [torch.zeros(v.shape, dtype=stat, device=v.device) for v in chunks.values]
     first = chunks.total - lq if query_start is None else query_start
-    for i0, i1 in _query_blocks(q, chunks.lengths(), max_block_elements):
+    blocks = _query_blocks(q, chunks.lengths(), max_block_elements)
+    visible = _visible_pairs(document_ids, first, blocks, chunks)
+    for block, (i0, i1) in enumerate(blocks):
         n = i1 - i0
-        q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
+        q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)  # unscaled, q's dtype
         do_rows = do5[:, :, :, i0:i1].reshape(b, g, r * n, d)
         row_lse = lse5[:, :, :, i0:i1, None]
         row_delta = delta[:, :, :, i0:i1, None]
         for c, (key, value, start) in enumerate(zip(chunks.keys, chunks.values, chunks.starts)):
             allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
-            if allowed is False:
+            if allowed is False or (visible is not None and not visible[block][c]):
                 continue
-            probs = _scores(q_rows, key, allowed, (b, g, r, n)).sub_(row_lse).exp_()
+            probs = _scores(q_rows, key, allowed, (b, g, r, n), softmax_scale).sub_(row_lse).exp_()
             probs_rows = probs.view(b, g, r * n, -1)
-            dvs[c] += torch.matmul(probs_rows.transpose(-1, -2).to(do_rows.dtype), do_rows).to(stat)
-            dp = torch.matmul(do_rows, value.transpose(-1, -2)).view(b, g, r, n, -1).to(stat)
+            dvs[c] += _matmul_stat(probs_rows.transpose(-1, -2).to(do_rows.dtype), do_rows)
+            dp = _matmul_stat(do_rows, value.transpose(-1, -2)).view(b, g, r, n, -1)
             ds = dp.sub_(row_delta).mul_(probs).view(b, g, r * n, -1)  # dS / scale
             ds_in = ds.to(q.dtype)
-            dq[:, :, :, i0:i1] += torch.matmul(ds_in, key).view(b, g, r, n, d).to(stat)
-            dks[c] += torch.matmul(ds_in.transpose(-1, -2), q_rows).to(stat)  # q_rows is scaled
+            dq[:, :, :, i0:i1] += _matmul_stat(ds_in, key).view(b, g, r, n, d)
+            dks[c] += _matmul_stat(ds_in.transpose(-1, -2), q_rows)
     dq.mul_(softmax_scale)
+    for dk in dks:  # dS was left unscaled (q_rows too): dK = scale * dS^T Q
+        dk.mul_(softmax_scale)
     return dq.view(b, hq, lq, d).to(dq_dtype or q.dtype), dks, dvs
 
 
-__all__ = ["stat_dtype", "lse_attention_forward", "lse_attention_partial", "lse_attention_backward",
+__all__ = ["AUTO", "installed_flash_forward", "stat_dtype", "lse_attention_forward", "lse_attention_partial", "lse_attention_backward",
            "merge_partials", "DEFAULT_MAX_BLOCK_ELEMENTS"]
