@@ -17,9 +17,12 @@ chunk's gradient plus what later splits left for it; split 0's backward frees th
 Recomputation (a checkpoint re-running split `j`'s forward) rewrites chunk `j` with the
 same values, never a second chunk.
 
-The kernel is plain PyTorch matmuls, exact on every device; it is not a fused kernel
-(flash-attn's LSE-returning entry points are private), so on GPU it trades speed for
-the chunked layout. No attention dropout.
+The kernel is `lse_attention`: exact on every device. On CUDA fp16/bf16 with flash-attn
+installed its forward runs flash-attn's public `flash_attn_func(..., return_attn_probs=True)`
+per chunk, which returns each partial's LSE; backward (and every path with packed
+documents) is plain PyTorch matmuls over the chunks, since only a flash-attn backward
+taking an external LSE is private. So on GPU the backward trades speed for the chunked
+layout. No attention dropout.
 """
 
 from dataclasses import dataclass, field
