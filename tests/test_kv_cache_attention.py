@@ -425,10 +425,11 @@ def test_chunked_cache_holds_split_chunks_and_saves_no_mask():
             filled += length
             cached.append(store.cached_bytes())
             assert cached[-1] == 2 * filled * b * g * D * itemsize  # only what has run
-    # each split saves exactly its query [l, b, hq, d], output [b, hq, l, d] and LSE
-    # [b, hq, l]: no K/V (the cache holds them), no mask, no concatenated prefix
+    # each split saves exactly its query [l, b, hq, d], output [l, b, hq, d] (the layout
+    # the output projection keeps: one copy) and LSE [b, hq, l]: no K/V (the cache holds
+    # them), no mask, no concatenated prefix
     assert saved == [shape for length in lengths
-                     for shape in ((length, b, hq, D), (b, hq, length, D), (b, hq, length))]
+                     for shape in ((length, b, hq, D), (length, b, hq, D), (b, hq, length))]
     for j in reversed(range(len(lengths))):
         run.backward(j)
     assert store.num_entries() == 0
