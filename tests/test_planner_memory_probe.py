@@ -1,0 +1,93 @@
+"""The planner predicts what the activation-memory probe measures, stage by stage.
+
+Every configuration below trains one iteration with ``--activation-memory-file`` (the
+probe of megatron/schedules/memory_probe.py: tensors autograd saved, plus the K/V
+cache, sampled at unit boundaries); ``tools/plan.py`` then reads the *same* command
+line (with ``--gpu cpu``: the CPU kernels' saved tensors) and must predict each stage's
+activation + K/V peak within 3%. Configurations share two launches (2 and 4
+processes). Together they cover TP 1/2, SP on/off, GQA + SwiGLU + RMSNorm, RoPE and
+learned positions, hidden and attention dropout on/off, Seq1F1B s = 2, 3, 4, 8 with
+both balance methods, both K/V cache layouts, interleaved stages, SlimPipe v = 1, 2,
+selective / full (uniform) / full (block) recomputation, micro-batch size 2, and
+first, middle and last stages with a vocabulary whose logits dominate the last stage.
+"""
+
+import json
+
+import pytest
+
+from distributed import run_configs
+
+from megatron.planner.cli import config_from_args, parse
+from megatron.planner.predict import boundary_activation_peaks, predict
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--max-position-embeddings", "256", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "2048", "--train-iters", "1",
+        "--lr", "1e-4", "--eval-iters", "0", "--log-interval", "1", "--seed", "1"]
+ROPE = ["--position-embedding-type", "rope"]
+LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--swiglu",
+         "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear"]
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+CONFIGS = {  # name -> (processes, flags after BASE)
+    "1f1b_dropout_mbs2": (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                              "--global-batch-size", "8"]),
+    "s4_uniform_comp_rope_gqa": (2, PP2 + ["--seq1f1b-splits", "4", "--seq1f1b-balance-method",
+                                           "uniform_comp"] + ROPE + LLAMA + NO_DROPOUT),
+    "s2_chunked_selective": (2, PP2 + ["--seq1f1b-splits", "2", "--seq1f1b-kv-cache", "chunked",
+                                       "--attention-dropout", "0",
+                                       "--recompute-granularity", "selective"] + ROPE),
+    "interleaved_full_uniform": (2, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1",
+                                           "--recompute-granularity", "full",
+                                           "--recompute-method", "uniform"] + NO_DROPOUT),
+    "slimpipe_v1_chunked": (2, PP2 + ["--slimpipe-slices", "4", "--seq1f1b-kv-cache", "chunked"]
+                            + ROPE + NO_DROPOUT),
+    "slimpipe_v2_block": (2, PP2 + ["--slimpipe-slices", "4",
+                                    "--virtual-pipeline-model-parallel-size", "2",
+                                    "--recompute-granularity", "full", "--recompute-method",
+                                    "block", "--recompute-num-layers", "1"] + NO_DROPOUT),
+    "tp2_sp_s8_dropout_mbs2": (4, TP2PP2 + ["--sequence-parallel", "--micro-batch-size", "2",
+                                            "--global-batch-size", "4", "--seq1f1b-splits", "8"]
+                               + ROPE + LLAMA),
+    "tp2_selective_dropout": (4, TP2PP2 + ["--global-batch-size", "4",
+                                           "--recompute-granularity", "selective"]),
+    "pp4_s3_uniform_comp_block": (4, ["--pipeline-model-parallel-size", "4",
+                                      "--global-batch-size", "4", "--seq1f1b-splits", "3",
+                                      "--seq1f1b-balance-method", "uniform_comp",
+                                      "--recompute-granularity", "full", "--recompute-method",
+                                      "block", "--recompute-num-layers", "1"]
+                                  + ROPE + NO_DROPOUT),
+}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    out = {}
+    for world in (2, 4):
+        runs = [{"name": name, "argv": BASE + flags + ["--activation-memory-file",
+                                                       str(tmp / f"{name}.json")]}
+                for name, (procs, flags) in CONFIGS.items() if procs == world]
+        run_configs(tmp, world, runs)
+        for run in runs:
+            stages = json.loads((tmp / f"{run['name']}.json").read_text())["stages"]
+            out[run["name"]] = [s["activation_peak_bytes"] for s in stages]
+    return out
+
+
+def planned(name):
+    procs, flags = CONFIGS[name]
+    args = parse(BASE + flags + ["--gpu", "cpu", "--world-size", str(procs)])
+    return boundary_activation_peaks(predict(config_from_args(args)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_planner_matches_probe_per_stage(measured, name):
+    actual, predicted = measured[name], planned(name)
+    assert len(actual) == len(predicted)
+    for stage, (a, p) in enumerate(zip(actual, predicted)):
+        assert abs(p - a) <= 0.03 * a, f"{name} stage {stage}: planned {p}, measured {a}"
