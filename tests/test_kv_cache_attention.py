@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron.seqsplit.attention_backends import available_backends, get_backend
+from megatron.seqsplit.attention_backends import AttentionCall, available_backends, get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
 from megatron.seqsplit.plan import split_offsets
 
@@ -291,7 +291,9 @@ def test_split_before_split0_is_an_error():
 
 def test_get_backend():
     assert get_backend("sdpa").name == "sdpa"
-    assert get_backend("auto", torch.device("cpu"), torch.float32).name == "sdpa"
+    auto = get_backend("auto", torch.device("cpu"), torch.float32)
+    q = torch.zeros(1, 4, 3, 8)
+    assert auto.name == "auto" and auto.backend_for(AttentionCall.of(q, q)).name == "sdpa"
     assert get_backend("flex").name == "flex"
     assert available_backends("cpu", torch.bfloat16) == ["sdpa", "flex"]
     with pytest.raises(ValueError, match="unknown attention backend"):

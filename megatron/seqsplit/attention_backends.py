@@ -10,11 +10,19 @@ Interface (one call per split and layer):
 
 Backends: "sdpa" (always), "flash" (flash-attn >= 2.1, CUDA fp16/bf16; documents via
 its variable-length API) and "flex" (FlexAttention, compiled on CUDA; on CPU an eager,
-unfused reference). The backend is picked once, at model build time, with `get_backend`.
+unfused reference). The backend is picked once, at model build time, with `get_backend`;
+"auto" is a backend that routes each call by its device, dtype, head dim, grouped K/V
+and documents (`auto_backend_name`), which the model build does not know all of.
+
+On CUDA no route keeps an lq x lk tensor per layer: SDPA's math kernel (an fp32
+probability tensor per layer, saved for backward) is the fallback of PyTorch's
+dispatcher that every route here avoids (`sdpa_expands_kv_heads`).
 """
 
+import functools
 import importlib
-import weakref
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +36,81 @@ from megatron.seqsplit.documents import (
 )
 
 BACKEND_NAMES = ("sdpa", "flash", "flex")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's and PyTorch's CUDA flash kernels
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What the choice of kernel depends on, for one call (a split and a layer)."""
+
+    device_type: str  # "cuda" or "cpu"
+    dtype: torch.dtype
+    head_dim: int
+    grouped: bool  # fewer K/V heads than query heads (GQA/MQA)
+    documents: bool  # packed documents: a per-document mask
+    dropout: bool = False
+
+    @classmethod
+    def of(cls, q, k, document_ids=None, dropout_p=0.0):
+        return cls(q.device.type, q.dtype, q.shape[-1], q.shape[1] != k.shape[1],
+                   document_ids is not None, dropout_p > 0.0)
+
+
+def flash_attn_runs(call: AttentionCall, flash_version) -> bool:
+    """Whether flash-attn (installed ``flash_version``, None: absent) runs ``call``."""
+    return (call.device_type == "cuda" and call.dtype in HALF_DTYPES
+            and call.head_dim <= FLASH_MAX_HEAD_DIM
+            and flash_version is not None and flash_version >= (2, 1))
+
+
+def auto_backend_name(call: AttentionCall, flash_version, flex_available: bool) -> str:
+    """The backend "auto" runs ``call`` on.
+
+    CPU: sdpa (its fused CPU kernel reads grouped K/V under any mask). CUDA: flash-attn
+    whenever it runs (packed documents through its varlen API); else, for packed
+    documents, compiled FlexAttention (a block mask per split; no dropout); else sdpa,
+    which keeps off its math kernel by expanding grouped K/V heads where needed
+    (`sdpa_expands_kv_heads`, with a warning)."""
+    if call.device_type != "cuda":
+        return "sdpa"
+    if flash_attn_runs(call, flash_version):
+        return "flash"
+    if call.documents and flex_available and not call.dropout:
+        return "flex"
+    return "sdpa"
+
+
+def sdpa_expands_kv_heads(call: AttentionCall) -> bool:
+    """Whether SDPA gets K/V expanded to the query heads, to keep CUDA off its math kernel.
+
+    Among PyTorch's CUDA kernels only flash reads grouped K/V, and it runs for fp16/bf16
+    with head dim <= 256 and no explicit mask (packed documents have one). Otherwise the
+    memory-efficient kernel would run (fp32, any head dim, masks, bottom-right causal)
+    but refuses grouped K/V, and the dispatcher falls to the math kernel: fp32 copies,
+    expanded heads anyway and an fp32 [b, hq, lq, lk] probability tensor saved per
+    layer. Expanded K/V cost hq/g times the K/V of the visible keys per layer instead.
+    On CPU the fused kernel reads grouped K/V under any mask: never needed."""
+    if call.device_type != "cuda" or not call.grouped:
+        return False
+    return call.documents or call.dtype not in HALF_DTYPES or call.head_dim > FLASH_MAX_HEAD_DIM
+
+
+_EXPANSION_WARNED = set()
+
+
+def _expanded_kv_heads(call: AttentionCall, k, v, query_heads: int):
+    """K/V with one head per query head (a copy), and a one-line warning once per kind."""
+    if call not in _EXPANSION_WARNED:
+        _EXPANSION_WARNED.add(call)
+        why = ("packed documents (an explicit mask)" if call.documents else
+               f"{str(call.dtype).replace('torch.', '')}, head dim {call.head_dim}")
+        warnings.warn(
+            f"attention: SDPA on CUDA has no fused kernel for grouped K/V with {why}; K/V "
+            f"heads are expanded {query_heads // k.shape[1]}x per layer (flash-attn >= 2.1 "
+            "with bf16/fp16 and head dim <= 256 avoids this)", stacklevel=3)
+    r = query_heads // k.shape[1]
+    return k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
 
 
 class AttentionBackend:
@@ -73,6 +156,7 @@ class SDPABackend(AttentionBackend):
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         _check_shapes(q, k, v, document_ids)
         lq, lk = q.shape[2], k.shape[2]
+        call = AttentionCall.of(q, k, document_ids, dropout_p)
         if document_ids is not None:
             bias = _shared_document_bias(document_ids, lq, q.dtype)
             first_key = lk - bias.shape[-1]  # keys before it are invisible to every query
@@ -84,6 +168,8 @@ class SDPABackend(AttentionBackend):
             return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
         else:
             causal = {"attn_mask": causal_lower_right(lq, lk)}
+        if sdpa_expands_kv_heads(call):
+            k, v = _expanded_kv_heads(call, k, v, q.shape[1])
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, scale=softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1], **causal,
@@ -134,6 +220,7 @@ def _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p):
     return out.flip(2)
 
 
+@functools.lru_cache(maxsize=None)
 def _flash_attn_version():
     """Installed flash-attn version as a tuple, or None when it does not import."""
     try:
@@ -221,7 +308,8 @@ class FlexAttentionBackend(AttentionBackend):
 
     CUDA: `flex_attention` and `create_block_mask` under `torch.compile` (one compile per
     new split shape until dynamo marks the lengths dynamic); this path has not been run
-    on a GPU yet. CPU: torch's public `flex_attention` refuses CPU inputs that require
+    on a GPU yet. The block mask depends on the split alone, so the layers of a split
+    share one (`_shared_block_mask`). CPU: torch's public `flex_attention` refuses CPU inputs that require
     grad (it has no compiled CPU backward) and re-traces eagerly for every new shape, so
     on CPU we call the higher-order op it dispatches to, whose eager autograd
     implementation is the unfused math one (it materialises the lq x lk scores). That is
@@ -236,37 +324,19 @@ class FlexAttentionBackend(AttentionBackend):
         if module is None:
             raise ValueError("attention backend 'flex' needs torch >= 2.5 (FlexAttention)")
         self._module = module
-        self._compiled = None  # torch.compile(flex_attention), made on the first CUDA call
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         _check_shapes(q, k, v, document_ids)
         if dropout_p > 0.0:
             raise ValueError("attention backend 'flex' has no dropout: set --attention-dropout 0")
-        b, lq, lk = q.shape[0], q.shape[2], k.shape[2]
-        if document_ids is not None:
-            mask_mod, batch = document_mask_mod(document_ids, lq), b
-        else:
-            offset = lk - lq
-
-            def mask_mod(b_, h_, q_idx, kv_idx):
-                return kv_idx <= q_idx + offset
-
-            batch = None  # the same mask for every row
-        enable_gqa = q.shape[1] != k.shape[1]
+        block_mask = _shared_block_mask(self._module, document_ids, q.shape[2], k.shape[2],
+                                        q.device)
         if q.device.type == "cuda":
-            return self._cuda(q, k, v, mask_mod, batch, softmax_scale, enable_gqa)
-        block_mask = self._module.create_block_mask(mask_mod, batch, None, lq, lk, device=q.device)
+            # Not run yet (no GPU where this was written)
+            return _compiled_flex_attention(self._module)(
+                q, k, v, block_mask=block_mask, scale=softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1])
         return self._eager(q, k, v, block_mask, softmax_scale)
-
-    def _cuda(self, q, k, v, mask_mod, batch, softmax_scale, enable_gqa):
-        # Not run yet (no GPU where this was written). The block mask is rebuilt for
-        # every layer; it depends only on the split, so it could be made once per split.
-        if self._compiled is None:
-            self._compiled = torch.compile(self._module.flex_attention)
-        block_mask = self._module.create_block_mask(
-            mask_mod, batch, None, q.shape[2], k.shape[2], device=q.device, _compile=True)
-        return self._compiled(q, k, v, block_mask=block_mask, scale=softmax_scale,
-                              enable_gqa=enable_gqa)
 
     def _eager(self, q, k, v, block_mask, softmax_scale):
         # What the public function does once its checks pass, minus the CPU-backward
@@ -278,6 +348,46 @@ class FlexAttentionBackend(AttentionBackend):
         out, _, _ = flex_attention_hop(q, k, v, self._module._identity, block_mask.as_tuple(),
                                        softmax_scale, options)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention(module):
+    """torch.compile(flex_attention), made once for every layer (CUDA)."""
+    return torch.compile(module.flex_attention)
+
+
+def _causal_mask_mod(offset):
+    def mask_mod(b, h, q_idx, kv_idx):  # bottom-right: query i is position offset + i
+        return kv_idx <= q_idx + offset
+
+    return mask_mod
+
+
+def _make_block_mask(module, document_ids, lq, lk, device):
+    """FlexAttention's block mask for one split (per row with documents)."""
+    if document_ids is not None:
+        mask_mod, batch = document_mask_mod(document_ids, lq), document_ids.shape[0]
+    else:
+        mask_mod, batch = _causal_mask_mod(lk - lq), None  # the same for every row
+    compiled = {"_compile": True} if torch.device(device).type == "cuda" else {}
+    return module.create_block_mask(mask_mod, batch, None, lq, lk, device=device, **compiled)
+
+
+# Block masks, one per split for all its layers: with documents keyed on the split's id
+# tensor (which every layer of a unit passes), without them on the lengths alone.
+_document_block_mask = PerSplitMemo(
+    lambda ids, module, lq, lk, device: _make_block_mask(module, ids, lq, lk, device))
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(module, lq, lk, device):
+    return _make_block_mask(module, None, lq, lk, device)
+
+
+def _shared_block_mask(module, document_ids, lq, lk, device):
+    if document_ids is not None:
+        return _document_block_mask(document_ids, module, lq, lk, device)
+    return _causal_block_mask(module, lq, lk, device)
 
 
 def _flash_usable(device, dtype):
@@ -296,16 +406,45 @@ def available_backends(device, dtype) -> list[str]:
     return (["flash"] if _flash_usable(device, dtype) else []) + ["sdpa"] + flex
 
 
-def get_backend(name: str, device=None, dtype=None) -> AttentionBackend:
-    """Backend by name: "sdpa", "flash", "flex", or "auto" (flash when usable, else sdpa).
+class AutoBackend(AttentionBackend):
+    """Routes every call to the backend `auto_backend_name` picks for it.
 
-    "auto" decides for `device`/`dtype` (the model's activations); when they are not
-    given it assumes the current default device (CUDA if present) and default dtype.
-    """
+    The route depends on the call's device, dtype, head dim, grouped K/V and whether it
+    has packed documents, which the model build does not all know; it is a pure
+    function of those, and the backends are made once per name and shared."""
+
+    name = "auto"
+
+    def __init__(self):
+        self._backends = {}
+
+    def backend_for(self, call: AttentionCall) -> AttentionBackend:
+        name = auto_backend_name(call, _flash_attn_version(),
+                                 _flex_attention_module() is not None)
+        if name not in self._backends:
+            self._backends[name] = _named_backend(name)
+        return self._backends[name]
+
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
+        backend = self.backend_for(AttentionCall.of(q, k, document_ids, dropout_p))
+        return backend(q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                       document_ids=document_ids)
+
+
+def get_backend(name: str, device=None, dtype=None) -> AttentionBackend:
+    """Backend by name: "sdpa", "flash", "flex", or "auto" (`AutoBackend`: routed per
+    call by `auto_backend_name`; on CPU that is always sdpa).
+
+    ``device``/``dtype`` are accepted for callers that know them; "auto" decides from
+    each call's tensors instead, so it never follows "CUDA if present"."""
     if name == "auto":
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        name = available_backends(device, dtype or torch.get_default_dtype())[0]
+        return AutoBackend()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; use one of auto, {', '.join(BACKEND_NAMES)}")
+    return _named_backend(name)
+
+
+def _named_backend(name: str) -> AttentionBackend:
     if name == "sdpa":
         return SDPABackend()
     if name == "flash":

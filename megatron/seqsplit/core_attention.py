@@ -8,8 +8,6 @@ unsplit run differ only by floating-point summation order.
 """
 
 import math
-
-import torch
 from typing import Optional
 
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -49,9 +47,9 @@ class SplitCausalAttention(MegatronModule):
         )
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        # chosen once, at build time
-        self.backend = get_backend(backend_name, device=device, dtype=config.params_dtype)
+        # chosen once, at build time ("auto" routes each call by its own tensors, so it
+        # follows the run's device, not whether a GPU exists)
+        self.backend = get_backend(backend_name)
         if kv_cache not in KV_CACHE_LAYOUTS:
             raise ValueError(f"unknown KV-cache layout {kv_cache!r}; use one of {KV_CACHE_LAYOUTS}")
         if kv_cache == "chunked" and self.dropout_p > 0.0:
