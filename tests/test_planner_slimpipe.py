@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron.planner.cli import build_parser, config_from_args, main
+from megatron.planner.cli import config_from_args, parse, main
 from megatron.planner.predict import PlanError, predict
 from megatron.planner.simulate import simulate
 from megatron.schedules.slimpipe import slimpipe_schedule
@@ -14,7 +14,7 @@ BASE = ["--model", "7B", "--seq-length", "65536", "--tensor-model-parallel-size"
 
 
 def plan(extra):
-    return predict(config_from_args(build_parser().parse_args(BASE + extra)))
+    return predict(config_from_args(parse(BASE + extra)))
 
 
 @pytest.mark.parametrize("v,n", [(1, 4), (1, 8), (2, 4), (2, 16), (4, 8)])

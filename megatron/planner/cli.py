@@ -336,19 +336,23 @@ def report(pred: Prediction) -> str:
             sched += ", attention balance"
     lines.append(f"schedule: {sched}")
     lines.append("")
-    head = f"{'stage':>5} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'kv':>8} {'total':>8}  {'in-flight':>9}"
-    lines.append("memory per GPU (GB = 2^30 bytes) at each stage's peak:")
+    head = (f"{'stage':>5} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'kv':>8} "
+            f"{'total':>8} {'reserved':>9}  {'in-flight':>9}")
+    lines.append(f"memory per GPU (GB = 2^30 bytes) at each stage's peak; {c.act_bytes * 8}-bit "
+                 "activations; total = allocated, reserved = the allocator's estimate:")
     lines.append(head)
     for r, s in enumerate(pred.stages):
-        flag = "  OOM" if s["total"] * GIB > g.usable_bytes else ""
+        flag = "  OOM" if s["reserved"] * GIB > g.usable_bytes else ""
         lines.append(
             f"{r:>5} {s['weights']:8.2f} {s['gradients']:8.2f} {s['optimizer']:8.2f} "
-            f"{s['activations']:8.2f} {s['kv_cache']:8.2f} {s['total']:8.2f}  "
+            f"{s['activations']:8.2f} {s['kv_cache']:8.2f} {s['total']:8.2f} {s['reserved']:9.2f}  "
             f"{s['in_flight_units_peak']:>9}{flag}"
         )
     lines.append(
         f"GPU memory {g.memory_gib:.1f} GB, usable {g.usable_bytes / GIB:.1f} GB "
-        f"(reserve {g.reserved_gib} GB); peak {pred.peak_memory_gb:.2f} GB -> "
+        f"(reserve {g.reserved_gib} GB); peak allocated {pred.peak_memory_gb:.2f} GB, "
+        f"reserved (estimate, +{g.allocator_overhead:.0%} of activations + KV) "
+        f"{pred.peak_reserved_gb:.2f} GB -> "
         + ("OUT OF MEMORY" if pred.oom else "fits")
     )
     lines.append("")

@@ -40,6 +40,9 @@ class GPU:
     reserved_gib: float
     gpus_per_node: int = 8
     kind: str = "cuda"  # "cpu": models the CPU kernels' saved tensors (docs/planner.md)
+    # PyTorch's caching allocator: reserved = allocated static memory + (1 + this) x the
+    # activation and K/V peak (freed blocks of varying sizes stay cached; docs/planner.md)
+    allocator_overhead: float = 0.10
     p2p_latency_s: float = 20e-6
     collective_latency_s: float = 10e-6
 
@@ -114,6 +117,7 @@ GPUS = {
         layer_overhead_s=1e-3,
         reserved_gib=0.0,
         kind="cpu",
+        allocator_overhead=0.0,
     ),
 }
 

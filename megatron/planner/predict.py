@@ -80,7 +80,13 @@ class Prediction:
 
     @property
     def peak_memory_gb(self) -> float:
+        """Allocated bytes at the worst stage's peak (max_memory_allocated)."""
         return max(s["total"] for s in self.stages)
+
+    @property
+    def peak_reserved_gb(self) -> float:
+        """The allocator's reserved estimate (max_memory_reserved); the OOM verdict."""
+        return max(s["reserved"] for s in self.stages)
 
     def to_json(self) -> Dict:
         c = self.config
@@ -92,6 +98,7 @@ class Prediction:
             "balance_method": c.balance_method,
             "stages": self.stages,
             "peak_memory_gb": round(self.peak_memory_gb, 3),
+            "peak_reserved_gb": round(self.peak_reserved_gb, 3),
             "gpu_memory_gb": round(self.gpu.memory_gib, 3),
             "usable_memory_gb": round(self.gpu.usable_bytes / GIB, 3),
             "oom": self.oom,
@@ -332,6 +339,7 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
         row["activations"] = parts.get("activations", 0.0) / GIB
         row["kv_cache"] = parts.get("kv_cache", 0.0) / GIB
         row["total"] = sum(static.values()) / GIB + peak / GIB
+        row["reserved"] = reserved_bytes(gpu, sum(static.values()), peak) / GIB
         row["in_flight_units_peak"] = sim.in_flight_peak(rank)
         stages.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     pipeline = sim.makespan
@@ -340,7 +348,7 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
     tokens = p.global_batch_size * c.seq_length
     flops = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=True)
     flops_full = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=False)
-    peak = max(s["total"] for s in stages) * GIB
+    peak = max(s["reserved"] for s in stages) * GIB
     bubble = sim.bubble_fraction() if balance is None else balance["summary"]["bubble_fraction"]
     return Prediction(
         config=replace(c, splits=num_splits),
@@ -504,6 +512,14 @@ def predict(c: PlanConfig) -> Prediction:
         for r in results
     ]
     return best
+
+
+def reserved_bytes(gpu: GPU, static: float, dynamic_peak: float) -> float:
+    """Estimated ``torch.cuda.max_memory_reserved``: static buffers (weights, gradients,
+    optimizer states) are allocated once and fit their blocks; the activations and K/V,
+    allocated and freed in varying sizes every unit, leave ``allocator_overhead`` of
+    cached but unused blocks on top of their peak."""
+    return static + (1.0 + gpu.allocator_overhead) * dynamic_peak
 
 
 def boundary_activation_peaks(pred: Prediction) -> List[float]:

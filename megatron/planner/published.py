@@ -88,6 +88,7 @@ def compare_memory(split_counts=(2, 4)) -> List[Dict]:
                         model=model, gpus=LAYOUTS[model]["gpus"], seq=seq, schedule=schedule,
                         splits=s, published=published,
                         predicted=pred.peak_memory_gb, predicted_oom=pred.oom,
+                        predicted_reserved=pred.peak_reserved_gb,
                         predicted_concat=concat.peak_memory_gb, concat_oom=concat.oom,
                         stage0=pred.stages[0],
                     )
@@ -118,8 +119,8 @@ def _gb(value: Optional[float], oom: bool = False) -> str:
 
 def memory_table_markdown(rows: List[Dict]) -> str:
     out = [
-        "| model, GPUs | seq | schedule | published GB | predicted GB (buffer KV) | predicted GB (concat KV) | stage 0: weights+grads+optim / activations / KV |",
-        "|---|---|---|---|---|---|---|",
+        "| model, GPUs | seq | schedule | published GB | predicted allocated GB (buffer KV) | predicted reserved GB (buffer KV) | predicted allocated GB (concat KV) | stage 0: weights+grads+optim / activations / KV |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = SCHEDULE_NAMES[r["schedule"]] + (f" s={r['splits']}" if r["schedule"] == "seq1f1b" else "")
@@ -128,7 +129,8 @@ def memory_table_markdown(rows: List[Dict]) -> str:
         concat = _gb(r["predicted_concat"], r["concat_oom"]) if r["schedule"] == "seq1f1b" else "="
         out.append(
             f"| {r['model']}, {r['gpus']} | {r['seq'] // 1024}k | {name} | {_gb(r['published'])} | "
-            f"{_gb(r['predicted'], r['predicted_oom'])} | {concat} | "
+            f"{_gb(r['predicted'])} | {_gb(r['predicted_reserved'], r['predicted_oom'])} | "
+            f"{concat} | "
             f"{static:.1f} / {st['activations']:.1f} / {st['kv_cache']:.1f} |"
         )
     return "\n".join(out)
