@@ -160,3 +160,16 @@ def test_flex_block_mask_made_once_per_split(monkeypatch):
         for layer in layers:
             layer(q, k, v, softmax_scale=0.3, document_ids=documents)
     assert made == [(2, 6, 14), (2, 6, 14), (None, 6, 14)]
+
+
+def test_sdpa_document_mask_costs_one_host_sync_per_split():
+    """Without autograd no layer keeps the mask, so it is remade per layer; the host
+    sync behind its shape (the first visible key) is not: one per split."""
+    from gpu_readiness import HostSyncCounter
+
+    q, k, v, ids = _tensors()
+    with torch.no_grad(), HostSyncCounter() as counter:
+        for documents in (ids, ids.clone()):  # two splits
+            for _layer in range(3):
+                SDPABackend()(q, k, v, softmax_scale=0.3, document_ids=documents)
+    assert counter.calls == ["__int__", "__int__"]

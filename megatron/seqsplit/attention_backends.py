@@ -32,6 +32,7 @@ from megatron.seqsplit.documents import (
     PerSplitMemo,
     document_attention_bias,
     document_mask_mod,
+    first_visible_key,
     varlen_document_layout,
 )
 
@@ -176,10 +177,13 @@ class SDPABackend(AttentionBackend):
         )
 
 
+# The split's first visible key costs a host sync: an int kept per split, also when the
+# mask below is not (no autograd keeps it between layers).
+_shared_first_key = PerSplitMemo(first_visible_key)
 # The SDPA mask is kept for backward by every layer's kernel: one tensor for all of them.
-# (`first_key` is not kept: it is `lk - bias.shape[-1]`.)
 _shared_document_bias = PerSplitMemo(
-    lambda ids, lq, dtype: document_attention_bias(ids, lq, dtype)[1], weak=True)
+    lambda ids, lq, dtype: document_attention_bias(ids, lq, dtype,
+                                                   _shared_first_key(ids, lq))[1], weak=True)
 # The varlen layout costs two host syncs; a few small integer tensors, kept until the
 # next split's.
 _shared_varlen_layout = PerSplitMemo(lambda ids, lq: varlen_document_layout(ids, lq))
