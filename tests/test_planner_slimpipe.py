@@ -84,3 +84,18 @@ def test_cli_report_json_and_timeline(tmp_path, capsys):
     assert png.stat().st_size > 0 and memory_png.stat().st_size > 0
     assert main(BASE + ["--slimpipe-slices", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "slimpipe"
+
+
+def test_auto_slices_pick_the_smallest_count_that_fits():
+    """--slimpipe-slices auto: the first slice count (multiples of PP) whose reserved
+    estimate fits; every smaller count tried does not fit."""
+    from megatron.planner.cli import config_from_args, parse
+
+    argv = ["--model", "7B", "--seq-length", "262144", "--tensor-model-parallel-size", "8",
+            "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+            "--global-batch-size", "4", "--slimpipe-slices", "auto", "--bf16"]
+    pred = predict(config_from_args(parse(argv)))
+    tried = pred.auto_candidates
+    assert not pred.oom and tried[-1]["splits"] == pred.splits > 4
+    assert all(c["oom"] for c in tried[:-1]) and len(tried) >= 2
+    assert [c["splits"] for c in tried] == sorted(c["splits"] for c in tried)

@@ -474,10 +474,38 @@ def auto_split_candidates(c: PlanConfig) -> List[int]:
     return out
 
 
+def _smallest_fitting_slices(c: PlanConfig) -> Prediction:
+    """``--slimpipe-slices auto``: the smallest slice count n (a multiple of p dividing
+    the sequence, slices aligned) whose reserved estimate fits; more slices only cost
+    kernel launches, so the first that fits is the one to train with. None fits: the
+    largest n tried, marked OOM."""
+    p = c.parallel.pp
+    tried = []
+    for n in range(p, c.seq_length + 1, p):
+        if c.seq_length % n or (c.seq_length // n) % split_alignment(c):
+            continue
+        if c.seq_length // n < MIN_AUTO_SPLIT_TOKENS and tried:
+            break
+        pred = predict(replace(c, splits=n))
+        tried.append(pred)
+        if not pred.oom:
+            break
+    if not tried:
+        raise PlanError(f"--slimpipe-slices auto found no slice count for --seq-length "
+                        f"{c.seq_length} and --pipeline-model-parallel-size {p}")
+    best = tried[-1]
+    best.auto_candidates = [{"splits": r.splits, "tokens_per_s": r.tokens_per_s,
+                             "peak_memory_gb": round(r.peak_memory_gb, 3), "oom": r.oom,
+                             "bubble_fraction": round(r.bubble_fraction, 5)} for r in tried]
+    return best
+
+
 def predict(c: PlanConfig) -> Prediction:
     """Validate and predict; with ``splits="auto"`` pick the fastest split count that fits."""
-    if c.schedule == "slimpipe" and c.splits in (None, "auto"):
+    if c.schedule == "slimpipe" and c.splits is None:
         raise PlanError("--schedule slimpipe needs --slimpipe-slices N or --slimpipe-slice-length L")
+    if c.schedule == "slimpipe" and c.splits == "auto":
+        return _smallest_fitting_slices(c)
     if c.schedule == "seq1f1b" and c.splits is None:
         c = replace(c, splits="auto")
     if c.splits is None:
