@@ -129,6 +129,7 @@ class Prediction:
                 "num_layers": c.recompute.num_layers,
             },
             "kv_cache_layout": c.kv_layout,
+            "activation_dtype_bytes": c.act_bytes,
             "slimpipe_attention_balance": c.attention_balance,
         }
         if self.attention_balance is not None:

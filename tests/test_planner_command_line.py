@@ -1,0 +1,71 @@
+"""tools/plan.py reads a pretrain_gpt.py command line as it is (training's own parser
+and checks), takes the dtype from --bf16/--fp16 and models the CPU kernels with --gpu cpu."""
+
+import json
+
+import pytest
+
+from megatron.planner.cli import config_from_args, main, parse
+from megatron.planner.predict import PlanError, predict
+
+TRAINING = [
+    "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+    "--seq-length", "8192", "--max-position-embeddings", "8192",
+    "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "1000",
+    "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "42",
+    "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+    "--sequence-parallel", "--seq1f1b-splits", "4", "--position-embedding-type", "rope",
+    # data, logging and checkpoint flags: accepted, never read
+    "--data-path", "/nonexistent/corpus_text_document", "--split", "949,50,1",
+    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json",
+    "--merge-file", "/nonexistent/merges.txt", "--save", "/nonexistent/ckpt",
+    "--load", "/nonexistent/ckpt", "--save-interval", "500", "--log-interval", "10",
+    "--eval-interval", "100", "--eval-iters", "10", "--tensorboard-dir", "/nonexistent/tb",
+    "--exit-signal-handler",
+]
+
+
+def plan(argv):
+    return predict(config_from_args(parse(argv)))
+
+
+def test_a_training_command_line_is_planned_unchanged(capsys):
+    assert main(TRAINING + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallel"]["world_size"] == 8 and out["splits"] == 4
+    assert out["model"]["vocab_size"] == 50257  # the GPT-2 BPE vocabulary, file not read
+    assert out["model"]["position_embedding_type"] == "rope"
+    assert out["activation_dtype_bytes"] == 4  # no --bf16: fp32, as the run would train
+
+
+def test_dtype_follows_the_precision_flags():
+    fp32, bf16 = plan(TRAINING), plan(TRAINING + ["--bf16"])
+    assert fp32.config.act_bytes == 4 and bf16.config.act_bytes == 2
+    for a, b in zip(fp32.stages, bf16.stages):
+        # activations about double (fp32 statistics and 1-byte masks stay), weights too
+        assert 1.8 < a["activations"] / b["activations"] <= 2.0
+        assert a["weights"] == pytest.approx(2 * b["weights"], rel=1e-2)
+        assert a["reserved"] >= a["total"]
+
+
+def test_gpu_cpu_models_the_cpu_kernels():
+    """Dropout masks in the activation dtype, and attention dropout on SDPA's math
+    kernel (scores stored) on CPU; neither on a GPU."""
+    gpu = plan(TRAINING + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"])
+    cpu = plan(TRAINING + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                           "--gpu", "cpu"])
+    no_attention_dropout = plan(TRAINING + ["--hidden-dropout", "0.1",
+                                            "--attention-dropout", "0", "--gpu", "cpu"])
+    assert gpu.stages[0]["activations"] < no_attention_dropout.stages[0]["activations"]
+    assert no_attention_dropout.stages[0]["activations"] < cpu.stages[0]["activations"]
+
+
+def test_training_checks_apply(capsys):
+    """The trainer's validation runs (here: heads not divisible by TP), and an unknown
+    flag is refused by name."""
+    with pytest.raises(PlanError, match="--tensor-model-parallel-size"):
+        plan(TRAINING + ["--tensor-model-parallel-size", "3"])
+    with pytest.raises(SystemExit) as exc:
+        main(TRAINING + ["--no-such-flag"])
+    assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
