@@ -391,11 +391,12 @@ def report(pred: Prediction) -> str:
                          "layout, e.g. across nodes; leave --slimpipe-attention-balance off)")
     if pred.auto_candidates:
         lines.append("")
-        lines.append("--seq1f1b-splits auto tried:")
+        slim = c.schedule == "slimpipe"
+        lines.append(f"{'--slimpipe-slices' if slim else '--seq1f1b-splits'} auto tried:")
         for cand in pred.auto_candidates:
             mark = "  <- chosen" if cand["splits"] == pred.splits else ""
             lines.append(
-                f"  s={cand['splits']:>2}: {cand['tokens_per_s']:>12,.0f} tokens/s, "
+                f"  {'n' if slim else 's'}={cand['splits']:>2}: {cand['tokens_per_s']:>12,.0f} tokens/s, "
                 f"peak {cand['peak_memory_gb']:6.2f} GB{'  OOM' if cand['oom'] else ''}{mark}"
             )
     return "\n".join(lines)
