@@ -120,8 +120,12 @@ _PRESET_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden
 def _training_args(args) -> argparse.Namespace:
     """A copy of ``args`` with the preset and the planner's defaults filled in, checked
     and completed by the trainer's ``validate_args`` (no file is read)."""
-    given = getattr(args, "given", set(k for k, v in vars(args).items() if v not in (None, False)))
+    given = getattr(args, "given", None)
+    if given is None:  # parsed without parse(): what differs from the defaults was given
+        defaults = vars(build_parser().parse_args([]))
+        given = {k for k, v in vars(args).items() if defaults.get(k, _UNSET) != v}
     t = argparse.Namespace(**vars(args))
+    t.given = given
     if args.model:
         preset = get_preset(args.model)
         for flag in _PRESET_FLAGS:
@@ -187,7 +191,7 @@ def model_from_args(args, t=None) -> ModelSpec:
     t = t or _training_args(args)
     vocab = t.vocab_size
     if t.tokenizer_type == "NullTokenizer" and ({"vocab_size", "tokenizer_type", "mock_data"}
-                                                 & getattr(args, "given", set())):
+                                                 & t.given):
         vocab += 1  # Megatron's NullTokenizer adds the end-of-document token
     elif t.tokenizer_type == "GPT2BPETokenizer":
         vocab = 50257
