@@ -80,6 +80,7 @@ CUDA_CALL_SITES = {
     "tensor_parallel.mappings": "sequence-parallel gathers",
     "tensor_parallel.layers": "weight init device",
     "rerun_state_machine": "loss checks",
+    "timers": "Timer.start/stop synchronize, Timers' all-gather buffer (--timing-log-level)",
 }
 
 _SCHEDULES = "pipeline_parallel.schedules:"

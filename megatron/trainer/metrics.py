@@ -78,21 +78,31 @@ def stage_peaks_gb(observers=()) -> list:
     return [stages[s] / 1e9 for s in sorted(stages)]
 
 
+def format_throughput(tflops) -> str:
+    """Megatron-LM's field (--log-throughput), whose log parsers read it as is, also on
+    CPU; below 1 TFLOP/s (CPU, tiny models) with 4 decimals instead of 0.0."""
+    return f" throughput per GPU (TFLOP/s/GPU): {tflops:.{1 if tflops >= 1 else 4}f} |"
+
+
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
                           global_batch_size, loss, grad_norm, tokens_per_s, tflops,
                           stage_peaks, memory_heading=GPU_MEMORY):
+    """Megatron-LM's iteration line, plus tokens/s and memory peaks. ``tflops``: model
+    TFLOP/s per device, or None to leave the throughput field out (Megatron-LM prints it
+    with --log-throughput only)."""
     # as Megatron-LM: no norm (--clip-grad 0, an fp16 skip) prints no grad norm field
     grad = "" if grad_norm is None else f" grad norm: {grad_norm:.6g} |"
+    throughput = "" if tflops is None else format_throughput(tflops)
     peaks = " ".join(f"{p:.3f}" for p in stage_peaks)
     return (
         f" iteration {iteration:8d}/{train_iters:8d} |"
         f" consumed samples: {consumed_samples:12d} |"
         f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+        f"{throughput}"
         f" learning rate: {lr:.6e} |"
         f" global batch size: {global_batch_size:5d} |"
         f" lm loss: {loss:.6g} |"
         f"{grad}"
         f" tokens/s: {tokens_per_s:.1f} |"
-        f" TFLOP/s per device: {tflops:.4f} |"
         f" {memory_heading}: {peaks} |"
     )

@@ -7,8 +7,8 @@ load a checkpoint, then run ``forward_backward_func`` + ``optimizer.step()`` per
 iteration with Megatron-style logging, evaluation and checkpointing.
 """
 
+import contextlib
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +26,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, faults, initialize
+from megatron.trainer import checkpointing, faults, initialize, monitoring
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -130,11 +130,15 @@ def reduce_losses(losses_reduced):
 
 
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler,
-               forward_backward_func, guard, iteration, progress):
-    """One iteration. Returns (losses, grad norm, step applied, exit reason or None)."""
+               forward_backward_func, guard, iteration, progress, monitor=None):
+    """One iteration. Returns (losses, grad norm, step applied, exit reason or None).
+    ``monitor`` (a ``monitoring.Monitor``) times it and empties the CUDA cache."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    if monitor is not None:
+        forward_backward_func, forward_step_func = monitor.timed_schedule(
+            forward_backward_func, forward_step_func)
     progress.step = f"iteration {iteration}'s pipeline forward/backward (p2p and grad sync)"
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func,
@@ -148,22 +152,31 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     # before the step: a non-finite loss or gradient never reaches the parameters
     progress.step = f"iteration {iteration}'s health check (all_gather over all ranks)"
     exit_reason = guard.check(iteration, losses_reduced, model)
+    if monitor is not None:
+        monitor.empty_unused_memory(level=1)
     progress.step = f"iteration {iteration}'s optimizer step (grad norm all-reduce)"
-    update_successful, grad_norm, _ = optimizer.step()
+    with monitor.optimizer_timer() if monitor is not None else contextlib.nullcontext():
+        update_successful, grad_norm, _ = optimizer.step()
     if args.clip_grad == 0:
         grad_norm = None  # no clipping, no norm: megatron-core returns a 0.0 placeholder
     guard.check_grad_norm(iteration, grad_norm)
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
+    if monitor is not None:
+        monitor.empty_unused_memory(level=2)
     losses = reduce_losses(losses_reduced) if parallel_state.is_pipeline_last_stage() else {}
     return losses, grad_norm, update_successful, exit_reason
 
 
-def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func):
+def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func,
+             monitor=None):
+    """Validation losses; ``monitor`` collects garbage around it (--manual-gc), keeps it
+    out of the timers and empties the CUDA cache after each step."""
     for chunk in model:
         chunk.eval()
     totals = []
-    with torch.no_grad():
+    with torch.no_grad(), (monitor.evaluation() if monitor is not None
+                           else contextlib.nullcontext()):
         for _ in range(args.eval_iters):
             totals += forward_backward_func(
                 forward_step_func=forward_step_func,
@@ -174,26 +187,11 @@ def evaluate(args, forward_step_func, data_iterator, model, forward_backward_fun
                 micro_batch_size=args.micro_batch_size,
                 forward_only=True,
             )
+            if monitor is not None:
+                monitor.empty_unused_memory(level=1)
     for chunk in model:
         chunk.train()
     return reduce_losses(totals) if parallel_state.is_pipeline_last_stage() else {}
-
-
-class _TensorBoard:
-    def __init__(self, log_dir):
-        self.writer = None
-        if log_dir and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=log_dir)
-
-    def add(self, name, value, step):
-        if self.writer is not None and value is not None:
-            self.writer.add_scalar(name, value, step)
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
 
 
 @dataclass
@@ -373,7 +371,19 @@ class Progress:
 def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
           forward_backward_func, iteration, consumed_samples, guard, progress,
           observers=()):
-    tensorboard = _TensorBoard(args.tensorboard_dir)
+    monitor = monitoring.Monitor(args, model, optimizer)
+    try:
+        monitor.start()
+        return _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer,
+                           scheduler, forward_backward_func, iteration, consumed_samples,
+                           guard, progress, observers, monitor)
+    finally:  # also after a deliberate stop: gc back on, profile and writers flushed
+        monitor.close()
+
+
+def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
+                forward_backward_func, iteration, consumed_samples, guard, progress,
+                observers, monitor):
     flops = model_flops_per_iteration(args)
     tokens_per_iteration = args.global_batch_size * args.seq_length
     world = torch.distributed.get_world_size()
@@ -387,9 +397,11 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
     while iteration < args.train_iters:
         for observer in observers:
             observer.reset()  # keep the last iteration only
-        losses, grad_norm, ok, exit_reason = train_step(
-            args, step_func, train_iterator, model, optimizer, scheduler,
-            forward_backward_func, guard, iteration + 1, progress)
+        monitor.before_step(iteration)
+        with monitor.step_label(iteration + 1):
+            losses, grad_norm, ok, exit_reason = train_step(
+                args, step_func, train_iterator, model, optimizer, scheduler,
+                forward_backward_func, guard, iteration + 1, progress, monitor)
         iteration += 1
         consumed_samples += args.global_batch_size
         skipped += 0 if ok else 1
@@ -401,6 +413,8 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
             window_count += 1
         window_iters += 1
         lr = scheduler.get_lr(optimizer.param_groups[0])
+        monitor.log_iteration_scalars(iteration, loss, lr, grad_norm,
+                                      optimizer.get_loss_scale().item(), consumed_samples)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window_start) / window_iters
             peaks = stage_peaks_gb(observers)
@@ -410,21 +424,20 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
                 print_last_rank(format_iteration_line(
                     iteration, args.train_iters, consumed_samples, elapsed * 1000, lr,
                     args.global_batch_size, mean_loss, grad_norm,
-                    tokens_per_iteration / elapsed, tflops, peaks, memory_label(observers)))
-                tensorboard.add("lm loss", mean_loss, iteration)
-                tensorboard.add("grad-norm", grad_norm, iteration)
-                tensorboard.add("learning-rate", lr, iteration)
-                tensorboard.add("tokens-per-second", tokens_per_iteration / elapsed, iteration)
+                    tokens_per_iteration / elapsed, tflops if args.log_throughput else None,
+                    peaks, memory_label(observers)))
+            monitor.log_interval(iteration, window_iters, elapsed, tflops,
+                                 tokens_per_iteration / elapsed)  # collective (timers)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
         paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
         if valid_iterator is not None and iteration % args.eval_interval == 0:
             progress.step = f"evaluation at iteration {iteration}"
-            valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func)
+            valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func,
+                             monitor)
             if "lm loss" in valid:
-                ppl = math.exp(min(20.0, valid["lm loss"]))
+                ppl = monitor.log_validation(valid["lm loss"], iteration, consumed_samples)
                 print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
                                 f"{valid['lm loss']:.6g} | lm loss PPL: {ppl:.6g} |")
-                tensorboard.add("validation lm loss", valid["lm loss"], iteration)
                 history.validation_losses.append(valid["lm loss"])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             progress.step = f"checkpoint save at iteration {iteration}"
@@ -433,6 +446,7 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
         spent = time.time() - paused
         window_start += spent
         outside += spent
+        monitor.after_step(iteration)  # profile end, manual gc
         if args.exit_interval and iteration % args.exit_interval == 0:
             exit_reason = "interval"
         if exit_reason is not None:
@@ -456,5 +470,4 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
             f"ms/iteration: {per_iter} | final lm loss: {final} | "
             f"tokens/s: {done * tokens_per_iteration / training_time:.1f} | "
             f"{memory_label(observers)}: {' '.join(f'{p:.3f}' for p in peaks)}")
-    tensorboard.close()
     return history
