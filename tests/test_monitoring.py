@@ -54,14 +54,16 @@ def observed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """One process, pp=1 (megatron-core's schedule), one microbatch per iteration:
-    manual gc every 2 iterations (with and without collection around evaluation, timers
-    at level 1 'max'), and the control run with none of the flags."""
+    manual gc every 2 iterations, with collection around evaluation and timers at level 1
+    'max', and without it and timers at level 2 'all'; and the control run with none of
+    the flags."""
     directory = tmp_path_factory.mktemp("probed")
     base = SHORT + ["--global-batch-size", "1"]
     spec = {"manual_gc": base + ["--manual-gc", "--manual-gc-interval", "2",
                                  "--timing-log-level", "1", "--timing-log-option", "max"],
             "manual_gc_no_eval": base + ["--manual-gc", "--manual-gc-interval", "2",
-                                         "--no-manual-gc-eval"],
+                                         "--no-manual-gc-eval", "--timing-log-level", "2",
+                                         "--timing-log-option", "all"],
             "control": base}
     (directory / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gc_probe.py"),
@@ -109,6 +111,12 @@ def test_timers_levels_1_and_2_print_real_times(observed, probed):
     for name in LEVEL_1:
         assert len(level_1.get(name, [])) == 2 and min(level_1[name]) > 0, (name, level_1)
     assert not LEVEL_2 & set(level_1), level_1
+    # level 2 with megatron-core's schedule, 'all': one value per rank
+    every_rank = outputs["manual_gc_no_eval"]
+    assert every_rank.count("times across ranks (ms):") == 2
+    for name in ("forward-backward", "forward-compute", "backward-compute"):
+        values = re.findall(rf"\n  {name}:\n     rank  0: ([\d.]+)", every_rank)
+        assert len(values) == 2 and min(map(float, values)) > 0, (name, every_rank[-3000:])
     assert "time across ranks" not in outputs["control"]
 
 
