@@ -135,6 +135,7 @@ class _Profiler:
         self.cuda_kernels = args.use_pytorch_profiler
         self.on_cuda = device.on_cuda(args)
         self.profile = None
+        self.labelled = []  # the iterations in the running profile
 
     def before_step(self, completed):
         """Start when ``completed`` iterations are done and the next one is profiled."""
@@ -157,6 +158,7 @@ class _Profiler:
         """Marks one iteration in the trace as ``iteration N``."""
         if self.profile is None:
             return contextlib.nullcontext()
+        self.labelled.append(iteration)
         return torch.profiler.record_function(f"iteration {iteration}")
 
     def after_step(self, completed):
@@ -169,9 +171,10 @@ class _Profiler:
         if self.on_cuda:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
         self.profile.stop()  # writes the trace (on_trace_ready)
-        print(f"  profile of iterations {self.start_after + 1}.."
-              f"{self.end_at} written to {self.directory}/ ({self.worker})", flush=True)
-        self.profile = None
+        steps = (f"iterations {self.labelled[0]}..{self.labelled[-1]}" if self.labelled
+                 else "no iteration")
+        print(f"  profile of {steps} written to {self.directory}/ ({self.worker})", flush=True)
+        self.profile, self.labelled = None, []
 
 
 class _ManualGC:
