@@ -45,14 +45,15 @@ def datasets_provider(args):
                                 tokenizer_model=args.tokenizer_model,
                                 vocab_size=args.vocab_size)
     evaluations = args.train_iters // args.eval_interval + 1
-    num_samples = [args.train_iters * args.global_batch_size,
+    num_samples = [args.train_samples_total,
                    evaluations * args.eval_iters * args.global_batch_size, 0]
     train, valid, _ = build_gpt_datasets(
         data_path=args.data_path, split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        mock=args.mock_data, create_attention_mask=False)  # the kernels mask causally
+        mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
+        create_attention_mask=False)  # the kernels mask causally
     if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
         train, valid = (DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
                         for ds in (train, valid))

@@ -75,7 +75,6 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--global-batch-size", "0"], 1, "--global-batch-size"),
     (["--global-batch-size", "-4"], 1, "--global-batch-size"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes"),
-    (["--exit-signal-handler-for-dataloader"], 1, "--exit-signal-handler-for-dataloader"),
     (["--exit-duration-in-mins", "0"], 1, "--exit-duration-in-mins"),
     (["--exit-interval", "0"], 1, "--exit-interval"),
     (["--distributed-backend", "nccl"], 1, "--distributed-backend"),

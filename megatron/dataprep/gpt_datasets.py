@@ -195,6 +195,7 @@ def build_gpt_datasets(
     mock: bool = False,
     is_built_on_rank: Optional[Callable[[], bool]] = None,
     create_attention_mask: bool = True,
+    mmap_bin_files: bool = True,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
@@ -229,6 +230,7 @@ def build_gpt_datasets(
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
+        mmap_bin_files=mmap_bin_files,
     )
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset,

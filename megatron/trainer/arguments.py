@@ -239,9 +239,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default="969,30,1")
     g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="DataLoader worker processes reading samples (0: read in the "
-                        "training process)")
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="DataLoader worker processes reading samples ahead (0: read in the "
+                        "training process). Default 0, not Megatron-LM's 2: reading from "
+                        "memory-mapped files is cheap next to a long-sequence step")
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                    help="read .bin files with plain reads instead of memory maps")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
@@ -304,8 +305,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="on SIGTERM (SLURM preemption, torchrun forwarding it), finish the "
                         "current iteration, save a checkpoint with --save and exit 0")
     g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
-                   help="refused: data is read in the training process (no DataLoader "
-                        "workers), so --exit-signal-handler already covers it")
+                   help="accepted: DataLoader workers (--num-workers) always ignore "
+                        "SIGTERM here; the trainer handles it and ends them after saving")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save (with --save) and exit 0 after the iteration during which this "
                         "many minutes of the run have passed (decided on all ranks together)")
@@ -363,6 +364,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_exit_flags(args),
         lambda: _validate_seq1f1b(args),
         lambda: _validate_slimpipe(args),
+        lambda: _check_rampup_layouts(args),
     )
     for check in checks:
         try:
@@ -521,6 +523,26 @@ def _derive_batch_rampup(args):
              f"({start}) must be a non-negative multiple of INCREMENT ({increment})")
     args.rampup_batch_size = [start, increment, samples]
     args.rampup_global_batch_sizes = list(range(start, args.global_batch_size + 1, increment))
+
+
+def _check_rampup_layouts(args):
+    """Every global batch of the ramp-up must suit the schedule, not only the last."""
+    unit = args.micro_batch_size * args.data_parallel_size
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    for batch in args.rampup_global_batch_sizes[:-1]:
+        try:
+            if args.pipeline_schedule == "slimpipe":
+                from megatron.schedules.slimpipe import check_slimpipe_shape
+
+                check_slimpipe_shape(pp, batch // unit, vp or 1, args.slimpipe_slices)
+            elif vp:
+                from megatron.schedules.interleaved import check_interleaved_shape
+
+                check_interleaved_shape(pp, batch // unit, vp,
+                                        args.microbatch_group_size_per_virtual_pipeline_stage)
+        except ValueError as err:
+            raise ArgumentError(f"--rampup-batch-size: the global batch {batch} on the way "
+                                f"does not suit the schedule: {err}")
 
 
 def _check_model_shape(args):
@@ -726,10 +748,6 @@ def _check_checkpoint_flags(args, check_files):
 
 def _check_exit_flags(args):
     _require(args.eval_interval >= 1, "--eval-interval must be >= 1")
-    _require(not args.exit_signal_handler_for_dataloader,
-             "--exit-signal-handler-for-dataloader is not supported: data is read in the "
-             "training process (there are no DataLoader workers to signal); "
-             "--exit-signal-handler alone covers it: drop the flag")
     _require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
              f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     _require(args.exit_interval is None or args.exit_interval >= 1,

@@ -17,25 +17,99 @@ class MicrobatchIterator:
     ``mbs`` consecutive samples starting at ``(i * dp + d) * mbs`` (what Megatron-LM's
     pretraining sampler gives). Every rank reads its own samples: datasets are
     deterministic, so tensor-parallel peers read identical batches without a broadcast.
+    With ``num_workers > 0`` (--num-workers) a DataLoader reads ahead in that many
+    worker processes; the order is the same.
     """
 
-    def __init__(self, dataset, micro_batch_size, consumed_samples=0, num_microbatches=1):
+    def __init__(self, dataset, micro_batch_size, consumed_samples=0, num_microbatches=1,
+                 num_workers=0):
         self.dataset = dataset
         self.mbs = micro_batch_size
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.next_index = consumed_samples  # first sample of the next (dp-wide) microbatch
         self.read = 0
+        self.loader, self.loader_end = None, "dataset exhausted"
+        if num_workers > 0:
+            self.loader = iter(torch.utils.data.DataLoader(
+                dataset, batch_sampler=_RankBatches(self), num_workers=num_workers,
+                collate_fn=collate, worker_init_fn=_ignore_sigterm, persistent_workers=True,
+                # its own generator: the workers' seeds must not draw from the global RNG,
+                # which dropout uses (the losses would depend on --num-workers)
+                generator=torch.Generator().manual_seed(0)))
 
     def __iter__(self):
         return self
 
-    def __next__(self):
+    def close(self):
+        """End the DataLoader's worker processes (dropping the only reference to its
+        iterator shuts them down); the workers ignore SIGTERM, so nothing else would."""
+        self.loader = None
+
+    def next_indices(self):
+        """The sample indices of this rank's next microbatch."""
         start = self.next_index + self.dp_rank * self.mbs
         self.next_index += self.mbs * self.dp_size
         if start + self.mbs > len(self.dataset):
             raise StopIteration(
                 f"dataset exhausted at sample {start} of {len(self.dataset)}; build it with "
                 "more samples (--train-iters x --global-batch-size)")
+        return list(range(start, start + self.mbs))
+
+    def __next__(self):
         self.read += 1
-        return collate([self.dataset[start + k] for k in range(self.mbs)])
+        if self.loader is not None:
+            try:
+                return next(self.loader)
+            except StopIteration:  # the sampler ran out: say where, as the direct read does
+                raise StopIteration(self.loader_end) from None
+        return collate([self.dataset[index] for index in self.next_indices()])
+
+
+class _RankBatches:
+    """The DataLoader's batch sampler: the iterator's own index order, read ahead."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.iterator.next_indices()
+            except StopIteration as end:
+                self.iterator.loader_end = str(end)
+                return
+
+
+def _ignore_sigterm(_worker_id):
+    # SLURM signals every process of the job: a worker must not die of it before the
+    # trainer (--exit-signal-handler) has saved; the trainer ends the workers itself
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class GlobalBatchSizes:
+    """Microbatches per iteration: constant, or growing with --rampup-batch-size by
+    megatron-core's calculator (as Megatron-LM: the batch size follows the samples
+    consumed so far, so a resumed run continues the ramp where it stopped)."""
+
+    def __init__(self, args):
+        self.unit = args.micro_batch_size * args.data_parallel_size
+        self.constant = args.global_batch_size // self.unit
+        self.calculator = None
+        if args.rampup_batch_size is not None:
+            from megatron.core.num_microbatches_calculator import (
+                RampupBatchsizeNumMicroBatchesCalculator,
+            )
+
+            start, increment, samples = args.rampup_batch_size
+            self.calculator = RampupBatchsizeNumMicroBatchesCalculator(
+                args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                False, torch.distributed.get_rank(), start, increment, samples)
+
+    def microbatches_at(self, consumed_samples: int) -> int:
+        if self.calculator is None:
+            return self.constant
+        self.calculator.update(consumed_samples, True)
+        return self.calculator.get()

@@ -31,6 +31,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
