@@ -262,12 +262,18 @@ class CostModel:
         return tokens * self.act_bytes * self.model.hidden_size / self.par.tp_sp
 
     def _checkpoint_bytes(self, split: int, groups: int) -> float:
-        """Full recomputation: each checkpointed group keeps its input; RoPE's
-        frequencies (fp32 ``[l, 1, 1, d]``) are one tensor shared by the groups."""
-        l = self.split_lengths[split]
-        tokens = self.par.micro_batch_size * l
-        freqs = l * self.model.head_dim * FP32 if self.model.position_embedding_type == "rope" else 0
-        return groups * self.layer_input_bytes(tokens) + (freqs if groups else 0)
+        """Full recomputation: each checkpointed group keeps its input."""
+        tokens = self.par.micro_batch_size * self.split_lengths[split]
+        return groups * self.layer_input_bytes(tokens)
+
+    def rope_frequency_bytes(self, split: int) -> float:
+        """With full recomputation the checkpoints also keep RoPE's fp32 ``[l, 1, 1, d]``
+        frequencies, one tensor per split position that megatron-core's rotary module
+        caches and hands to every microbatch: held from the first microbatch's forward
+        to the last one's backward."""
+        if self.recompute.granularity != "full" or self.model.position_embedding_type != "rope":
+            return 0.0
+        return self.split_lengths[split] * self.model.head_dim * FP32
 
     def stored_layer_bytes(self, split: int) -> float:
         """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
@@ -324,8 +330,9 @@ class CostModel:
         at_start: Dict[str, float] = {}
         at_end: Dict[str, float] = {}
         transient: Dict[str, float] = {}
+        freqs = self.rope_frequency_bytes(j)
         if unit.kind == FORWARD:
-            at_start["activations"] = act
+            at_start["activations"] = act + (freqs if unit.microbatch == 0 else 0.0)
             if s > 1:
                 if self.kv_layout == "buffer":
                     if j == 0:  # full-sequence K/V buffer of the microbatch
@@ -337,7 +344,8 @@ class CostModel:
                 else:  # concat: this split saves its own copy of the prefix K/V
                     at_start["kv_cache"] = kv_tok * self.offsets[j]
         else:
-            at_end["activations"] = -act
+            last = unit.microbatch == self.par.num_microbatches - 1
+            at_end["activations"] = -act - (freqs if last else 0.0)
             rebuilt = self.recompute_transient_bytes(j)
             if rebuilt:
                 transient["activations"] = rebuilt

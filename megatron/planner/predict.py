@@ -15,6 +15,7 @@ from megatron.planner.costs import (
     Parallel,
     Recompute,
     model_flops_per_sequence,
+    pad_vocab,
 )
 from megatron.planner.gpus import GIB, GPU, get_gpu
 from megatron.planner.presets import ModelSpec
@@ -294,6 +295,11 @@ def split_alignment(c: PlanConfig) -> int:
     return p.tp if p.sequence_parallel and p.tp > 1 else 1
 
 
+def training_shape(c: PlanConfig):
+    """The model shape as training plans its splits: the padded vocabulary."""
+    return replace(c.model.shape(), vocab_size=pad_vocab(c.model.vocab_size, c.parallel.tp))
+
+
 def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:
     try:
         return plan_splits(
@@ -301,7 +307,7 @@ def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:
             num_splits,
             c.balance_method,
             alignment=split_alignment(c),
-            model=c.model.shape(),
+            model=training_shape(c),
         )
     except SplitPlanError as err:
         raise PlanError(str(err)) from None
