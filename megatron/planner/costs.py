@@ -193,8 +193,8 @@ class CostModel:
                 and not (self.num_splits > 1 and self.kv_layout == "chunked"))
 
     def attention_bytes(self, split: int) -> float:
-        """Core attention of one layer for split ``split`` (its projections' inputs
-        included: the norm output of QKV, the attention output of the projection)."""
+        """Core attention of one layer for split ``split``, with the output projection's
+        saved input (the QKV projection's input is the norm output, in ``norm_bytes``)."""
         m, t, e = self.model, self.par.tp, self.act_bytes
         b, l = self.par.micro_batch_size, self.split_lengths[split]
         tokens = b * l
