@@ -4,13 +4,23 @@
 #   bash tools/gpu_checks.sh PHASE...      results and logs under $GPU_CHECKS_OUT
 #                                          (default: $OUT when set, else runs/gpu_checks)
 #
-#   tests    the CUDA attention tests, bf16: split attention with the KV cache on SDPA,
-#            flash-attn (if installed) and the chunked cache (#3 point 10), packed-document
-#            attention on SDPA / FlexAttention / chunked and the flash-attn varlen kernel
-#            (#7 point 5); about 2 minutes
+# Run ONE phase per device call (each is sized for 10 minutes; `tests` and `train` apart).
+# Every call ends with a summary (environment, then one table row per run: exit status,
+# seconds, its last result line) that can be pasted into docs as it is; it is also
+# written to $OUT_DIR/summary.md.
+#
+#   tests    the CUDA tests, bf16: split attention with the KV cache on SDPA, flash-attn
+#            (if installed) and the chunked cache (#3 point 10), packed-document attention
+#            on SDPA / FlexAttention / chunked and the flash-attn varlen kernel (#7 point
+#            5), and #22's: packed documents + GQA keep no lq x lk tensor on any route,
+#            the document mask uncopied by layers, the chunked kernel's bf16 accuracy and
+#            no host sync in it (tests/test_gpu_readiness_cuda.py); a few minutes
+#   multirank  #22 acceptance 3: multi-rank tests on this GPU machine run on gloo/CPU
+#            (tests/conftest.py hides the GPU from child processes), pp2 and tp2 layouts
 #   train    pretrain_gpt.py on one GPU (pp = 1, 4 layers, 4096 tokens, mock data):
 #            --seq1f1b-splits 1 vs 4, buffer and chunked KV cache, fp32 (losses and grad
-#            norms must agree within 1e-5) and bf16 (printed side by side)
+#            norms must agree within 1e-5) and bf16 (printed side by side); plus packed
+#            documents with GQA in bf16 (--reset-attention-mask, the "auto" route)
 #   kv       tools/bench_kv_cache.py in bf16: buffer vs chunked cache, 16k and 32k tokens
 #   stage16  tools/bench_stage_gpu.py, 7B-shaped layers (TP-8 shard), one stage of pp = 4,
 #            8 microbatches, 16k tokens, s in {1, 2, 4, 8} (#6 point 3)
@@ -33,6 +43,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${GPU_CHECKS_OUT:-${OUT:-runs/gpu_checks}}
 mkdir -p "$OUT_DIR"
+SUMMARY="$OUT_DIR/summary.md"
+printf '| run | exit | seconds | result |\n|---|---|---|---|\n' > "$SUMMARY"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SMOKE=0
@@ -46,6 +58,23 @@ run() {  # run NAME CMD...: log to $OUT_DIR/NAME.log, remember a failure, go on
     local rc=${PIPESTATUS[0]}
     echo "### $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT_DIR/$name.log"
     [ "$rc" -eq 0 ] || status=1
+    # the run's last result line: pytest's tally, the trainer's [summary], or a failure
+    local result
+    result=$(grep -E "passed|failed|skipped|error|\[summary\]|Error" "$OUT_DIR/$name.log" \
+             | grep -v '^###' | tail -n 1 | tr '|' '/' | cut -c1-160)
+    echo "| $name | $rc | $((SECONDS - start)) | ${result:-} |" >> "$SUMMARY"
+}
+
+print_summary() {
+    echo
+    echo "## GPU checks: $*"
+    echo
+    sed 's/^/    /' "$OUT_DIR/environment.txt"
+    echo
+    cat "$SUMMARY"
+    [ -f "$OUT_DIR/train_summary.txt" ] && { echo; sed 's/^/    /' "$OUT_DIR/train_summary.txt"; }
+    echo
+    echo "all phases: $([ $status -eq 0 ] && echo passed || echo FAILED); logs in $OUT_DIR"
 }
 
 environment() {
@@ -72,11 +101,20 @@ phase_tests() {
     run tests "$PY" -m pytest -q -rA -p no:cacheprovider \
         "tests/test_kv_cache_attention.py::test_split_attention_cuda_bf16" \
         "tests/test_document_attention.py::test_document_attention_cuda_bf16" \
-        "tests/test_document_attention.py::test_flash_varlen_kernel_matches_sdpa_bf16"
+        "tests/test_document_attention.py::test_flash_varlen_kernel_matches_sdpa_bf16" \
+        tests/test_gpu_readiness_cuda.py tests/test_gpu_readiness_suite.py
 }
 
-train_run() {  # train_run NAME PRECISION SPLITS KV_CACHE
+phase_multirank() {
+    run multirank "$PY" -m pytest -q -rA -p no:cacheprovider -x \
+        tests/test_gpu_readiness_suite.py tests/test_attention_exchange.py \
+        "tests/test_training_layouts.py::test_layout_matches_single_process[pp2]" \
+        "tests/test_training_layouts.py::test_layout_matches_single_process[tp2]"
+}
+
+train_run() {  # train_run NAME PRECISION SPLITS KV_CACHE [EXTRA FLAGS...]
     local name=$1 precision=$2 splits=$3 cache=$4 size=(4 1024 16 4096 8)
+    shift 4
     [ "$SMOKE" = 1 ] && size=(2 64 4 256 2)
     local flags=(--num-layers "${size[0]}" --hidden-size "${size[1]}"
                  --num-attention-heads "${size[2]}" --seq-length "${size[3]}"
@@ -86,6 +124,7 @@ train_run() {  # train_run NAME PRECISION SPLITS KV_CACHE
                  --log-interval 1 --hidden-dropout 0 --attention-dropout 0
                  --seq1f1b-splits "$splits" --seq1f1b-kv-cache "$cache")
     [ "$precision" = bf16 ] && flags+=(--bf16)
+    flags+=("$@")
     run "train_$name" "$PY" -m torch.distributed.run --nproc-per-node 1 \
         --master-port $((29500 + RANDOM % 1000)) pretrain_gpt.py "${flags[@]}"
 }
@@ -98,6 +137,9 @@ phase_train() {
         train_run "${precision}_s4_buffer" "$precision" 4 buffer
         train_run "${precision}_s4_chunked" "$precision" 4 chunked
     done
+    # packed documents + GQA (#22): the "auto" route (flash varlen or compiled flex)
+    [ "$SMOKE" = 1 ] || train_run bf16_s4_documents_gqa bf16 4 buffer \
+        --reset-attention-mask --group-query-attention --num-query-groups 4
     "$PY" - "$OUT_DIR" "${precisions[@]}" <<'EOF' | tee "$OUT_DIR/train_summary.txt"
 import re, sys, pathlib
 out = pathlib.Path(sys.argv[1])
@@ -152,17 +194,17 @@ phase_smoke() {
     stage tiny_pp4 4 8 256
 }
 
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,41p' "$0"; exit 2; }
 SITE=$("$PY" tools/offline_install.py --wheels "${WHEELS:-.whl}" --target /tmp/gpu_checks_site) \
     || exit 2
 [ -n "$SITE" ] && export PYTHONPATH="$SITE:$PYTHONPATH"
 environment
 for phase in "$@"; do
     if ! declare -F "phase_$phase" >/dev/null; then
-        echo "unknown phase '$phase' (tests, train, kv, stage16, stage32, stage64, smoke)"
+        echo "unknown phase '$phase' (tests, multirank, train, kv, stage16, stage32, stage64, smoke)"
         exit 2
     fi
     "phase_$phase"
 done
-echo "### all phases: $([ $status -eq 0 ] && echo passed || echo FAILED); logs in $OUT_DIR"
+print_summary "$@"
 exit $status
