@@ -42,10 +42,8 @@ def test_device_and_backend_follow_the_flags(flags, cuda, expected):
 def test_refusals_name_the_flags(flags, cuda, names):
     with pytest.raises(ArgumentError) as error:
         parse(flags, cuda)
-    message = str(error.value)
-    assert "\n" not in message
-    for name in names:
-        assert name in message, message
+    lines = str(error.value).splitlines()  # one line per problem
+    assert any(all(name in line for name in names) for line in lines), lines
 
 
 def test_flash_with_half_precision_on_cuda_passes():
