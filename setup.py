@@ -27,5 +27,6 @@ setup(
         "megatron.benchmarks",
     ],
     install_requires=REQUIREMENTS,
-    extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest"]},
+    extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest", "sentencepiece", "wandb"],
+                    "sentencepiece": ["sentencepiece"]},
 )

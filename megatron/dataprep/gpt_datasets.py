@@ -151,9 +151,11 @@ def _blocks(count: int) -> Iterator[Tuple[int, int]]:
         yield begin, min(begin + _BLOCK, count)
 
 
-def check_splits(prefixes: Sequence[str], split: str) -> None:
+def check_splits(prefixes: Sequence[str], split: str,
+                 used: Sequence[str] = ("train", "valid", "test")) -> None:
     """Refuse a split that gets no sequence of some prefix: megatron-core 0.16.1's
-    GPTDataset loops forever on an empty split instead of failing."""
+    GPTDataset loops forever on an empty split instead of failing. Only the parts in
+    `used` are checked (the others are not built)."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -172,7 +174,7 @@ def check_splits(prefixes: Sequence[str], split: str) -> None:
     for prefix in prefixes:
         count = IndexedDataset(prefix).sequence_lengths.shape[0]
         for part, bookends in zip(Split, matrix):
-            if bookends is None:
+            if bookends is None or part.name not in used:
                 continue
             begin, end = (int(round(b * count)) for b in bookends)
             if end <= begin:
@@ -207,12 +209,15 @@ def build_gpt_datasets(
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import Split
 
     import torch
 
     blend = None if mock else parse_data_path(data_path)
+    used = [part.name for part, samples in zip(Split, train_valid_test_num_samples)
+            if samples != 0]
     if blend is not None:
-        check_splits(blend[0], split)
+        check_splits(blend[0], split, used)
     if blend is not None and len(blend[0]) > 1 and not torch.distributed.is_initialized():
         # megatron-core 0.16.1's BlendedDataset asks torch.distributed for the rank whenever
         # it writes its cache; without a process group, build blends in memory instead.
@@ -232,6 +237,9 @@ def build_gpt_datasets(
         create_attention_mask=create_attention_mask,
         mmap_bin_files=mmap_bin_files,
     )
+    # a part nobody reads (0 samples) is not built: an empty one would never finish
+    config.split_matrix = [bookends if part.name in used else None
+                           for part, bookends in zip(Split, config.split_matrix)]
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset,
         list(train_valid_test_num_samples),

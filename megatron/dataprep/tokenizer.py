@@ -160,6 +160,67 @@ class HuggingFaceTokenizer(_HFTokenizer):
         super().__init__(hf, path, eod=eod, pad=pad)
 
 
+class SentencePieceTokenizer(_Tokenizer):
+    """A SentencePiece ``.model`` as Megatron-LM's SentencePieceTokenizer reads it: the
+    model's pieces, then the special tokens it lacks (<CLS> <SEP> <EOD> <MASK>) appended
+    with the next ids; documents end with <EOD>. Needs the sentencepiece package."""
+
+    _SPECIALS = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+
+    def __init__(self, model_file: str):
+        _require_file(model_file, "--tokenizer-model", "SentencePiece .model file")
+        try:
+            import sentencepiece
+        except ImportError:
+            raise TokenizerError(f"--tokenizer-type {type(self).__name__} needs the "
+                                 "sentencepiece package: pip install sentencepiece") from None
+        super().__init__(model_file)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._added = {}
+        for token in self._specials():
+            if self._sp.piece_to_id(token) == self._sp.unk_id() and token != "<unk>":
+                self._added[token] = self._sp.get_piece_size() + len(self._added)
+
+    def _specials(self):
+        return self._SPECIALS
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode(text)
+
+    def detokenize(self, ids) -> str:
+        pieces = [int(i) for i in ids if int(i) < self._sp.get_piece_size()]
+        return self._sp.decode(pieces)
+
+    @property
+    def vocab(self):
+        vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
+        vocab.update(self._added)
+        return vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size() + len(self._added)
+
+    @property
+    def eod(self) -> int:
+        return self._added.get("<EOD>", self._sp.piece_to_id("<EOD>"))
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Llama-2's SentencePiece model as Megatron-LM's Llama2Tokenizer uses it: every text
+    starts with <s> (bos), documents end with </s> (eos); no tokens are added."""
+
+    def _specials(self):
+        return ()
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self._sp.bos_id()] + self._sp.encode(text)
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+
 class NullTokenizer(_Tokenizer):
     """Text is whitespace-separated integer ids, as Megatron-LM's NullTokenizer.
 
@@ -225,6 +286,13 @@ def build_tokenizer(
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+        if not tokenizer_model:
+            raise TokenizerError(f"--tokenizer-model: {tokenizer_type} needs a SentencePiece "
+                                 ".model file")
+        cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" else \
+            Llama2Tokenizer
+        return cls(tokenizer_model)
     raise TokenizerError(
         f"--tokenizer-type: unknown {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
     )

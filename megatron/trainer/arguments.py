@@ -104,9 +104,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                                                    *MEGATRON_ATTENTION_BACKENDS],
                    default="auto",
                    help="core attention kernel (local layer spec); auto: flash when usable, "
-                        "else sdpa; flex is opt-in and has no dropout. Megatron-LM's names: "
-                        "local and unfused mean sdpa here (PyTorch's kernel), fused "
-                        "(cuDNN through Transformer Engine) is refused")
+                        "else sdpa; flex is opt-in and has no dropout. Megatron-LM's names "
+                        "fused, unfused and local run sdpa here (PyTorch's kernels; there is "
+                        "no Transformer Engine attention in the split-aware layers)")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Megatron-LM's older spelling of --attention-backend flash")
 
@@ -281,14 +281,17 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="empty the CUDA cache after forward/backward (1) and after the "
                         "optimizer step (2); nothing to do on CPU")
     g.add_argument("--profile", action="store_true",
-                   help="profile --profile-step-start to --profile-step-end on "
-                        "--profile-ranks: a torch.profiler trace, and on GPU "
+                   help="profile iterations --profile-step-start + 1 to --profile-step-end "
+                        "on --profile-ranks: a torch.profiler trace in --tensorboard-dir (else "
+                        "./torch_profile), file rank<R>.<ns>.pt.trace.json, and on GPU "
                         "cudaProfilerStart/Stop (nsys --capture-range=cudaProfilerApi)")
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
     g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="accepted: --profile always writes a torch.profiler trace here")
+                   help="on GPU, adds CUDA kernels to the torch.profiler trace (without it the "
+                        "trace has CPU activity only and nsys keeps the CUDA profiling "
+                        "interface)")
     g.add_argument("--wandb-project", type=str, default="")
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="")
@@ -418,17 +421,25 @@ def _check_megatron_compat(args, cuda_available):
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         args.position_embedding_type = "none"
+    args.flag_notes = []
     if args.use_flash_attn:
         if args.attention_backend not in ("auto", "flash"):
             problems.append(f"--use-flash-attn contradicts --attention-backend "
                             f"{args.attention_backend}; keep one")
-        args.attention_backend = "flash"
-    if args.attention_backend == "fused":
-        problems.append("--attention-backend fused is Transformer Engine's cuDNN attention, "
-                        "which the split-aware layers do not use; use --attention-backend "
-                        "flash (flash-attn) or auto")
-    elif args.attention_backend in ("local", "unfused"):
-        args.attention_backend = "sdpa"  # PyTorch's own kernel: the unfused path here
+        elif _flash_attn_importable():
+            args.attention_backend = "flash"
+        else:  # SDPA's own FlashAttention kernel where it can run (CUDA, half precision)
+            args.flag_notes.append("note: --use-flash-attn: flash-attn is not installed; "
+                                   "attention runs in PyTorch SDPA (--attention-backend "
+                                   "auto, its FlashAttention kernel on CUDA)")
+    if args.attention_backend in MEGATRON_ATTENTION_BACKENDS:
+        # Megatron-LM's names: PyTorch SDPA is the kernel that exists here for each
+        args.flag_notes.append(
+            f"note: --attention-backend {args.attention_backend} runs PyTorch SDPA here "
+            + ("(its fused kernels: flash, memory-efficient, cuDNN)"
+               if args.attention_backend == "fused" else "(exact attention; there is no "
+               "separate unfused kernel)"))
+        args.attention_backend = "sdpa"
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if _te_importable() else "local"
         args.transformer_impl_note = (
@@ -457,6 +468,14 @@ def _check_megatron_compat(args, cuda_available):
     args.no_op_flags = no_op_flags_given(args)
     if problems:
         raise ArgumentErrors(problems)
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except Exception:  # not installed, or a build that does not load
+        return False
 
 
 def _te_importable() -> bool:
@@ -721,7 +740,8 @@ def _check_data_flags(args, check_files):
                  f"--tokenizer-model {args.tokenizer_model}: no such file or directory "
                  "(nothing is downloaded: give a local tokenizer.json or its directory)")
     if args.data_path and check_files:
-        _check_data(args.data_path, args.split)
+        _check_data(args.data_path, args.split,
+                    ["train"] + (["valid"] if args.eval_iters > 0 else []))
 
 
 def _sentencepiece_importable() -> bool:
@@ -760,6 +780,8 @@ def _check_exit_flags(args):
                  f"--profile-step-start ({args.profile_step_start}) must be below "
                  f"--profile-step-end ({args.profile_step_end})")
     if args.wandb_project:
+        _require(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name (as in "
+                                      "Megatron-LM)")
         try:
             import wandb  # noqa: F401
         except ImportError:
@@ -825,14 +847,14 @@ def _validate_virtual_pipeline(args):
         raise ArgumentError(str(err))
 
 
-def _check_data(data_path, split):
+def _check_data(data_path, split, used):
     """The data files and the split, as the dataset builder will read them, checked
     before any process group exists (its errors name the flag)."""
     from megatron.dataprep.gpt_datasets import DataPathError, check_splits, parse_data_path
 
     try:
         prefixes, _ = parse_data_path(data_path)
-        check_splits(prefixes, split)
+        check_splits(prefixes, split, used)
     except DataPathError as error:
         raise ArgumentError(str(error)) from None
 
@@ -998,6 +1020,8 @@ def parse_args_or_exit(argv=None, extra_args_provider=None):
     if int(os.environ.get("RANK", "0")) == 0:
         for flag, reason in args.no_op_flags:
             print(f"note: {flag} has no effect here: {reason}", flush=True)
+        for note in args.flag_notes:
+            print(note, flush=True)
         if getattr(args, "transformer_impl_note", None):
             print(args.transformer_impl_note, flush=True)
         if args.save_interval is not None and args.save is None:

@@ -1,0 +1,204 @@
+"""Megatron-LM users' launch scripts run unchanged (tests/launch_scripts/: the original
+Seq1F1B run.sh and three Megatron-LM examples, their flags kept except shapes, data
+paths and precision), each training 2 iterations with Seq1F1B on 2 CPU processes; and
+the no-op and refused Megatron-LM flags, checked flag by flag."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from distributed import ROOT, _free_port
+from megatron.trainer.arguments import ArgumentErrors, build_parser, parse_args
+from megatron.trainer.megatron_lm_flags import NO_OP_FLAGS, REFUSED_FLAGS, SIZE_ONE_FLAGS
+
+SCRIPTS = os.path.join(ROOT, "tests", "launch_scripts")
+ITERATION = re.compile(r"iteration +(\d+)/ +(\d+) \|.*lm loss: ([0-9.eE+-]+|nan)")
+
+
+@pytest.fixture(scope="module")
+def gpt2_data(tmp_path_factory):
+    """The built-in corpus as a GPT-2-style BPE vocabulary and a .bin/.idx pair, laid
+    out as the original Seq1F1B run.sh expects ($DATA_PATH/data/...)."""
+    root = tmp_path_factory.mktemp("launch_data")
+    data = root / "data"
+    data.mkdir()
+
+    def tool(*argv):
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    files = root / "stdlib_files.jsonl"
+    tool("tools/build_code_corpus.py", "--output", str(files), "--max-bytes", "300000")
+    corpus = root / "stdlib.jsonl"  # 2 kB documents: every split of '98,2,0' gets some
+    with files.open() as source, corpus.open("w") as chunks:
+        for line in source:
+            content = json.loads(line)["content"]
+            for start in range(0, len(content), 2000):
+                chunks.write(json.dumps({"content": content[start:start + 2000]}) + "\n")
+    tool("tools/train_tokenizer.py", "--input", str(corpus), "--json-key", "content",
+         "--vocab-size", "512", "--output-dir", str(data))
+    tool("tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "content",
+         "--output-prefix", str(data / "codeparrot"), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", str(data / "vocab.json"), "--merge-file", str(data / "merges.txt"),
+         "--append-eod", "--workers", "1")
+    return root
+
+
+def run_script(name, *argv, env=None, cwd=None):
+    environment = dict(os.environ, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                       MASTER_PORT=str(_free_port()), PYTHONPATH=ROOT, **(env or {}))
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, name), *argv], cwd=cwd or ROOT,
+                          env=environment, capture_output=True, text=True, timeout=600)
+    return proc, proc.stdout + proc.stderr
+
+
+def assert_trained(proc, output, iterations=2):
+    assert proc.returncode == 0, output[-4000:]
+    assert "error:" not in output, output[-4000:]
+    lines = ITERATION.findall(output)
+    assert [int(i) for i, _, _ in lines] == list(range(1, iterations + 1)), output[-4000:]
+    assert all(math.isfinite(float(loss)) for _, _, loss in lines)
+
+
+def test_original_seq1f1b_run_sh(gpt2_data):
+    env = dict(GPUS_PER_NODE="2", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", TP_SIZE="1",
+               PP_SIZE="2", PP_SP="2", PP_SP_STR="uniform_comp", NUM_LAYERS="4", HIDDEN="64",
+               NUM_ATTN_HEADS="4", SEQ_LENGTH="128", MICRO_BATCH="1", GLOBAL_BATCH="4",
+               TRAIN_ITER="2", VPP_SIZE="1", PROFILE="false", RECOMPUTE="1",
+               DATA_PATH=str(gpt2_data))
+    proc, output = run_script("seq1f1b_run.sh", env=env)
+    assert_trained(proc, output)
+    assert "seq1f1b-splits=2" in output
+    # --timing-log-level 2: real per-unit timers, printed each log interval
+    assert re.search(r"forward-compute \.+: \(\d", output), output[-3000:]
+    assert "note: --no-async-tensor-model-parallel-allreduce has no effect here" in output
+    assert "note: --save-interval without --save: no checkpoints are written" in output
+
+
+def test_megatron_gpt3_example(gpt2_data, tmp_path):
+    data = gpt2_data / "data"
+    ckpt = tmp_path / "ckpt"
+    proc, output = run_script(
+        "megatron_gpt3_175b.sh", str(ckpt), str(tmp_path / "tb"), str(data / "vocab.json"),
+        str(data / "merges.txt"), str(data / "codeparrot_content_document"))
+    assert_trained(proc, output)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert os.listdir(tmp_path / "tb")
+
+
+def test_megatron_llama3_example(tmp_path):
+    # the script runs ./pretrain_gpt.py and writes its data cache under $PWD: run it in
+    # a scratch directory holding a link to ours
+    (tmp_path / "pretrain_gpt.py").symlink_to(os.path.join(ROOT, "pretrain_gpt.py"))
+    ckpt = tmp_path / "ckpt"
+    proc, output = run_script("megatron_llama3_8b.sh", str(ckpt), str(tmp_path / "tb"),
+                              cwd=tmp_path)
+    assert_trained(proc, output)
+    assert "throughput per GPU (TFLOP/s/GPU)" in output
+    assert "note: --attention-backend fused runs PyTorch SDPA" in output
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_megatron_classic_mp_example(gpt2_data, tmp_path):
+    data = gpt2_data / "data"
+    ckpt = tmp_path / "ckpt"
+    env = dict(CHECKPOINT_PATH=str(ckpt), VOCAB_FILE=str(data / "vocab.json"),
+               MERGE_FILE=str(data / "merges.txt"),
+               DATA_PATH=str(data / "codeparrot_content_document"))
+    proc, output = run_script("megatron_gpt_distributed_with_mp.sh", env=env)
+    assert_trained(proc, output)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--train-iters", "1", "--mock-data", "--vocab-size", "128"]
+
+
+def parse(*extra):
+    return parse_args(BASE + list(extra), world_size=1, cuda_available=False)
+
+
+@pytest.mark.parametrize("flag", sorted(NO_OP_FLAGS))
+def test_no_op_flag_is_accepted_with_its_reason(flag):
+    takes_value, reason = NO_OP_FLAGS[flag]
+    args = parse(flag, *(["v2"] if takes_value else []))
+    assert (flag, reason) in args.no_op_flags
+    help_text = " ".join(build_parser().format_help().split())
+    assert " ".join(reason.split()) in help_text
+
+
+@pytest.mark.parametrize("flag", sorted(SIZE_ONE_FLAGS))
+def test_size_one_flags_accept_only_one(flag):
+    parse(flag, "1")
+    with pytest.raises(ArgumentErrors) as error:
+        parse(flag, "2")
+    assert error.value.problems == [f"{flag} 2 is refused: {SIZE_ONE_FLAGS[flag]}"]
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED_FLAGS))
+def test_refused_flag_gives_reason_and_alternative(flag):
+    given = flag + "router-topk" if flag.endswith("-") else flag
+    with pytest.raises(ArgumentErrors) as error:
+        parse(given, "2", "--lr", "1e-3")  # the value is taken with the flag; --lr still parses
+    assert error.value.problems == [f"{given} is refused: {REFUSED_FLAGS[flag]}"]
+
+
+def test_every_problem_is_reported_at_once():
+    """Unknown flags, bad choices, refused features and failed checks together, one line
+    each, from the real entry point; exit 2 before any work."""
+    argv = BASE + ["--moe-router-topk", "2", "--lr-decay-style", "bogus",
+                   "--lr-warmup-fractoin", "0.1", "--context-parallel-size", "2",
+                   "--save", "/tmp/never", "--micro-batch-size", "two", "--min-lr", "1"]
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    expected = ["--moe-router-topk is refused", "argument --lr-decay-style: invalid choice",
+                "unknown flag --lr-warmup-fractoin", "did you mean --lr-warmup-fraction?",
+                "argument --micro-batch-size: invalid int value: 'two'",
+                "--context-parallel-size 2 is refused", "--save needs --save-interval",
+                "--min-lr (1.0) must not exceed --lr"]
+    for text in expected:
+        assert sum(text in line for line in errors) == 1, (text, errors)
+    assert len(errors) == 7, errors
+    assert "iteration" not in proc.stdout
+
+
+def test_train_samples_and_rampup_count_iterations_as_megatron_lm():
+    # start 2, +2 up to 8 over 16 samples: batches 2 2 2 4 4 6 8 ... (megatron-core's
+    # calculator); 40 samples take 8 iterations, as Megatron-LM's update_train_iters counts
+    args = parse_args([a for a in BASE if a not in ("--train-iters", "1")] +
+                      ["--train-samples", "40", "--global-batch-size", "8",
+                       "--rampup-batch-size", "2", "2", "16", "--lr-warmup-fraction", "0.25"],
+                      world_size=1, cuda_available=False)
+    assert args.train_iters == 8
+    assert (args.lr_decay_steps, args.lr_warmup_steps) == (40, 10)
+    assert args.rampup_global_batch_sizes == [2, 4, 6, 8]
+
+
+def test_iteration_based_schedule_counts_samples():
+    args = parse("--global-batch-size", "4", "--lr-warmup-iters", "1", "--lr-decay-iters", "1",
+                 "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "1")
+    assert (args.lr_warmup_steps, args.lr_decay_steps, args.lr_wsd_decay_steps) == (4, 4, 4)
+    with pytest.raises(ArgumentErrors, match="--lr-decay-samples counts samples"):
+        parse("--lr-decay-samples", "8")
+    with pytest.raises(ArgumentErrors, match="needs --lr-wsd-decay-iters"):
+        parse("--lr-decay-style", "WSD")
+
+
+def test_megatron_lm_defaults():
+    args = parse("--group-query-attention")
+    assert args.num_query_groups == 1  # Megatron-LM's default group count
+    assert args.transformer_impl == "local"  # Transformer Engine is not installed here
+    assert "Transformer Engine" in args.transformer_impl_note
+    args = parse("--use-rotary-position-embeddings")
+    assert args.position_embedding_type == "rope"
+    assert parse("--no-position-embedding").position_embedding_type == "none"
+    args = parse("--save-interval", "5")  # as Megatron-LM: no --save, no checkpoints
+    assert args.save is None
