@@ -202,3 +202,47 @@ def test_megatron_lm_defaults():
     assert parse("--no-position-embedding").position_embedding_type == "none"
     args = parse("--save-interval", "5")  # as Megatron-LM: no --save, no checkpoints
     assert args.save is None
+
+
+def test_checkpoint_flags_finetune_and_checkpoint_args(tmp_path):
+    """--no-save-optim/--no-save-rng leave those out (and a plain resume says so);
+    --finetune loads the weights only and starts at iteration 0; --use-checkpoint-args
+    takes the model shape from the checkpoint."""
+    from distributed import TINY_MODEL, one_error_line, pretrain
+
+    base = TINY_MODEL + ["--global-batch-size", "2", "--log-interval", "1"]
+    lean = tmp_path / "lean"
+    saved = pretrain(base + ["--train-iters", "2", "--save", str(lean), "--save-interval", "2",
+                             "--no-save-optim", "--no-save-rng", "--apply-layernorm-1p"])
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    resumed = pretrain(base + ["--train-iters", "3", "--load", str(lean), "--apply-layernorm-1p"])
+    assert resumed.returncode == 1
+    assert "holds no optimizer state (saved with --no-save-optim): pass --no-load-optim or " \
+           "--finetune" in one_error_line(resumed.stderr)
+
+    # the shape flags left out, --use-checkpoint-args supplies them (a wrong shape would
+    # not load: the weights must match)
+    tuned = pretrain(_without(base, "--num-layers", "--hidden-size")
+                     + ["--train-iters", "2", "--load", str(lean), "--finetune",
+                        "--use-checkpoint-args"])
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "(--finetune): training starts at iteration 0" in tuned.stdout
+    # the same samples and seed as the saved run's first iteration, but trained weights
+    first = [float(m[2]) for m in ITERATION.findall(saved.stdout)][0]
+    assert [float(m[2]) for m in ITERATION.findall(tuned.stdout)][0] < first - 1e-3
+    assert re.search(r"iteration +2/ +2 \|", tuned.stdout), tuned.stdout[-2000:]
+    files = sorted(os.listdir(lean / "iter_0000002"))
+    assert not any("optimizer" in name for name in files), files
+
+
+def _without(argv, *flags):
+    """argv without the given flags and their values."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        else:
+            out.append(token)
+    return out

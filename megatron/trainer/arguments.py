@@ -354,6 +354,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
     tools/plan.py validates a training command line for a run elsewhere."""
     problems = []
     checks = (
+        lambda: _apply_checkpoint_args(args, check_files),
         lambda: _check_required(args),
         lambda: _check_megatron_compat(args, cuda_available),
         lambda: _derive_parallel_layout(args, world_size),
@@ -382,6 +383,24 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
     if problems:
         raise ArgumentErrors(problems)
     return args
+
+
+def _apply_checkpoint_args(args, check_files):
+    """--use-checkpoint-args: the model shape of the checkpoint in --load replaces the
+    command line's (as Megatron-LM), before anything is derived from it."""
+    if not (args.use_checkpoint_args and args.load and check_files):
+        return
+    from megatron.trainer.checkpointing import CheckpointError, saved_model_shape
+
+    try:
+        shape = saved_model_shape(args.load)
+    except CheckpointError as error:
+        raise ArgumentError(str(error))
+    shape.pop("padded_vocab_size", None)  # follows the tokenizer; checked at load
+    for flag, value in shape.items():
+        setattr(args, flag, value)
+    if shape.get("num_query_groups") not in (None, shape.get("num_attention_heads")):
+        args.group_query_attention = True
 
 
 def _device_problems(args, cuda_available):

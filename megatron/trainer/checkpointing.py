@@ -66,7 +66,7 @@ MODEL_SHAPE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
     "num_query_groups", "kv_channels", "padded_vocab_size", "position_embedding_type",
     "swiglu", "normalization", "untie_embeddings_and_output_weights", "disable_bias_linear",
-    "max_position_embeddings",
+    "max_position_embeddings", "apply_layernorm_1p",
 )
 
 
@@ -200,6 +200,9 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "model_shape": {flag: getattr(args, flag) for flag in MODEL_SHAPE_FLAGS},
         "layout": list(_layout()),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
+        # what --no-save-optim / --no-save-rng left out, so a load can say so
+        "has_optimizer": with_optimizer,
+        "has_rng": with_rng,
     }
     if with_optimizer:
         state["optimizer"] = _optimizer_state(
@@ -376,7 +379,8 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         os.makedirs(staging)
     torch.distributed.barrier()
     state = _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed_samples,
-                                with_rng=True)
+                                with_rng=not args.no_save_rng,
+                                with_optimizer=not args.no_save_optim)
     dist_checkpointing.save(state, staging)
     torch.distributed.barrier()
     _write_manifest(staging)
@@ -473,29 +477,56 @@ def load_checkpoint(args, model, optimizer, scheduler):
     except Exception as error:  # verified files that still do not load: say which
         _exit(_unreadable(args.load, path, error))
     _check_model_shape(args, path, common)
-    _check_optimizer_kind(args, path, common)
+    # --finetune: the weights only, from iteration 0 (as Megatron-LM)
+    load_optim = not (args.no_load_optim or args.finetune)
+    if load_optim and not common.get("has_optimizer", True):
+        _exit(f"--load {path} holds no optimizer state (saved with --no-save-optim): pass "
+              f"--no-load-optim or --finetune to load the weights only")
+    if load_optim:
+        _check_optimizer_kind(args, path, common)
     same_layout = list(common.get("layout", [])) == list(_layout())
-    load_rng = same_layout and not args.no_load_rng
+    load_rng = (same_layout and not args.no_load_rng and not args.finetune
+                and common.get("has_rng", True))
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
-                                   loading=True, with_optimizer=not args.no_load_optim)
+                                   loading=True, with_optimizer=load_optim)
     try:
         state = dist_checkpointing.load(template, path)
     except Exception as error:
         _exit(_unreadable(args.load, path, error))
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(state[_model_key(model, i)])
-    if not args.no_load_optim:
+    if load_optim:
         _load_optimizer(args, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
         _restore_rng(state["rng_state"])
+    if args.finetune:
+        if _rank() == 0:
+            print(f"  loaded the weights of {path} (--finetune): training starts at "
+                  "iteration 0 with a fresh optimizer", flush=True)
+        return 0, 0
     if _rank() == 0:
         note = "" if same_layout else " (parallel layout changed: resharded, RNG not restored)"
         print(f"  loaded checkpoint from {path} at iteration {state['iteration']}{note}",
               flush=True)
     return state["iteration"], state["consumed_samples"]
+
+
+def saved_model_shape(load_dir):
+    """The model-shape flags of the latest checkpoint in ``load_dir`` (for
+    --use-checkpoint-args, before any process group exists); raises CheckpointError."""
+    iteration = _latest_iteration(load_dir) if os.path.isdir(load_dir) else None
+    if iteration is None:
+        raise CheckpointError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint "
+                              f"({TRACKER_FILE} missing)")
+    path = checkpoint_dir(load_dir, iteration)
+    try:
+        return dict(dist_checkpointing.load_common_state_dict(path).get("model_shape", {}))
+    except Exception as error:
+        raise CheckpointError(f"--use-checkpoint-args: {path} does not load: "
+                              f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
 def _restore_rng(rng):
