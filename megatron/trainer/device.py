@@ -50,7 +50,10 @@ def _cpu_precision_problems(args, cuda_available):
         why = ("runs on the CUDA device, but --distributed-backend gloo runs on the CPU "
                "in fp32; use --distributed-backend nccl or drop {flag}")
     else:
-        why = "needs a CUDA GPU (CPU training runs in fp32); drop {flag}"
+        # megatron-core's mixed-precision optimizer accepts CUDA tensors only (tried: a
+        # TypeError at optimizer construction), so a CPU run cannot be bf16 or fp16
+        why = ("needs a CUDA GPU: megatron-core's mixed-precision optimizer takes CUDA "
+               "tensors only (CPU training runs in fp32); drop {flag}")
     return [f"{flag} " + why.format(flag=flag)
             for flag, used in (("--fp16", args.fp16), ("--bf16", args.bf16)) if used]
 
