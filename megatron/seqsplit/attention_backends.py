@@ -313,8 +313,9 @@ class FlexAttentionBackend(AttentionBackend):
     CUDA: `flex_attention` and `create_block_mask` under `torch.compile` (one compile per
     new split shape until dynamo marks the lengths dynamic); this path has not been run
     on a GPU yet. The block mask depends on the split alone, so the layers of a split
-    share one (`_shared_block_mask`). CPU: torch's public `flex_attention` refuses CPU inputs that require
-    grad (it has no compiled CPU backward) and re-traces eagerly for every new shape, so
+    share one (`_shared_block_mask`). CPU: torch's public `flex_attention` refuses CPU
+    inputs that require grad (it has no compiled CPU backward) and re-traces eagerly
+    for every new shape, so
     on CPU we call the higher-order op it dispatches to, whose eager autograd
     implementation is the unfused math one (it materialises the lq x lk scores). That is
     a float64 reference for tests, not a fast path. No dropout.
