@@ -246,3 +246,45 @@ def _without(argv, *flags):
         else:
             out.append(token)
     return out
+
+
+def test_rampup_decoupled_lr_and_workers_in_training(tmp_path):
+    """--rampup-batch-size grows the batch as megatron-core's calculator says (consumed
+    samples 2 4 6 10 14 20 28 36), --decoupled-lr 0 freezes exactly the embedding and
+    output layer, and --num-workers does not change the losses."""
+    import torch
+
+    from distributed import TINY_MODEL, run_configs
+
+    base = _without(TINY_MODEL, "--lr-warmup-iters") + ["--untie-embeddings-and-output-weights"]
+    ramp = ["--train-samples", "40", "--global-batch-size", "8",
+            "--rampup-batch-size", "2", "2", "16"]
+    results = run_configs(tmp_path, 1, [
+        {"name": "initial", "argv": base + ["--train-iters", "0"], "params": True},
+        {"name": "ramp", "argv": base + ramp, "params": True},
+        {"name": "ramp_workers", "argv": base + ramp + ["--num-workers", "2"]},
+        {"name": "decoupled", "argv": base + ramp + ["--decoupled-lr", "0"], "params": True},
+    ])
+    assert results["ramp"]["losses"] == results["ramp_workers"]["losses"]
+    assert len(results["ramp"]["losses"]) == 8
+    initial, ramped, frozen = (torch.load(results[name]["params"])
+                               for name in ("initial", "ramp", "decoupled"))
+    edges = [name for name in initial if "word_embeddings" in name or "output_layer" in name]
+    assert len(edges) == 2, list(initial)
+    for name in initial:
+        moved = not torch.equal(initial[name], frozen[name])
+        assert moved == (name not in edges), name
+        assert not torch.equal(initial[name], ramped[name]), name
+
+
+def test_rampup_log_shows_the_growing_batch():
+    from distributed import TINY_MODEL, pretrain
+
+    run = pretrain(_without(TINY_MODEL, "--lr-warmup-iters") + [
+        "--train-samples", "40", "--global-batch-size", "8",
+                                 "--rampup-batch-size", "2", "2", "16"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    consumed = [int(c) for c in re.findall(r"consumed samples: +(\d+)", run.stdout)]
+    batches = [int(b) for b in re.findall(r"global batch size: +(\d+)", run.stdout)]
+    assert consumed == [2, 4, 6, 10, 14, 20, 28, 36]
+    assert batches == [2, 2, 2, 4, 4, 6, 8, 8]

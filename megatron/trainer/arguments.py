@@ -648,8 +648,8 @@ def _derive_training_length(args):
         for flag, value, unset in (("--lr-decay-samples", args.lr_decay_samples, None),
                                    ("--lr-warmup-samples", args.lr_warmup_samples, 0),
                                    ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, None)):
-            _require(value == unset, f"{flag} counts samples: use it with --train-samples, or "
-                                     f"the --...-iters flag with --train-iters")
+            _require(value == unset, f"{flag} counts samples: use it with --train-samples, "
+                                     f"or {flag.replace('samples', 'iters')} with --train-iters")
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         decay = args.lr_decay_iters * gbs
@@ -664,8 +664,9 @@ def _derive_training_length(args):
         for flag, value, unset in (("--lr-decay-iters", args.lr_decay_iters, None),
                                    ("--lr-warmup-iters", args.lr_warmup_iters, 0),
                                    ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters, None)):
-            _require(value == unset, f"{flag} counts iterations: use it with --train-iters, or "
-                                     f"the --...-samples flag with --train-samples")
+            _require(value == unset, f"{flag} counts iterations: use it with --train-iters, "
+                                     f"or {flag.replace('iters', 'samples')} with "
+                                     "--train-samples")
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
         warmup = args.lr_warmup_samples
         wsd = args.lr_wsd_decay_samples
