@@ -110,11 +110,13 @@ def test_data_mistakes_stop_before_training(tmp_path):
         return parse_args(base + list(flags), world_size=1, cuda_available=False)
 
     parse_data("--data-path", prefix, "--split", "90,10,0")
+    parse_data("--data-path", prefix)  # 969,30,1: the test share is empty, but never read
     parse_data("--data-path", prefix, prefix, "--split", "90,10,0")  # prefixes only
     parse_data("--data-path", "0.3", prefix, "0.7", prefix, "--split", "90,10,0")
     for flags, flag in (
             (["--data-path", prefix, "--split", "abc"], "--split"),
-            (["--data-path", prefix], "--split"),  # 969,30,1 of 24 sequences: no test split
+            # 99,1,0 of 24 sequences: no validation sequence (--eval-iters > 0 reads some)
+            (["--data-path", prefix, "--split", "99,1,0"], "--split"),
             (["--data-path", "-1", prefix, "2", prefix, "--split", "90,10,0"], "--data-path"),
             (["--data-path", prefix + ".bin", "--split", "90,10,0"], "--data-path")):
         with pytest.raises(ArgumentError, match=flag):

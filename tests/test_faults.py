@@ -66,16 +66,21 @@ def test_check_can_be_turned_off_and_clip_grad_0_prints_no_placeholder(tmp_path)
     assert not any("grad norm" in line for line in lines), lines  # no norm: none printed
 
 
-@pytest.mark.parametrize("target", ["launcher", "workers"])
+@pytest.mark.parametrize("target", ["launcher", "workers", "workers_and_data_readers"])
 def test_sigterm_saves_and_exits(tmp_path, target):
-    """SLURM preemption: SIGTERM to torchrun (it forwards SIGTERM) or to every worker."""
+    """SLURM preemption: SIGTERM to torchrun (it forwards SIGTERM), to every worker, or,
+    with --num-workers, to every worker and its DataLoader processes (SLURM signals every
+    process of the step: the readers must outlive the save)."""
     ckpt = tmp_path / "ckpt"
+    readers = ["--num-workers", "2"] if target == "workers_and_data_readers" else []
     proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "100000", "--exit-signal-handler",
-                                    "--save", str(ckpt), "--save-interval", "100000"])
+                                    "--save", str(ckpt), "--save-interval", "100000"] + readers)
     try:
         _wait_for_iteration(proc, 3)
-        victims = [proc] if target == "launcher" else _workers(proc)
-        assert victims
+        victims = ([proc] if target == "launcher" else
+                   _workers(proc) if not readers else
+                   psutil.Process(proc.pid).children(recursive=True))
+        assert len(victims) >= (6 if readers else 1)
         for victim in victims:
             victim.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
@@ -86,7 +91,7 @@ def test_sigterm_saves_and_exits(tmp_path, target):
     stopped = int(match.group(1))
     assert (ckpt / TRACKER).read_text() == str(stopped)
     assert f"saved checkpoint at iteration {stopped}" in out
-    if target == "workers":
+    if target != "launcher":
         assert proc.returncode == 0, err[-3000:]  # workers exit 0 and so does torchrun
     # (torchrun itself re-raises the SIGTERM it got: its own exit status is then 1)
     # nothing lost: the next run resumes from the saved iteration
