@@ -288,3 +288,15 @@ def test_rampup_log_shows_the_growing_batch():
     batches = [int(b) for b in re.findall(r"global batch size: +(\d+)", run.stdout)]
     assert consumed == [2, 4, 6, 10, 14, 20, 28, 36]
     assert batches == [2, 2, 2, 4, 4, 6, 8, 8]
+
+
+def test_transformer_engine_default_only_where_it_runs(monkeypatch):
+    """With Transformer Engine importable the default is Megatron-LM's, except where the
+    split-aware local layers are needed (then local, with a note naming why)."""
+    import megatron.trainer.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_te_importable", lambda: True)
+    assert parse().transformer_impl == "transformer_engine"
+    args = parse("--seq1f1b-splits", "2")
+    assert args.transformer_impl == "local"
+    assert "does not run with --seq1f1b-splits > 1 here" in args.transformer_impl_note

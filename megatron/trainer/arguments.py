@@ -99,7 +99,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="layer implementation; default as Megatron-LM: transformer_engine "
-                        "when Transformer Engine is importable, else local (with a note)")
+                        "when Transformer Engine is importable and the run has no sequence "
+                        "splits or packed documents, else local (with a note)")
     g.add_argument("--attention-backend", choices=["auto", *BACKEND_NAMES,
                                                    *MEGATRON_ATTENTION_BACKENDS],
                    default="auto",
@@ -460,11 +461,20 @@ def _check_megatron_compat(args, cuda_available):
                "separate unfused kernel)"))
         args.attention_backend = "sdpa"
     if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if _te_importable() else "local"
+        # Megatron-LM's default, where it can run: the split schedules and packed
+        # documents need the split-aware local layers
+        needs_local = [flag for flag, used in (
+            ("--seq1f1b-splits > 1", args.seq1f1b_splits > 1),
+            ("SlimPipe", args.pipeline_schedule == "slimpipe" or args.slimpipe_slices
+             or args.slimpipe_slice_length),
+            ("--reset-attention-mask", args.reset_attention_mask)) if used]
+        te = _te_importable()
+        args.transformer_impl = "transformer_engine" if te and not needs_local else "local"
         args.transformer_impl_note = (
             None if args.transformer_impl == "transformer_engine" else
             "note: --transformer-impl local (Megatron-LM's default, transformer_engine, "
-            "needs Transformer Engine, which is not installed)")
+            + (f"does not run with {', '.join(needs_local)} here)" if te else
+               "needs Transformer Engine, which is not installed)"))
     elif args.transformer_impl == "transformer_engine" and not _te_importable():
         problems.append("--transformer-impl transformer_engine needs Transformer Engine "
                         "installed; use --transformer-impl local")
