@@ -300,3 +300,47 @@ def test_transformer_engine_default_only_where_it_runs(monkeypatch):
     args = parse("--seq1f1b-splits", "2")
     assert args.transformer_impl == "local"
     assert "does not run with --seq1f1b-splits > 1 here" in args.transformer_impl_note
+
+
+def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
+    """--tokenizer-type SentencePieceTokenizer / Llama2Tokenizer (with the sentencepiece
+    package): a .model trained here on the standard library, data preprocessed with it,
+    and 2 iterations trained on that data; vocabulary and end-of-document as Megatron-LM."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from distributed import TINY_MODEL, pretrain
+    from megatron.dataprep.tokenizer import build_tokenizer
+
+    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read()
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(line for line in text.splitlines() if line.strip()))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(lines), model_prefix=str(tmp_path / "sp"), vocab_size=300,
+        model_type="bpe", bos_id=1, eos_id=2, unk_id=0, minloglevel=2)
+    model = str(tmp_path / "sp.model")
+    llama = build_tokenizer("Llama2Tokenizer", tokenizer_model=model)
+    plain = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    assert (llama.vocab_size, llama.eod) == (300, 2)
+    assert llama.tokenize("import os")[0] == 1  # bos first, as Megatron-LM's Llama2Tokenizer
+    assert plain.vocab_size == 304 and plain.eod == 302  # <CLS> <SEP> <EOD> <MASK> appended
+    assert plain.detokenize(plain.tokenize("import os")) == "import os"
+
+    corpus = tmp_path / "corpus.jsonl"
+    with corpus.open("w") as out:
+        for start in range(0, len(text), 1500):
+            out.write(json.dumps({"text": text[start:start + 1500]}) + "\n")
+    model_flags = _without(TINY_MODEL, "--mock-data", "--tokenizer-type", "--vocab-size")
+    for kind in ("Llama2Tokenizer", "SentencePieceTokenizer"):
+        prefix = tmp_path / kind
+        proc = subprocess.run(
+            [sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+             "--output-prefix", str(prefix), "--tokenizer-type", kind, "--tokenizer-model",
+             model, "--append-eod", "--workers", "1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = pretrain(model_flags + ["--train-iters", "2", "--global-batch-size", "2",
+                                      "--data-path", f"{prefix}_text_document",
+                                      "--split", "90,10,0", "--tokenizer-type", kind,
+                                      "--tokenizer-model", model])
+        assert run.returncode == 0, run.stderr[-3000:]
+        losses = [float(m[2]) for m in ITERATION.findall(run.stdout)]
+        assert len(losses) == 2 and abs(losses[0] - math.log(plain.vocab_size)) < 1.0, losses
