@@ -94,6 +94,70 @@ class SplitDataIterator:
         return slice_batch(batch, split.offset, split.length, split.seq_length)
 
 
+class GradSync:
+    """When the data-parallel gradient reduction may start, as megatron-core's schedules
+    decide it (``--overlap-grad-reduce``: megatron-core's DDP launches each bucket's
+    reduction from the backward hooks once sync is on; ``finalize_model_grads`` waits).
+
+    ``config.no_sync_func`` is active for every backward unit of this rank except the
+    last one of each model chunk: with splits the last microbatch has one backward unit
+    per split, and only its final one (split 0) may sync, so the reductions start while
+    the rest of the pipeline still runs but only once every gradient is complete. A
+    list of ``no_sync`` (one per chunk, as Megatron-LM sets it for virtual stages) is
+    left chunk by chunk; one shared ``no_sync`` is left for each chunk's last unit and
+    entered again after it, as megatron-core's interleaved schedule does. With
+    ``config.grad_sync_func`` (Megatron-LM's align-grad-reduce) the hooks stay off and
+    it is called for each chunk right after that chunk's last backward unit.
+    """
+
+    def __init__(self, config, chunks, actions):
+        self.chunks = chunks
+        self.final = {}  # chunk -> its last backward unit on this rank
+        self.last = None  # the last backward unit of all
+        for action in actions:
+            if isinstance(action, Unit) and not action.is_forward:
+                self.final[action.chunk] = self.last = action
+        self.no_sync = config.no_sync_func or contextlib.nullcontext
+        self.per_chunk = isinstance(self.no_sync, list)
+        if self.per_chunk and len(self.no_sync) != len(chunks):
+            raise ValueError(f"config.no_sync_func has {len(self.no_sync)} entries for "
+                             f"{len(chunks)} model chunks")
+        grad_sync_func = config.grad_sync_func
+        if grad_sync_func is not None and not isinstance(grad_sync_func, list):
+            grad_sync_func = [grad_sync_func] * len(chunks)
+        self.grad_sync_func = grad_sync_func
+        self.entered = {}  # chunk index (or None: the shared one) -> entered no_sync
+        for key in (range(len(chunks)) if self.per_chunk else [None]):
+            if self.final:  # forward-only runs have no backward and keep sync as it is
+                self._enter(key)
+
+    def _enter(self, key):
+        context = self.no_sync[key]() if self.per_chunk else self.no_sync()
+        context.__enter__()
+        self.entered[key] = context
+
+    def _leave(self, key):
+        context = self.entered.pop(key, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def before_backward(self, unit: Unit):
+        if self.grad_sync_func is None and self.final.get(unit.chunk) == unit:
+            self._leave(unit.chunk if self.per_chunk else None)
+
+    def after_backward(self, unit: Unit):
+        if self.final.get(unit.chunk) != unit:
+            return
+        if self.grad_sync_func is not None:
+            self.grad_sync_func[unit.chunk](self.chunks[unit.chunk].parameters())
+        elif not self.per_chunk and unit != self.last:
+            self._enter(None)  # the other chunks' gradients are not complete yet
+
+    def close(self):
+        for key in list(self.entered):
+            self._leave(key)
+
+
 class SplitNotConsumedError(RuntimeError):
     """A forward under sequence splits returned without the model using its split."""
 
@@ -203,11 +267,6 @@ def forward_backward_pipelining_seq1f1b(
     inputs, outputs, input_grads = {}, {}, {}
     forward_outputs = {}  # outputs waiting to be sent downstream
 
-    sync_guard = contextlib.ExitStack()
-    if not forward_only:  # gradients reduce once, in finalize_model_grads
-        no_sync = config.no_sync_func or contextlib.nullcontext
-        for chunk_no_sync in (no_sync if isinstance(no_sync, list) else [no_sync]):
-            sync_guard.enter_context(chunk_no_sync())
     exchanges = {}  # unit -> this rank's side of an attention-redistribution pair
     if settings.attention_balance and not forward_only:
         actions, exchanges = _balanced_actions(settings, rank, pp_group, pp_size,
@@ -224,8 +283,7 @@ def forward_backward_pipelining_seq1f1b(
         actions = checked_chunked_programs(
             pp_size, num_microbatches, num_chunks, settings.num_splits,
             getattr(config, "microbatch_group_size_per_vp_stage", None), forward_only)[rank]
-    last_backward = next((a for a in reversed(actions)
-                          if isinstance(a, Unit) and not a.is_forward), None)
+    grad_sync = GradSync(config, chunks, actions)  # no_sync entered for the backwards
 
     def run_forward(unit: Unit):
         nonlocal total_num_tokens
@@ -265,9 +323,9 @@ def forward_backward_pipelining_seq1f1b(
         output_tensor = outputs.pop(forward_unit)
         if holds_loss(unit):
             output_tensor = _normalise_loss(output_tensor, unit.microbatch)
-        if unit == last_backward:
-            sync_guard.close()
+        grad_sync.before_backward(unit)
         grad = backward_step(input_tensor, output_tensor, received_grads.pop(unit, None), config)
+        grad_sync.after_backward(unit)
         input_grads[unit] = grad
 
     def _normalise_loss(loss_sum, microbatch):
@@ -342,25 +400,31 @@ def forward_backward_pipelining_seq1f1b(
         if not forward_only:
             deallocate_output_tensor(tensor, config.deallocate_pipeline_outputs)
 
-    for action in actions:
-        if isinstance(action, Unit):
-            for observer in observers:
-                observer.on_unit_start(rank, action)
-            kv_store.exchange = exchanges.get(action)
-            kv_store.exchange_unit_is_forward = action.is_forward
-            if action.is_forward:
-                run_forward(action)
-            else:
-                run_backward(action)
-                if is_first and action.chunk == 0:
-                    input_grads.pop(action, None)  # nothing to send upstream
-            kv_store.exchange = None
-            for observer in observers:
-                observer.on_unit_end(rank, action)
-        elif isinstance(action[0], Message):
-            run_batch(action)
+    def run_unit(unit: Unit):
+        for observer in observers:
+            observer.on_unit_start(rank, unit)
+        kv_store.exchange = exchanges.get(unit)
+        kv_store.exchange_unit_is_forward = unit.is_forward
+        if unit.is_forward:
+            run_forward(unit)
         else:
-            run_comm(action)
+            run_backward(unit)
+            if is_first and unit.chunk == 0:
+                input_grads.pop(unit, None)  # nothing to send upstream
+        kv_store.exchange = None
+        for observer in observers:
+            observer.on_unit_end(rank, unit)
+
+    try:
+        for action in actions:
+            if isinstance(action, Unit):
+                run_unit(action)
+            elif isinstance(action[0], Message):
+                run_batch(action)
+            else:
+                run_comm(action)
+    finally:
+        grad_sync.close()  # also on an error: the model's no_sync state is left as found
 
     if not forward_only:
         if kv_store.num_entries() != 0:

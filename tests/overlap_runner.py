@@ -1,0 +1,62 @@
+"""`tests/dist_runner.py`, plus a record of when the data-parallel gradient reductions
+started, for tests/test_overlap_grad_reduce.py.
+
+    torchrun --nproc-per-node W tests/overlap_runner.py SPEC.json OUT.json
+
+Each rank writes OUT.json.rank<R>.json: for every call of `finalize_model_grads` (one
+per training iteration), per model chunk, how many of its DDP bucket groups already had
+their reduction in flight (started from the backward hooks, i.e. overlapped) and how
+many it has. DDP buckets are made small (`OVERLAP_BUCKET_SIZE` parameters, Megatron-LM's
+--ddp-bucket-size, which our flags lack) so that a chunk has several.
+"""
+
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dist_runner  # noqa: E402  (sets up sys.path and warnings as the runner does)
+
+from megatron.trainer import training  # noqa: E402
+
+BUCKET_SIZE = int(os.environ.get("OVERLAP_BUCKET_SIZE", "2000"))
+
+
+def recording_finalize(records, finalize):
+    """`finalize_model_grads` that first notes which reductions the hooks started."""
+
+    def finalize_model_grads(model, *args, **kwargs):
+        records[-1].append([[sum(group.grad_reduce_handle is not None
+                                 for group in chunk.bucket_groups),
+                             len(chunk.bucket_groups)] for chunk in model])
+        return finalize(model, *args, **kwargs)
+
+    return finalize_model_grads
+
+
+def counting_pretrain(records, pretrain):
+    """`pretrain` that opens a new list of records per configuration."""
+
+    def run(*args, **kwargs):
+        records.append([])
+        return pretrain(*args, **kwargs)
+
+    return run
+
+
+def main(spec_path, out_path):
+    records = []  # per configuration, in the spec's order: per iteration, per chunk
+    training.finalize_model_grads = recording_finalize(records, training.finalize_model_grads)
+    training.DistributedDataParallelConfig = functools.partial(
+        training.DistributedDataParallelConfig, bucket_size=BUCKET_SIZE)
+    dist_runner.pretrain = counting_pretrain(records, dist_runner.pretrain)
+    dist_runner.main(spec_path, out_path)
+    names = [run["name"] for run in json.load(open(spec_path))]
+    with open(f"{out_path}.rank{os.environ['RANK']}.json", "w") as handle:
+        json.dump(dict(zip(names, records)), handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
