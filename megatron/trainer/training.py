@@ -36,6 +36,7 @@ from megatron.trainer.metrics import (
     stage_peaks_gb,
 )
 from megatron.trainer.model import pad_vocab_size, transformer_config_from_args
+from megatron.trainer.param_gather import ParamGatherHooks
 
 
 def print_rank_0(message):
@@ -54,7 +55,11 @@ def build_model(args, config, model_provider):
     num_chunks = args.virtual_pipeline_model_parallel_size or 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
-        overlap_grad_reduce=False,
+        # Megatron-LM's meaning: bucket reductions start from the backward hooks of the
+        # iteration's last backward unit (the schedules keep no_sync on before it), and
+        # the distributed optimizer's all-gather waits for the next forward (param_gather)
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     chunks = []
@@ -394,6 +399,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
     outside = 0.0  # seconds of evaluation and checkpointing: not training throughput
     for chunk in model:
         chunk.train()
+    param_gather = ParamGatherHooks(model)  # --overlap-param-gather: on after a good step
     while iteration < args.train_iters:
         for observer in observers:
             observer.reset()  # keep the last iteration only
@@ -405,6 +411,8 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         iteration += 1
         consumed_samples += args.global_batch_size
         skipped += 0 if ok else 1
+        if ok:
+            param_gather.step_succeeded()
         loss = losses.get("lm loss")
         history.grad_norms.append(grad_norm)
         if loss is not None:
@@ -432,8 +440,10 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
         if valid_iterator is not None and iteration % args.eval_interval == 0:
             progress.step = f"evaluation at iteration {iteration}"
+            param_gather.pause()  # evaluation reads whole parameters
             valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func,
                              monitor)
+            param_gather.resume()
             if "lm loss" in valid:
                 ppl = monitor.log_validation(valid["lm loss"], iteration, consumed_samples)
                 print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
@@ -441,6 +451,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
                 history.validation_losses.append(valid["lm loss"])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             progress.step = f"checkpoint save at iteration {iteration}"
+            param_gather.sync()  # the saved parameters are those of the last step
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                           scheduler)
         spent = time.time() - paused
@@ -452,6 +463,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         if exit_reason is not None:
             print_rank_0(f" exiting at iteration {iteration}: {_EXIT_REASONS[exit_reason]}")
             break
+    param_gather.stop()  # the last step's parameters, whole, for the save and the caller
     paused = time.time()
     if args.save and (args.train_iters == 0 or iteration % args.save_interval != 0):
         progress.step = f"checkpoint save at iteration {iteration}"
