@@ -71,3 +71,10 @@ def test_training_checks_apply(capsys):
     with pytest.raises(SystemExit) as exc:
         main(TRAINING + ["--no-such-flag"])
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
+
+
+def test_vocabulary_padding_follows_the_flag():
+    """--make-vocab-size-divisible-by pads the LM head's logits as training does."""
+    padded = plan(TRAINING).cost.vocab
+    exact = plan(TRAINING + ["--make-vocab-size-divisible-by", "1"]).cost.vocab
+    assert (padded, exact) == (50432, 50258)  # 128 x TP 2 multiple; 1 x TP 2 multiple

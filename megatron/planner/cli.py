@@ -212,6 +212,7 @@ def model_from_args(args, t=None) -> ModelSpec:
         untie_embeddings=bool(t.untie_embeddings_and_output_weights),
         position_embedding_type=t.position_embedding_type,
         attention_dropout=t.attention_dropout > 0,
+        vocab_divisible_by=getattr(t, "make_vocab_size_divisible_by", 128),
     )
 
 

@@ -105,7 +105,7 @@ class CostModel:
         self.kv_layout = kv_layout
         self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
         self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)
-        self.vocab = pad_vocab(model.vocab_size, par.tp)
+        self.vocab = pad_vocab(model.vocab_size, par.tp, model.vocab_divisible_by)
 
     # ------------------------------------------------------------------ parameters
     def layer_params(self) -> Dict[str, float]:

@@ -297,7 +297,8 @@ def split_alignment(c: PlanConfig) -> int:
 
 def training_shape(c: PlanConfig):
     """The model shape as training plans its splits: the padded vocabulary."""
-    return replace(c.model.shape(), vocab_size=pad_vocab(c.model.vocab_size, c.parallel.tp))
+    padded = pad_vocab(c.model.vocab_size, c.parallel.tp, c.model.vocab_divisible_by)
+    return replace(c.model.shape(), vocab_size=padded)
 
 
 def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:

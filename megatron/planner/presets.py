@@ -34,6 +34,7 @@ class ModelSpec:
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
+    vocab_divisible_by: int = 128  # --make-vocab-size-divisible-by (x TP)
 
     @property
     def head_dim(self) -> int:
