@@ -6,7 +6,8 @@ started, for tests/test_overlap_grad_reduce.py.
 Each rank writes OUT.json.rank<R>.json: for every call of `finalize_model_grads` (one
 per training iteration), per model chunk, how many of its DDP bucket groups already had
 their reduction in flight (started from the backward hooks, i.e. overlapped) and how
-many it has. DDP buckets are made small (`OVERLAP_BUCKET_SIZE` parameters, Megatron-LM's
+many it has. A run whose spec has "grad_sync_func": true gets Megatron-LM's
+`config.grad_sync_func`. DDP buckets are made small (`OVERLAP_BUCKET_SIZE` parameters, Megatron-LM's
 --ddp-bucket-size, which our flags lack) so that a chunk has several.
 """
 
@@ -46,14 +47,30 @@ def counting_pretrain(records, pretrain):
     return run
 
 
+def aligning_build_model(runs, records, build_model):
+    """`build_model` that, for a run with "grad_sync_func" in its spec, sets
+    `config.grad_sync_func` as Megatron-LM does under --align-grad-reduce: the schedule
+    then starts each chunk's reductions itself."""
+
+    def build(args, config, *rest, **kwargs):
+        chunks = build_model(args, config, *rest, **kwargs)
+        if runs[len(records) - 1].get("grad_sync_func"):
+            config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+        return chunks
+
+    return build
+
+
 def main(spec_path, out_path):
     records = []  # per configuration, in the spec's order: per iteration, per chunk
+    runs = json.load(open(spec_path))
     training.finalize_model_grads = recording_finalize(records, training.finalize_model_grads)
+    training.build_model = aligning_build_model(runs, records, training.build_model)
     training.DistributedDataParallelConfig = functools.partial(
         training.DistributedDataParallelConfig, bucket_size=BUCKET_SIZE)
     dist_runner.pretrain = counting_pretrain(records, dist_runner.pretrain)
     dist_runner.main(spec_path, out_path)
-    names = [run["name"] for run in json.load(open(spec_path))]
+    names = [run["name"] for run in runs]
     with open(f"{out_path}.rank{os.environ['RANK']}.json", "w") as handle:
         json.dump(dict(zip(names, records)), handle)
 
