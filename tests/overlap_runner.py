@@ -8,10 +8,10 @@ per training iteration), per model chunk, how many of its DDP bucket groups alre
 their reduction in flight (started from the backward hooks, i.e. overlapped) and how
 many it has. A run whose spec has "grad_sync_func": true gets Megatron-LM's
 `config.grad_sync_func`. DDP buckets are made small (`OVERLAP_BUCKET_SIZE` parameters, Megatron-LM's
---ddp-bucket-size, which our flags lack) so that a chunk has several.
+--ddp-bucket-size, which our flags lack) so that a chunk has several; a spec's
+"bucket_size" overrides it (null: megatron-core's default).
 """
 
-import functools
 import json
 import os
 import sys
@@ -61,13 +61,24 @@ def aligning_build_model(runs, records, build_model):
     return build
 
 
+def sized_ddp_config(runs, records, config_class):
+    """DDP's config with the run's "bucket_size" (null: megatron-core's default),
+    BUCKET_SIZE when its spec has none."""
+
+    def make(**kwargs):
+        kwargs["bucket_size"] = runs[len(records) - 1].get("bucket_size", BUCKET_SIZE)
+        return config_class(**kwargs)
+
+    return make
+
+
 def main(spec_path, out_path):
     records = []  # per configuration, in the spec's order: per iteration, per chunk
     runs = json.load(open(spec_path))
     training.finalize_model_grads = recording_finalize(records, training.finalize_model_grads)
     training.build_model = aligning_build_model(runs, records, training.build_model)
-    training.DistributedDataParallelConfig = functools.partial(
-        training.DistributedDataParallelConfig, bucket_size=BUCKET_SIZE)
+    training.DistributedDataParallelConfig = sized_ddp_config(
+        runs, records, training.DistributedDataParallelConfig)
     dist_runner.pretrain = counting_pretrain(records, dist_runner.pretrain)
     dist_runner.main(spec_path, out_path)
     names = [run["name"] for run in runs]
