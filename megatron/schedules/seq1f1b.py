@@ -13,6 +13,10 @@ token count of its whole microbatch (known by then: on the last stage all splits
 of a microbatch run forward before its first backward), so the split losses add up
 to the unsplit microbatch loss; with ``calculate_per_token_loss`` the sums are
 used as they are and megatron-core divides by the total token count.
+
+The model must consume each split (``check_split_consumed``: refused after the first
+forward unit otherwise), and data-parallel gradient reduction starts as megatron-core's
+schedules start it, from each model chunk's last backward unit (``GradSync``).
 """
 
 import contextlib
