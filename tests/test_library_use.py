@@ -2,9 +2,9 @@
 
 * megatron-core's positional call `get_forward_backward_func(pp_size, vp_size)` works and
   returns what megatron-core returns;
-* with splits, a stock megatron-core `GPTModel` (local spec) and a plain `forward_step`,
-  or our model with a `forward_step` that leaves the split out, are refused at the first
-  unit, before any backward, with one message naming what to use;
+* with splits (Seq1F1B or SlimPipe), a stock megatron-core `GPTModel` (local spec) and a
+  plain `forward_step`, or our model with a `forward_step` that leaves the split out, are
+  refused at the first unit, before any backward, with one message naming what to use;
 * the docstring's `forward_step` and loss function with `SeqSplitGPTModel` train: 4
   splits give the unsplit losses and gradients.
 
@@ -178,6 +178,10 @@ def child(out_path):
     result["stock"] = _refusal(split_func, functools.partial(plain_forward_step, calls=calls),
                                _stock_model(config), calls)
     calls = []
+    slimpipe = get_forward_backward_func(schedule="slimpipe", slimpipe_slices=SPLITS)
+    result["stock_slimpipe"] = _refusal(
+        slimpipe, functools.partial(plain_forward_step, calls=calls), _stock_model(config), calls)
+    calls = []
     result["split_left_out"] = _refusal(
         split_func, functools.partial(plain_forward_step, calls=calls), _our_model(config),
         calls)
@@ -219,9 +223,10 @@ def _assert_refused_at_first_unit(refusal):
         assert needed in message, (needed, message)
 
 
-def test_stock_gpt_model_with_splits_is_refused_at_the_first_unit(library_run):
-    _assert_refused_at_first_unit(library_run["stock"])
-    assert "attention and positions" in library_run["stock"]["message"]
+@pytest.mark.parametrize("schedule", ["stock", "stock_slimpipe"])
+def test_stock_gpt_model_with_splits_is_refused_at_the_first_unit(library_run, schedule):
+    _assert_refused_at_first_unit(library_run[schedule])
+    assert "attention and positions" in library_run[schedule]["message"]
 
 
 def test_forward_step_leaving_the_split_out_is_refused(library_run):
