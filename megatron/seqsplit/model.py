@@ -40,13 +40,40 @@ class SequenceParallelTorchNorm:
 
     def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
                 zero_centered_gamma=False, normalization="LayerNorm"):
-        norm_classes = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        norm_classes = ({"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}
+                        if zero_centered_gamma or config.layernorm_zero_centered_gamma else
+                        {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm})
         if config.normalization not in norm_classes:
             raise ValueError(f"--normalization {config.normalization} is not supported")
         norm = norm_classes[config.normalization](hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """--apply-layernorm-1p: the stored weight is gamma - 1 (initialised to zero), so
+    weight decay pulls gamma towards 1 instead of 0."""
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1,
+                                              self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm with the same zero-centred weight as ``ZeroCenteredLayerNorm``."""
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1,
+                                            self.eps)
 
 
 def _swap_torch_norms(submodules):

@@ -26,9 +26,9 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, faults, initialize, monitoring
+from megatron.trainer import checkpointing, device, faults, initialize, monitoring
 from megatron.trainer.arguments import parse_args_or_exit
-from megatron.trainer.data import MicrobatchIterator
+from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
     format_iteration_line,
     memory_label,
@@ -54,7 +54,9 @@ def build_model(args, config, model_provider):
     precision and megatron-core DDP."""
     num_chunks = args.virtual_pipeline_model_parallel_size or 1
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        # as Megatron-LM: fp32 gradient reduction with bf16/fp16 unless --grad-reduce-in-bf16
+        grad_reduce_in_fp32=(args.accumulate_allreduce_grads_in_fp32
+                             or ((args.bf16 or args.fp16) and not args.grad_reduce_in_bf16)),
         # Megatron-LM's meaning: bucket reductions start from the backward hooks of the
         # iteration's last backward unit (the schedules keep no_sync on before it), and
         # the distributed optimizer's all-gather waits for the next forward (param_gather)
@@ -72,7 +74,7 @@ def build_model(args, config, model_provider):
         kwargs = {"vp_stage": vp_stage} if num_chunks > 1 else {}
         model = model_provider(args, config, pre_process=pre_process,
                                post_process=post_process, **kwargs)
-        if torch.cuda.is_available():
+        if device.on_cuda(args):  # the flags decide (gloo on a GPU machine: a CPU run)
             model.cuda(torch.cuda.current_device())
         if args.bf16 or args.fp16:
             model = Float16Module(config, model)
@@ -85,10 +87,14 @@ def build_model(args, config, model_provider):
 
 
 def build_optimizer(args, model):
+    """megatron-core's optimizer and learning-rate schedule from Megatron-LM's flags
+    (schedule lengths in samples, as validate_args derived them)."""
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
         min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
@@ -99,24 +105,28 @@ def build_optimizer(args, model):
         params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else
                                                        torch.float32),
         loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model)
-    # steps are counted in samples, as in Megatron-LM
-    gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_steps,
         # megatron-core wants warm-up < decay even for a run with no steps (--train-iters 0)
-        lr_decay_steps=max(args.lr_decay_iters, args.lr_warmup_iters + 1) * gbs,
+        lr_decay_steps=max(args.lr_decay_steps, args.lr_warmup_steps + 1),
         lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=max(args.train_iters, 1) * gbs,
-        wd_incr_style="constant",
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=max(args.wd_incr_steps, 1),
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=args.lr_wsd_decay_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
     return optimizer, scheduler
 
@@ -166,7 +176,9 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         grad_norm = None  # no clipping, no norm: megatron-core returns a 0.0 placeholder
     guard.check_grad_norm(iteration, grad_norm)
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        # the samples of this iteration (the global batch grows under --rampup-batch-size)
+        scheduler.step(increment=args.num_microbatches * args.micro_batch_size
+                       * args.data_parallel_size)
     if monitor is not None:
         monitor.empty_unused_memory(level=2)
     losses = reduce_losses(losses_reduced) if parallel_state.is_pipeline_last_stage() else {}
@@ -234,7 +246,8 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
               forward_step_func, on_finish):
     initialize.set_seeds(args.seed)
     train_ds, valid_ds, tokenizer = datasets_provider(args)
-    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size)
+    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
+                                            args.make_vocab_size_divisible_by)
     config = transformer_config_from_args(args)
     model = build_model(args, config, model_provider)
     optimizer, scheduler = build_optimizer(args, model)
@@ -272,12 +285,13 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(
         train_ds, args.micro_batch_size, consumed_samples,
-        num_microbatches=args.num_microbatches))
+        num_microbatches=args.num_microbatches, num_workers=args.num_workers))
     # a resumed run evaluates on the validation samples the uninterrupted run would reach
     # (Megatron-LM's consumed_valid_samples, derived from the iteration)
     consumed_valid = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
     valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
-        valid_ds, args.micro_batch_size, consumed_valid, num_microbatches=args.num_microbatches))
+        valid_ds, args.micro_batch_size, consumed_valid, num_microbatches=args.num_microbatches,
+        num_workers=args.num_workers))
                       if valid_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
@@ -295,9 +309,13 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
             SliceCosts.from_model(model_shape_from_args(args), args.slimpipe_slice_length,
                                   args.slimpipe_attention_balance_exchange_cost))
         print_rank_0(f"> {describe(plan)}")
-    result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
-                   scheduler, forward_backward_func, iteration, consumed_samples, guard,
-                   progress, observers)
+    try:
+        result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
+                       scheduler, forward_backward_func, iteration, consumed_samples, guard,
+                       progress, observers)
+    finally:  # --num-workers: end the reader processes whichever way training ends
+        for iterator in _as_list(train_iterator) + _as_list(valid_iterator):
+            iterator.close()
     if recorder is not None:
         write_timeline(args, recorder)
     if probe is not None and parallel_state.get_data_parallel_rank() == 0 and \
@@ -309,6 +327,10 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         on_finish(args, model)
     initialize.destroy_model_parallel()
     return result
+
+
+def _as_list(iterators):
+    return [] if iterators is None else iterators if isinstance(iterators, list) else [iterators]
 
 
 def chunk_iterators(model, make_iterator):
@@ -323,7 +345,7 @@ def timeline_recorder(args):
         return None
     from megatron.planner.trace import TimelineRecorder
 
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    sync = torch.cuda.synchronize if device.on_cuda(args) else None
     return TimelineRecorder(rank=parallel_state.get_pipeline_model_parallel_rank(), sync=sync)
 
 
@@ -389,27 +411,32 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
 def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
                 forward_backward_func, iteration, consumed_samples, guard, progress,
                 observers, monitor):
-    flops = model_flops_per_iteration(args)
-    tokens_per_iteration = args.global_batch_size * args.seq_length
+    # per sample: under --rampup-batch-size the global batch changes between iterations
+    flops_per_sample = model_flops_per_iteration(args) / args.global_batch_size
+    window_samples = 0
     world = torch.distributed.get_world_size()
     history = TrainingResult()
     window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
     skipped = 0
-    run_start, run_start_iteration = time.time(), iteration
+    run_start, run_start_iteration, run_start_samples = time.time(), iteration, consumed_samples
     outside = 0.0  # seconds of evaluation and checkpointing: not training throughput
     for chunk in model:
         chunk.train()
     param_gather = ParamGatherHooks(model)  # --overlap-param-gather: on after a good step
+    batch_sizes = GlobalBatchSizes(args)
     while iteration < args.train_iters:
         for observer in observers:
             observer.reset()  # keep the last iteration only
+        args.num_microbatches = batch_sizes.microbatches_at(consumed_samples)
         monitor.before_step(iteration)
         with monitor.step_label(iteration + 1):
             losses, grad_norm, ok, exit_reason = train_step(
                 args, step_func, train_iterator, model, optimizer, scheduler,
                 forward_backward_func, guard, iteration + 1, progress, monitor)
         iteration += 1
-        consumed_samples += args.global_batch_size
+        batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
+        consumed_samples += batch
+        window_samples += batch
         skipped += 0 if ok else 1
         if ok:
             param_gather.step_succeeded()
@@ -426,17 +453,20 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window_start) / window_iters
             peaks = stage_peaks_gb(observers)
-            tflops = flops / elapsed / world / 1e12
+            samples_per_iteration = window_samples / window_iters
+            tokens_per_second = samples_per_iteration * args.seq_length / elapsed
+            tflops = flops_per_sample * samples_per_iteration / elapsed / world / 1e12
             if parallel_state.is_pipeline_last_stage():
                 mean_loss = window_loss / max(window_count, 1)
                 print_last_rank(format_iteration_line(
                     iteration, args.train_iters, consumed_samples, elapsed * 1000, lr,
-                    args.global_batch_size, mean_loss, grad_norm,
-                    tokens_per_iteration / elapsed, tflops if args.log_throughput else None,
+                    batch, mean_loss, grad_norm,
+                    tokens_per_second, tflops if args.log_throughput else None,
                     peaks, memory_label(observers)))
             monitor.log_interval(iteration, window_iters, elapsed, tflops,
-                                 tokens_per_iteration / elapsed)  # collective (timers)
+                                 tokens_per_second)  # collective (timers)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
+            window_samples = 0
         paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
         if valid_iterator is not None and iteration % args.eval_interval == 0:
             progress.step = f"evaluation at iteration {iteration}"
@@ -480,6 +510,6 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         print_last_rank(
             f"[summary] iterations: {done} (skipped {skipped}) | time: {total:.1f}s | "
             f"ms/iteration: {per_iter} | final lm loss: {final} | "
-            f"tokens/s: {done * tokens_per_iteration / training_time:.1f} | "
+            f"tokens/s: {(consumed_samples - run_start_samples) * args.seq_length / training_time:.1f} | "
             f"{memory_label(observers)}: {' '.join(f'{p:.3f}' for p in peaks)}")
     return history
