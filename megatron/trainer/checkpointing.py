@@ -9,9 +9,11 @@ flags that differ.
 
 With ``--use-distributed-optimizer`` the optimizer state is saved in megatron-core's
 ``fully_reshardable`` format: one tensor per parameter in the model's own sharding, so
-it reshards across tensor, pipeline and data-parallel sizes like the model does. A
-checkpoint only loads its optimizer state into a run with the same optimizer kind
-(``--no-load-optim`` loads the weights into either).
+it reshards across tensor, pipeline and data-parallel sizes like the model does, and
+across DDP bucket layouts (--overlap-grad-reduce, bucket sizes). megatron-core's save of
+that format cuts parameters at the wrong places of model chunks with several buckets
+(``_in_buffer_space`` corrects it). A checkpoint only loads its optimizer state into a
+run with the same optimizer kind (``--no-load-optim`` loads the weights into either).
 
 What a save guarantees, in order:
 
@@ -158,8 +160,66 @@ def _optimizer_state(args, optimizer, model_sd, loading):
         # moves tensors to CUDA): data-parallel rank 0 writes the state
         metadata = {"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_FORMAT,
                     "distrib_optim_fully_reshardable_mem_efficient": True}
-        return optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
+        parts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+                 if hasattr(part, "get_parameter_state_dp_zero")]
+        for part in parts:
+            part.get_parameter_state_dp_zero = _in_buffer_space(part)
+        try:
+            return optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                                metadata=metadata)
+        finally:
+            for part in parts:
+                del part.get_parameter_state_dp_zero  # the class's method again
     return optimizer.sharded_state_dict(model_sd, is_loading=loading)
+
+
+def _in_buffer_space(part):
+    """``part.get_parameter_state_dp_zero`` whose gathered tensors are indexed like the
+    grad buffer, so that megatron-core's ``fully_reshardable`` save slices the right
+    elements for every parameter.
+
+    megatron-core (0.16.1 to 0.19.2, its "issue #504") gathers each buffer's state as the
+    concatenation of its buckets *without* the padding at the end of each bucket, then
+    cuts every parameter out of it at ``buffer.param_index_map``'s offsets, which count
+    that padding. With one bucket the two agree; with several (--overlap-grad-reduce
+    makes them) every parameter after the first bucket got another parameter's elements
+    (shifted by the padding before it) as its main weights and Adam moments, and its
+    load then copied those wrong main weights into the model. Here each bucket's
+    elements are put back at the bucket's offset in the buffer."""
+    gather = part.get_parameter_state_dp_zero  # the bound method of the class
+
+    def get_parameter_state_dp_zero(*args, **kwargs):
+        state = gather(*args, **kwargs)
+        if state is None:  # a data-parallel rank that does not write
+            return state
+        for gbuf_idx, by_dtype in state.items():
+            if not isinstance(gbuf_idx, int):  # "buckets_coalesced"
+                continue
+            buffer = part.buffers[gbuf_idx]
+            for world in by_dtype.values():
+                for key, tensor in list(world.items()):
+                    if isinstance(tensor, torch.Tensor):
+                        world[key] = _bucket_padding_restored(buffer, tensor)
+        return state
+
+    return get_parameter_state_dp_zero
+
+
+def _bucket_padding_restored(buffer, packed):
+    """The buckets' unpadded elements, concatenated in ``packed``, at their offsets in a
+    tensor of the (padded) buffer's size."""
+    lengths = [bucket.numel_unpadded for bucket in buffer.buckets]
+    if packed.dim() != 1 or packed.numel() != sum(lengths):
+        raise RuntimeError(
+            f"megatron-core's gathered distributed-optimizer state has {packed.numel()} "
+            f"elements, its buckets {sum(lengths)}: a megatron-core version whose layout "
+            f"this project does not know (see megatron/trainer/mcore_compat.py)")
+    spread = torch.zeros(buffer.numel, dtype=packed.dtype, device=packed.device)
+    start = 0
+    for bucket, length in zip(buffer.buckets, lengths):
+        spread[bucket.offset:bucket.offset + length] = packed[start:start + length]
+        start += length
+    return spread
 
 
 def _load_optimizer(args, optimizer, state):

@@ -179,6 +179,22 @@ TABLE = (
            "'distrib_optim_fully_reshardable_mem_efficient': True} (the default format's "
            "flattened ranges no longer save; the other fully_reshardable path needs CUDA)",
            "self", "model_sharded_state_dict", "is_loading", "metadata"),
+    _mcore("optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero",
+           "shadowed per instance during a fully_reshardable sharded_state_dict: its "
+           "gathered tensors (buckets concatenated without their end padding) are spread "
+           "back to the buckets' offsets, which sharded_param_state_fully_reshardable "
+           "slices them at (megatron-core's 'issue #504': with several DDP buckets it "
+           "saved shifted main weights and Adam moments)",
+           "self", "use_gloo_comm", "empty_data", "return_on_all_ranks"),
+    _mcore("optimizer.distrib_optimizer:DistributedOptimizer."
+           "sharded_param_state_fully_reshardable",
+           "reached through sharded_state_dict; calls self.get_parameter_state_dp_zero and "
+           "cuts each parameter at buffer.param_index_map's (padded) offsets",
+           "self", "model_sharded_state_dict", "is_loading", "metadata"),
+    _mcore("distributed.param_and_grad_buffer:_ParamAndGradBucket.__init__",
+           "checkpointing reads bucket.offset and bucket.numel_unpadded (and buffer.buckets,"
+           " buffer.numel) to put the gathered state back in buffer space",
+           "self", "params", "param_data", "grad_data", "offset", "numel_unpadded"),
     _mcore("optimizer.distrib_optimizer:DistributedOptimizer."
            "load_parameter_state_from_fully_reshardable",
            "loads the Adam tensors with the per-parameter 'step' set aside (it would copy "
