@@ -168,4 +168,5 @@ def test_vocab_without_endoftext_is_refused(tmp_path, gpt2_files):
 
 
 def test_tokenizer_type_names():
-    assert TOKENIZER_TYPES == ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+    assert TOKENIZER_TYPES == ("GPT2BPETokenizer", "HuggingFaceTokenizer",
+                               "SentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer")
