@@ -9,7 +9,10 @@ their reduction in flight (started from the backward hooks, i.e. overlapped) and
 many it has. A run whose spec has "grad_sync_func": true gets Megatron-LM's
 `config.grad_sync_func`. DDP buckets are made small (`OVERLAP_BUCKET_SIZE` parameters, Megatron-LM's
 --ddp-bucket-size, which our flags lack) so that a chunk has several; a spec's
-"bucket_size" overrides it (null: megatron-core's default).
+"bucket_size" overrides it (null: megatron-core's default). A run whose spec has
+"legacy_distopt_save": true saves distributed-optimizer checkpoints as the project did
+before it corrected megatron-core's fully_reshardable save of several buckets (wrong
+optimizer state: tests/test_distopt_buckets.py).
 """
 
 import json
@@ -20,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_runner  # noqa: E402  (sets up sys.path and warnings as the runner does)
 
-from megatron.trainer import training  # noqa: E402
+from megatron.trainer import checkpointing, training  # noqa: E402
 
 BUCKET_SIZE = int(os.environ.get("OVERLAP_BUCKET_SIZE", "2000"))
 
@@ -72,6 +75,17 @@ def sized_ddp_config(runs, records, config_class):
     return make
 
 
+def legacy_save(runs, records, in_buffer_space):
+    """checkpointing's bucket-layout correction, left out for a "legacy_distopt_save" run."""
+
+    def choose(part):
+        if runs[len(records) - 1].get("legacy_distopt_save"):
+            return part.get_parameter_state_dp_zero  # megatron-core's own, as before
+        return in_buffer_space(part)
+
+    return choose
+
+
 def main(spec_path, out_path):
     records = []  # per configuration, in the spec's order: per iteration, per chunk
     runs = json.load(open(spec_path))
@@ -80,6 +94,7 @@ def main(spec_path, out_path):
     training.DistributedDataParallelConfig = sized_ddp_config(
         runs, records, training.DistributedDataParallelConfig)
     dist_runner.pretrain = counting_pretrain(records, dist_runner.pretrain)
+    checkpointing._in_buffer_space = legacy_save(runs, records, checkpointing._in_buffer_space)
     dist_runner.main(spec_path, out_path)
     names = [run["name"] for run in runs]
     with open(f"{out_path}.rank{os.environ['RANK']}.json", "w") as handle:

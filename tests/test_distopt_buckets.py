@@ -6,7 +6,8 @@ padding at the end of its buckets but cuts the parameters out of it at their pad
 offsets: every parameter after a chunk's first bucket was saved with shifted main weights
 and Adam moments, and the load copied them into the model (differences up to 1.0 on the
 first pipeline stage). megatron/trainer/checkpointing.py puts the buckets back at their
-offsets before the save cuts.
+offsets before the save cuts. A checkpoint saved before that correction loads with a
+printed warning naming --no-load-optim, which then resumes from its (right) weights.
 
 dp 2 x pp 2, Seq1F1B with 4 splits, 4 processes, buckets of 2000 parameters
 (tests/overlap_runner.py), so the first stage's chunk has several.
@@ -15,26 +16,41 @@ dp 2 x pp 2, Seq1F1B with 4 splits, 4 processes, buckets of 2000 parameters
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-import distributed
-from distributed import TINY_MODEL, assert_params_close, run_configs
+from distributed import ROOT, TINY_MODEL, _free_port, assert_params_close
 
 FLAGS = TINY_MODEL + ["--micro-batch-size", "1", "--global-batch-size", "8",
                       "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "4",
                       "--use-distributed-optimizer", "--train-iters", "4"]
 OGR = ["--overlap-grad-reduce"]
 SMALL_BUCKETS = 2000  # parameters per DDP bucket: the first stage's chunk gets several
+WARNING = "warning: --load {}: the optimizer state's main weights of"
+
+
+def _launch(tmp_path, runs):
+    """distributed.run_configs through tests/overlap_runner.py, with the printed output."""
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-port", str(_free_port()), os.path.join(ROOT, "tests", "overlap_runner.py"),
+           str(spec), str(out)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text()), proc.stdout
 
 
 def test_checkpoint_saved_with_several_buckets_reloads_exactly(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+    ckpt, legacy = str(tmp_path / "ckpt"), str(tmp_path / "legacy")
+    save = ["--save-interval", "2", "--exit-interval", "2"]
     runs = [
         {"name": "straight", "argv": FLAGS + OGR, "params": True,
          "bucket_size": SMALL_BUCKETS},
-        {"name": "saved", "argv": FLAGS + OGR + ["--save", ckpt, "--save-interval", "2",
-                                                  "--exit-interval", "2"],
+        {"name": "saved", "argv": FLAGS + OGR + ["--save", ckpt] + save,
          "params": True, "bucket_size": SMALL_BUCKETS},
         # no further step: the parameters it ends with are the ones it loaded; one bucket
         # per chunk (megatron-core's default size), so the load cannot repeat the save's
@@ -44,11 +60,16 @@ def test_checkpoint_saved_with_several_buckets_reloads_exactly(tmp_path):
         # resumed with several buckets again: the uninterrupted run's last two steps
         {"name": "resumed", "argv": FLAGS + OGR + ["--load", ckpt], "params": True,
          "bucket_size": SMALL_BUCKETS},
+        # saved as before the correction: its optimizer state is wrong, its weights right
+        {"name": "legacy_saved", "argv": FLAGS + OGR + ["--save", legacy] + save,
+         "bucket_size": SMALL_BUCKETS, "legacy_distopt_save": True},
+        {"name": "legacy_loaded", "argv": FLAGS + ["--load", legacy, "--train-iters", "2"],
+         "params": True, "bucket_size": None},
+        {"name": "legacy_weights", "argv": FLAGS + ["--load", legacy, "--train-iters", "2",
+                                                    "--no-load-optim"],
+         "params": True, "bucket_size": None},
     ]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(distributed, "RUNNER",
-                      os.path.join(distributed.ROOT, "tests", "overlap_runner.py"))
-        results = run_configs(tmp_path, 4, runs)
+    results, printed = _launch(tmp_path, runs)
     # per rank, per run, per iteration, per chunk: [reductions started early, buckets]
     records = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "*.rank*.json")))]
     assert len(records) == 4
@@ -62,3 +83,11 @@ def test_checkpoint_saved_with_several_buckets_reloads_exactly(tmp_path):
     assert_params_close(results["loaded"]["params"], saved["params"], rtol=0, atol=0)
     assert results["resumed"]["losses"] == straight["losses"][2:]
     assert_params_close(results["resumed"]["params"], straight["params"], rtol=0, atol=0)
+
+    # the old checkpoint: a warning (once), whose advice gives back the saved weights
+    assert printed.count("warning: --load ") == 1, printed[-3000:]
+    assert WARNING.format(legacy) in printed and "--no-load-optim" in printed
+    assert_params_close(results["legacy_weights"]["params"], saved["params"], rtol=0, atol=0)
+    with pytest.raises(AssertionError):  # what it warns about
+        assert_params_close(results["legacy_loaded"]["params"], saved["params"], rtol=0,
+                            atol=0)

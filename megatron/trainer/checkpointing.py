@@ -12,8 +12,11 @@ With ``--use-distributed-optimizer`` the optimizer state is saved in megatron-co
 it reshards across tensor, pipeline and data-parallel sizes like the model does, and
 across DDP bucket layouts (--overlap-grad-reduce, bucket sizes). megatron-core's save of
 that format cuts parameters at the wrong places of model chunks with several buckets
-(``_in_buffer_space`` corrects it). A checkpoint only loads its optimizer state into a
-run with the same optimizer kind (``--no-load-optim`` loads the weights into either).
+(``_in_buffer_space`` corrects it); a load warns when the optimizer state's main weights
+differ from the model weights, as in such checkpoints saved before the correction
+(``--no-load-optim`` then resumes from the right weights). A checkpoint only loads its
+optimizer state into a run with the same optimizer kind (``--no-load-optim`` loads the
+weights into either).
 
 What a save guarantees, in order:
 
@@ -222,18 +225,22 @@ def _bucket_padding_restored(buffer, packed):
     return spread
 
 
-def _load_optimizer(args, optimizer, state):
+def _load_optimizer(args, model, optimizer, state):
     if not args.use_distributed_optimizer:
         optimizer.load_state_dict(state)
         return
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [state] if len(parts) == 1 else [state[key] for key in sorted(state)]
+    names = {param: name for i, chunk in enumerate(model)
+             for name, param in unwrap_model(chunk).named_parameters()}
+    disagreeing = []
     for part, part_state in zip(parts, states):
         # megatron-core (0.16 to 0.19) copies every Adam state entry of a parameter, "step"
         # included, from the fully_reshardable tensors, which hold no "step": load the
         # param groups (the steps), then the tensors with the steps set aside
         param_state = part_state.pop("param_state")
         part_state.pop("param_state_sharding_type")
+        disagreeing += _weights_disagreeing(part, param_state, names)
         part.load_state_dict(part_state)
         steps = {param: entry.pop("step") for param, entry in part.optimizer.state.items()
                  if "step" in entry}
@@ -244,6 +251,55 @@ def _load_optimizer(args, optimizer, state):
             # (single-tensor) Adam would then advance once per parameter per step
             for param, step in steps.items():
                 part.optimizer.state[param]["step"] = step.clone()
+    _warn_if_disagreeing(args, disagreeing)
+
+
+def _weights_disagreeing(part, param_state, names):
+    """(name, largest difference) of the parameters whose loaded model weights differ from
+    the fp32 main weights in the loaded optimizer state: a checkpoint saves both from the
+    same numbers. Runs before the load copies the main weights into the model."""
+    found = []
+    index = 0  # megatron-core's order of the fully_reshardable entries
+    for buffer in part.buffers:
+        for model_param in buffer.param_index_map:
+            saved = param_state[index].get("param")
+            index += 1
+            if saved is None:
+                continue
+            saved = saved.to(device=model_param.device)
+            weights = model_param.detach()
+            # a checkpoint of another precision (--bf16 / --fp16) saved weights rounded
+            # from the main weights: equal in one of them is agreeing
+            if saved.shape != weights.shape or not any(
+                    torch.equal(saved.to(dtype), weights.to(dtype))
+                    for dtype in (weights.dtype, torch.bfloat16, torch.float16)):
+                difference = ((saved.float().reshape(-1) - weights.float().reshape(-1))
+                              .abs().max().item() if saved.numel() == weights.numel()
+                              else float("nan"))
+                found.append((names.get(model_param, "a parameter"), difference))
+    return found
+
+
+def _warn_if_disagreeing(args, disagreeing):
+    """Collective: rank 0 prints one line if any rank's optimizer state disagreed."""
+    where = (parallel_state.get_pipeline_model_parallel_rank(),
+             parallel_state.get_tensor_model_parallel_rank())
+    found = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(found, [(where, name, difference)
+                                                for name, difference in disagreeing])
+    # data-parallel replicas check the same parameters: each one once
+    found = {(where, name): difference for entries in found
+             for where, name, difference in entries}
+    if found and _rank() == 0:
+        (stage, _), name = worst = max(found, key=lambda key: found[key])
+        print(f"  warning: --load {args.load}: the optimizer state's main weights of "
+              f"{len(found)} parameter(s) differ from the checkpoint's model weights (e.g. "
+              f"{name} of pipeline stage {stage}, by {found[worst]:.3g}), which they "
+              f"overwrite: a distributed-optimizer "
+              f"checkpoint saved by an older version of this project from model chunks with "
+              f"several DDP buckets (--overlap-grad-reduce) holds wrong optimizer state; if "
+              f"this one was, resume it with --no-load-optim (its model weights are right)",
+              flush=True)
 
 
 def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng,
@@ -556,7 +612,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(state[_model_key(model, i)])
     if load_optim:
-        _load_optimizer(args, optimizer, state["optimizer"])
+        _load_optimizer(args, model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
