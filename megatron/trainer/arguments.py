@@ -698,14 +698,10 @@ def _iterations_for_samples(args):
     (megatron-core's calculator, as Megatron-LM counts them)."""
     if args.rampup_batch_size is None:
         return args.train_samples // args.global_batch_size
-    from megatron.core.num_microbatches_calculator import (
-        RampupBatchsizeNumMicroBatchesCalculator,
-    )
+    from megatron.trainer.data import rampup_calculator
 
-    start, increment, ramp_samples = args.rampup_batch_size
-    calculator = RampupBatchsizeNumMicroBatchesCalculator(
-        args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, 0,
-        start, increment, ramp_samples)
+    ramp_samples = args.rampup_batch_size[2]
+    calculator = rampup_calculator(args)
     iterations = consumed = 0
     while consumed <= ramp_samples and consumed <= args.train_samples:
         calculator.update(consumed, False)

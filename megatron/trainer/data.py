@@ -1,5 +1,7 @@
 """Microbatches for this data-parallel rank, resumable from a sample count."""
 
+import math
+
 import torch
 from megatron.core import parallel_state
 
@@ -99,17 +101,34 @@ class GlobalBatchSizes:
         self.constant = args.global_batch_size // self.unit
         self.calculator = None
         if args.rampup_batch_size is not None:
-            from megatron.core.num_microbatches_calculator import (
-                RampupBatchsizeNumMicroBatchesCalculator,
-            )
-
-            start, increment, samples = args.rampup_batch_size
-            self.calculator = RampupBatchsizeNumMicroBatchesCalculator(
-                args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-                False, torch.distributed.get_rank(), start, increment, samples)
+            self.calculator = rampup_calculator(args, torch.distributed.get_rank())
 
     def microbatches_at(self, consumed_samples: int) -> int:
         if self.calculator is None:
             return self.constant
         self.calculator.update(consumed_samples, True)
         return self.calculator.get()
+
+
+def rampup_calculator(args, rank=0):
+    """megatron-core's calculator for --rampup-batch-size START INCREMENT SAMPLES.
+
+    megatron-core up to 0.16 has a ramp-up calculator; later releases replaced it with
+    step schedules (``THRESHOLD:BATCH`` in samples), and the same ramp is then written
+    as one: Megatron-LM's ramp adds INCREMENT every SAMPLES / ((GBS - START) / INCREMENT)
+    consumed samples (a float), so batch START + k INCREMENT starts at the first whole
+    sample count >= k times that."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    start, increment, samples = args.rampup_batch_size
+    mbs, dp, gbs = args.micro_batch_size, args.data_parallel_size, args.global_batch_size
+    if hasattr(calculators, "RampupBatchsizeNumMicroBatchesCalculator"):
+        return calculators.RampupBatchsizeNumMicroBatchesCalculator(
+            gbs, mbs, dp, False, rank, start, increment, samples)
+    steps = (gbs - start) // increment
+    per_step = samples / steps if steps else 0.0
+    schedule = " ".join(f"{math.ceil(k * per_step)}:{start + k * increment}"
+                        for k in range(steps + 1))
+    return calculators.StepBatchsizeNumMicroBatchesCalculator(
+        micro_batch_size=mbs, data_parallel_size=dp, decrease_batch_size_if_needed=False,
+        rank=rank, schedule=schedule)
