@@ -84,8 +84,6 @@ REFUSED_FLAGS = {
     "--hierarchical-context-parallel-sizes": SIZE_ONE_FLAGS["--context-parallel-size"],
     "--fp8-": ("fp8 needs Transformer Engine layers, which the sequence-split schedules do "
                "not support yet; use --bf16"),
-    "--fp8": ("fp8 needs Transformer Engine layers, which the sequence-split schedules do "
-              "not support yet; use --bf16"),
     "--no-fp8-wgrad": ("fp8 is not supported here; use --bf16"),
     "--encoder-": _ENCODER,
     "--decoder-num-layers": _ENCODER,
