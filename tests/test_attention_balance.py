@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from megatron.planner.simulate import ScheduleDeadlock, dependencies, simulate
+from megatron.schedules.simulate import ScheduleDeadlock, dependencies, simulate
 from megatron.schedules.attention_balance import (
     ASK,
     HELP,
@@ -104,7 +104,7 @@ def test_unit_costs_grow_with_the_prefix():
 
 
 def test_costs_from_model_shape():
-    from megatron.seqsplit.plan import ModelShape
+    from megatron.seqsplit.split_lengths import ModelShape
 
     shape = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
                        num_query_groups=32, ffn_hidden_size=16384, swiglu=False,
@@ -158,7 +158,7 @@ def test_pairs_keep_plain_slimpipe_messages_in_place():
 
 
 def test_exchange_cost_is_counted():
-    from megatron.seqsplit.plan import ModelShape
+    from megatron.seqsplit.split_lengths import ModelShape
 
     shape = ModelShape(num_layers=8, hidden_size=256, num_attention_heads=8,
                        num_query_groups=2, ffn_hidden_size=1024, swiglu=False, vocab_size=1024)

@@ -26,7 +26,7 @@ from megatron.benchmarks.pipeline import (  # noqa: E402
     summarize,
     timeline_path,
 )
-from megatron.planner.trace import Timeline, write_timeline  # noqa: E402
+from megatron.schedules.timeline import Timeline, write_timeline  # noqa: E402
 from megatron.schedules.units import seq1f1b_schedule  # noqa: E402
 
 ISSUE_KEYS = {"schedule", "splits", "balance_method", "tokens_per_s", "bubble_fraction",
@@ -66,7 +66,7 @@ def test_configs_and_spec_alternate():
 
 def _timeline(p, m, s, f, b, gap=0.0):
     """A timeline of the schedule with fixed unit times (optionally a gap before each unit)."""
-    from megatron.planner.simulate import simulate
+    from megatron.schedules.simulate import simulate
 
     sim = simulate(seq1f1b_schedule(p, m, s), lambda r, u: f / s if u.is_forward else b / s,
                    comm=lambda a, c, u: gap)

@@ -20,8 +20,8 @@ from megatron.benchmarks.slimpipe_balance import (  # noqa: E402
     plan_numbers,
     summarize_balance,
 )
-from megatron.planner.simulate import simulate  # noqa: E402
-from megatron.planner.trace import Timeline, write_timeline  # noqa: E402
+from megatron.schedules.simulate import simulate  # noqa: E402
+from megatron.schedules.timeline import Timeline, write_timeline  # noqa: E402
 from megatron.schedules.attention_balance import SliceCosts  # noqa: E402
 from megatron.schedules.slimpipe import slimpipe_schedule  # noqa: E402
 from megatron.schedules.units import seq1f1b_schedule  # noqa: E402

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.seqsplit.attention_backends import AttentionCall, available_backends, get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
-from megatron.seqsplit.plan import split_offsets
+from megatron.seqsplit.split_lengths import split_offsets
 
 DTYPE = torch.float64
 BACKENDS = available_backends(torch.device("cpu"), DTYPE)

@@ -1,6 +1,6 @@
 """Every version-dependent megatron-core / torch name the project uses still holds.
 
-One test per row of ``megatron.trainer.mcore_compat.TABLE``: on a megatron-core or torch
+One test per row of ``megatron.mcore_compat.TABLE``: on a megatron-core or torch
 release that drops a name or changes the parameters we rely on, the failing test is
 named after the row and its message says why we need the name and where it was checked.
 """
@@ -14,8 +14,8 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from megatron.trainer import mcore_compat
-from megatron.trainer.mcore_compat import TABLE, CompatError, Entry
+from megatron import mcore_compat
+from megatron.mcore_compat import TABLE, CompatError, Entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,14 +7,14 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from megatron.planner import trace
+from megatron.schedules import timeline as trace
 from megatron.planner.cli import main as plan_main
 from megatron.planner.costs import CostModel, Parallel, Recompute
 from megatron.planner.draw import draw_memory, draw_timeline, draw_timelines, memory_series
 from megatron.planner.gpus import GIB, get_gpu
 from megatron.planner.predict import PlanConfig, PlanError, predict
 from megatron.planner.presets import PRESETS, get_preset
-from megatron.planner.simulate import MemoryEffect, ScheduleDeadlock, simulate
+from megatron.schedules.simulate import MemoryEffect, ScheduleDeadlock, simulate
 from megatron.schedules.units import BACKWARD, FORWARD, Unit, seq1f1b_schedule
 
 GRID = [(p, m, s) for p in (1, 2, 4, 8) for m in (1, 2, 3, 8) for s in (1, 2, 3, 4)]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron.planner import trace
+from megatron.schedules import timeline as trace
 from megatron.planner.cli import config_from_args, parse, main
 from megatron.planner.predict import PlanError, predict
 from megatron.schedules.attention_balance import moved_fraction

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.planner.simulate import simulate
+from megatron.schedules.simulate import simulate
 from megatron.schedules.interleaved import (
     check_interleaved_shape,
     interleaved_schedule,

@@ -6,7 +6,7 @@ import pytest
 
 from megatron.planner.cli import config_from_args, parse, main
 from megatron.planner.predict import PlanError, predict
-from megatron.planner.simulate import simulate
+from megatron.schedules.simulate import simulate
 from megatron.schedules.slimpipe import slimpipe_schedule
 
 BASE = ["--model", "7B", "--seq-length", "65536", "--tensor-model-parallel-size", "8",

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megatron.planner.simulate import simulate
+from megatron.schedules.simulate import simulate
 from megatron.schedules.messages import check_rendezvous, checked_chunked_programs
 from megatron.schedules.slimpipe import (
     check_slimpipe_shape,

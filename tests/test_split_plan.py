@@ -1,8 +1,8 @@
-"""Tests for megatron.seqsplit.plan: split lengths, balancing and validation."""
+"""Tests for megatron.seqsplit.split_lengths: split lengths, balancing and validation."""
 
 import pytest
 
-from megatron.seqsplit.plan import (
+from megatron.seqsplit.split_lengths import (
     ModelShape,
     SplitPlanError,
     plan_splits,

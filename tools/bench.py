@@ -56,7 +56,7 @@ from megatron.benchmarks.pipeline import (  # noqa: E402
     model_argv,
     summarize,
 )
-from megatron.seqsplit.plan import BALANCE_METHODS  # noqa: E402
+from megatron.seqsplit.split_lengths import BALANCE_METHODS  # noqa: E402
 
 
 def _free_port():
@@ -220,7 +220,7 @@ def _shrink_png(path, colors=64):
 
 def draw_pictures(summary, out_dir, picture, meta):
     from megatron.planner import draw
-    from megatron.planner.trace import read_timeline
+    from megatron.schedules.timeline import read_timeline
 
     drawn = []
     timelines, titles = [], []

@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 from megatron.schedules.slimpipe import slimpipe_rank_units  # noqa: E402
 from megatron.schedules.units import in_flight_peak, seq1f1b_rank_units  # noqa: E402
-from megatron.seqsplit.plan import plan_splits  # noqa: E402
+from megatron.seqsplit.split_lengths import plan_splits  # noqa: E402
 
 
 def run_probe(args, splits, out_path, schedule=()):

@@ -189,7 +189,7 @@ def setup(args):
 
 
 def model_shape(args):
-    from megatron.seqsplit.plan import ModelShape
+    from megatron.seqsplit.split_lengths import ModelShape
 
     t = args.tp_shard
     return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads // t,

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.planner.trace import read_timeline  # noqa: E402
+from megatron.schedules.timeline import read_timeline  # noqa: E402
 
 ITERATION = re.compile(r"\biteration +(\d+)/ *\d+ \|.*?\| lm loss: ([^ |]+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([^ |]+) \|")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Draw a pipeline timeline PNG from a timeline JSON file.
 
-The file is the trace format of megatron/planner/trace.py (see docs/planner.md):
+The file is the trace format of megatron/schedules/timeline.py (see docs/planner.md):
 {"ranks": [[{"kind", "microbatch", "split", "chunk", "start", "end"}, ...], ...],
  "meta": {...}}, as written by a run with --timeline-file PATH or by
 tools/plan.py --timeline-json PATH. Several files are stacked on one time axis.
@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.planner.trace import TraceFormatError, read_timeline, write_chrome_trace  # noqa: E402
+from megatron.schedules.timeline import TraceFormatError, read_timeline, write_chrome_trace  # noqa: E402
 
 
 def memory_curve(path, stage, label):

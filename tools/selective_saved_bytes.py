@@ -70,7 +70,7 @@ def measure(mode, num_splits, args):
     from megatron.seqsplit import kv_cache
     from megatron.seqsplit.kv_cache import KVCacheStore
     from megatron.seqsplit.model import split_aware_local_spec
-    from megatron.seqsplit.plan import plan_splits, split_offsets
+    from megatron.seqsplit.split_lengths import plan_splits, split_offsets
     from megatron.seqsplit.split_context import SplitContext
 
     L, H = args.seq_length, args.hidden_size

@@ -20,7 +20,7 @@ from megatron.schedules.memory_probe import ActivationMemoryProbe
 from megatron.schedules.units import BACKWARD, FORWARD, Unit
 from megatron.seqsplit.attention_backends import get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
-from megatron.seqsplit.plan import plan_splits, split_offsets
+from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 from megatron.seqsplit.split_context import SplitContext
 
 

@@ -25,8 +25,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron.planner.simulate import simulate
-from megatron.planner.trace import Timeline, read_timeline
+from megatron.schedules.simulate import simulate
+from megatron.schedules.timeline import Timeline, read_timeline
 from megatron.schedules.units import Unit, seq1f1b_schedule
 
 TIMED, TIMELINE, MEMORY, UNIT_CPU = "timed", "timeline", "memory", "unit_cpu"

@@ -142,7 +142,7 @@ def thread_clock_timelines(enabled):
     if not enabled:
         yield
         return
-    from megatron.planner.trace import TimelineRecorder
+    from megatron.schedules.timeline import TimelineRecorder
 
     original = training.timeline_recorder
 

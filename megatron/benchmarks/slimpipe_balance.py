@@ -31,7 +31,7 @@ from megatron.benchmarks.pipeline import (
     summarize,
     timeline_metrics,
 )
-from megatron.planner.trace import Timeline, read_timeline
+from megatron.schedules.timeline import Timeline, read_timeline
 from megatron.schedules.attention_balance import (
     SliceCosts,
     balanced_slimpipe,

@@ -34,11 +34,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.planner.simulate import simulate
+from megatron.schedules.simulate import simulate
 from megatron.schedules.memory_probe import ActivationMemoryProbe
 from megatron.schedules.units import Unit, seq1f1b_rank_units, seq1f1b_schedule
 from megatron.seqsplit.kv_cache import KVCacheStore
-from megatron.seqsplit.plan import plan_splits, split_offsets
+from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 from megatron.seqsplit.split_context import SplitContext
 
 FIRST, MIDDLE, LAST = "first", "middle", "last"
@@ -148,7 +148,7 @@ class StageEmulator:
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
         from megatron.schedules.seq1f1b import SplitDataIterator
-        from megatron.trainer.mcore_compat import backward_step
+        from megatron.mcore_compat import backward_step
 
         args, config = self.args, self.config
         b, h, L = args.micro_batch_size, args.hidden_size, args.seq_length
@@ -238,7 +238,7 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
 
     ``clock``: ``time.perf_counter`` (wall) or ``time.process_time`` (this process's CPU
     time: on a shared CPU it counts the work, not the waiting for a core)."""
-    from megatron.planner.trace import TimelineRecorder
+    from megatron.schedules.timeline import TimelineRecorder
 
     device = emulator.device
     run = StageRun(emulator.rank, emulator.role, splits, balance_method if splits > 1 else None,

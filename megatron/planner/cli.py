@@ -452,7 +452,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         + f" TP{config.parallel.tp} PP{config.parallel.pp} DP{config.parallel.dp} on {pred.gpu.name}"
     )
     if args.timeline_png or args.timeline_json:
-        from megatron.planner import trace
+        from megatron.schedules import timeline as trace
 
         meta = {"title": title, "schedule": pred.config.schedule, "splits": pred.splits}
         if pred.attention_balance is not None:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 from megatron.planner.gpus import GPU
 from megatron.planner.presets import ModelSpec
-from megatron.planner.simulate import MemoryEffect
+from megatron.schedules.simulate import MemoryEffect
 from megatron.schedules.units import FORWARD, Unit
 
 BF16 = 2

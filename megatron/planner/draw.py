@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from megatron.planner.trace import Timeline  # noqa: E402
+from megatron.schedules.timeline import Timeline  # noqa: E402
 
 IDLE = "#d9d9d9"
 PAIR = "#d62728"

@@ -19,12 +19,12 @@ from megatron.planner.costs import (
 )
 from megatron.planner.gpus import GIB, GPU, get_gpu
 from megatron.planner.presets import ModelSpec
-from megatron.planner.simulate import MemoryEffect, SimResult, simulate
+from megatron.schedules.simulate import MemoryEffect, SimResult, simulate
 from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
 from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
 from megatron.schedules.slimpipe import check_slimpipe_shape, slimpipe_schedule
 from megatron.schedules.units import Unit, seq1f1b_schedule
-from megatron.seqsplit.plan import BALANCE_METHODS, SplitPlanError, plan_splits
+from megatron.seqsplit.split_lengths import BALANCE_METHODS, SplitPlanError, plan_splits
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b", "slimpipe")
 MIN_AUTO_SPLIT_TOKENS = 256

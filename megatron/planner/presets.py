@@ -10,7 +10,7 @@ attention with 8 K/V groups (7B and 13B have one K/V head per query head, as pub
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from megatron.seqsplit.plan import ModelShape
+from megatron.seqsplit.split_lengths import ModelShape
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from megatron.planner.draw import (
 from megatron.planner.gpus import GIB
 from megatron.planner.predict import PlanConfig, predict
 from megatron.planner.presets import get_preset
-from megatron.planner.trace import from_simulation
+from megatron.schedules.timeline import from_simulation
 
 LAYOUTS = {
     "2.7B": dict(gpus=8, tp=1, pp=8, dp=1, sp=False, gbs=16, layers_per_virtual=2),

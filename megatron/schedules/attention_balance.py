@@ -34,7 +34,7 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron.planner.simulate import ScheduleDeadlock, simulate
+from megatron.schedules.simulate import ScheduleDeadlock, simulate
 from megatron.schedules.messages import check_rendezvous, lower_chunked
 from megatron.schedules.slimpipe import slimpipe_rank_units
 from megatron.schedules.units import Unit
@@ -69,7 +69,7 @@ class SliceCosts:
 
     @staticmethod
     def from_model(model, slice_length: int, exchange: float = 0.0) -> "SliceCosts":
-        """From a ``megatron.seqsplit.plan.ModelShape``: per-token linear FLOPs of a
+        """From a ``megatron.seqsplit.split_lengths.ModelShape``: per-token linear FLOPs of a
         layer against ``4 hq d l`` attention FLOPs per token and chunk of ``l`` keys.
         ``exchange`` is per K/V chunk (``2 g d`` values per token); the query slice and
         the output (``hq d`` values per token each) cost ``exchange hq / g``."""

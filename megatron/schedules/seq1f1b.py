@@ -40,9 +40,9 @@ from megatron.schedules.units import (
     seq1f1b_rank_actions,
 )
 from megatron.seqsplit.kv_cache import KVCacheStore
-from megatron.seqsplit.plan import plan_splits, split_offsets
+from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 from megatron.seqsplit.split_context import SplitContext, slice_batch
-from megatron.trainer.mcore_compat import backward_step
+from megatron.mcore_compat import backward_step
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Seq1F1BSettings:
     num_splits: int
     balance_method: str = "average"
     alignment: int = 1
-    model_shape: Any = None  # megatron.seqsplit.plan.ModelShape, for uniform_comp
+    model_shape: Any = None  # megatron.seqsplit.split_lengths.ModelShape, for uniform_comp
     # on_unit_start/on_unit_end(rank, unit) of training iterations: forward-only calls
     # (evaluation) are not shown to them, so a timeline or memory probe of the last
     # iteration holds the training iteration only

@@ -103,7 +103,7 @@ class SeqSplitGPTModel(GPTModel):
     """``GPTModel`` whose rotary embedding follows a split's offset.
 
     ``_preprocess`` is private megatron-core API (no public RoPE offset up to 0.19):
-    its signature is a row of ``megatron.trainer.mcore_compat.TABLE``."""
+    its signature is a row of ``megatron.mcore_compat.TABLE``."""
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None, **kwargs):

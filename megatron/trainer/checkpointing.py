@@ -216,7 +216,7 @@ def _bucket_padding_restored(buffer, packed):
         raise RuntimeError(
             f"megatron-core's gathered distributed-optimizer state has {packed.numel()} "
             f"elements, its buckets {sum(lengths)}: a megatron-core version whose layout "
-            f"this project does not know (see megatron/trainer/mcore_compat.py)")
+            f"this project does not know (see megatron/mcore_compat.py)")
     spread = torch.zeros(buffer.numel, dtype=packed.dtype, device=packed.device)
     start = 0
     for bucket, length in zip(buffer.buckets, lengths):

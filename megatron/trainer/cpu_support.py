@@ -15,7 +15,8 @@ import types
 
 import torch
 
-from megatron.trainer import device, mcore_compat
+from megatron import mcore_compat
+from megatron.trainer import device
 
 _APPLIED = False
 

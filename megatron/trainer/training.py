@@ -343,7 +343,7 @@ def timeline_recorder(args):
     """With --timeline-file, an observer that times every pipeline unit of this rank."""
     if not args.timeline_file:
         return None
-    from megatron.planner.trace import TimelineRecorder
+    from megatron.schedules.timeline import TimelineRecorder
 
     sync = torch.cuda.synchronize if device.on_cuda(args) else None
     return TimelineRecorder(rank=parallel_state.get_pipeline_model_parallel_rank(), sync=sync)
@@ -368,7 +368,7 @@ def write_timeline(args, recorder):
 
 
 def model_shape_from_args(args):
-    from megatron.seqsplit.plan import ModelShape
+    from megatron.seqsplit.split_lengths import ModelShape
 
     return ModelShape(
         num_layers=args.num_layers,
