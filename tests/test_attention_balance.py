@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from megatron.schedules.simulate import ScheduleDeadlock, dependencies, simulate
+from megatron.schedules.simulate import ScheduleDeadlock, ScheduleError, dependencies, simulate
 from megatron.schedules.attention_balance import (
     ASK,
     HELP,
@@ -24,9 +24,9 @@ from megatron.schedules.attention_balance import (
     moved_fraction,
     unit_cost,
 )
-from megatron.schedules.messages import check_rendezvous, lower_chunked
+from megatron.schedules.lowering import lower
 from megatron.schedules.slimpipe import slimpipe_rank_units
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
 from megatron.seqsplit.lse_attention import (
     lse_attention_backward,
     lse_attention_forward,
@@ -59,8 +59,8 @@ def test_plan_is_well_formed_and_runs(shape, costs):
         for before, after in zip(units, units[1:]):
             assert plan.end[(rank, before)] <= plan.start[(rank, after)] + 1e-9
         for unit in units:
-            for dep_rank, key in dependencies(rank, unit, p, v, n):
-                assert plan.end[(dep_rank, Unit(*key))] <= plan.start[(rank, unit)] + 1e-9
+            for dep_rank, dep in dependencies(rank, unit, p, v, n):
+                assert plan.end[(dep_rank, dep)] <= plan.start[(rank, unit)] + 1e-9
     assert plan.makespan <= plan.makespan_unbalanced + 1e-9
     assert len(programs) == p
 
@@ -81,9 +81,9 @@ def test_rendezvous_check_catches_a_pairing_that_cannot_run():
     partners = {(0, first): (1, first), (1, first): (0, first)}
     with pytest.raises(ScheduleDeadlock):
         simulate(units, lambda r, u: 1.0, partners=partners)
-    programs = lower_chunked(units, v)
-    with pytest.raises(AssertionError, match="deadlock"):
-        check_rendezvous(programs, v, n, partners=partners)
+    programs = lower(units, v)
+    with pytest.raises(ScheduleDeadlock, match="deadlock"):
+        simulate(programs, partners=partners)
 
 
 def test_simulated_partners_start_together():
@@ -104,7 +104,7 @@ def test_unit_costs_grow_with_the_prefix():
 
 
 def test_costs_from_model_shape():
-    from megatron.seqsplit.split_lengths import ModelShape
+    from megatron.model_shape import ModelShape
 
     shape = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
                        num_query_groups=32, ffn_hidden_size=16384, swiglu=False,
@@ -150,15 +150,15 @@ def test_pairs_keep_plain_slimpipe_messages_in_place():
     """Lowered on plain SlimPipe's timed run, the benchmark's shape (pp 2, m 4, v 2, n 8,
     GEMM work 6 chunk attentions) keeps every message batch where plain SlimPipe has it
     (lowering on the cost model's timeline moved them and cost 13% on CPU)."""
-    from megatron.schedules.messages import checked_chunked_programs
+    from megatron.schedules.lowering import checked_programs
 
     programs, plan = checked_balanced_programs(2, 4, 2, 8, SliceCosts(gemm=6.0))
     assert sum(len(o) for o in plan.offloads) > 0
-    assert programs == checked_chunked_programs(2, 4, 2, 8, None, False, schedule="slimpipe")
+    assert programs == checked_programs(2, 4, 2, 8, None, False, schedule="slimpipe")
 
 
 def test_exchange_cost_is_counted():
-    from megatron.seqsplit.split_lengths import ModelShape
+    from megatron.model_shape import ModelShape
 
     shape = ModelShape(num_layers=8, hidden_size=256, num_attention_heads=8,
                        num_query_groups=2, ffn_hidden_size=1024, swiglu=False, vocab_size=1024)

@@ -27,7 +27,7 @@ from megatron.benchmarks.pipeline import (  # noqa: E402
     timeline_path,
 )
 from megatron.schedules.timeline import Timeline, write_timeline  # noqa: E402
-from megatron.schedules.units import seq1f1b_schedule  # noqa: E402
+from megatron.schedules.seq1f1b import seq1f1b_schedule  # noqa: E402
 
 ISSUE_KEYS = {"schedule", "splits", "balance_method", "tokens_per_s", "bubble_fraction",
               "stage0_activation_peak_bytes", "loss"}

@@ -24,7 +24,7 @@ from megatron.schedules.simulate import simulate  # noqa: E402
 from megatron.schedules.timeline import Timeline, write_timeline  # noqa: E402
 from megatron.schedules.attention_balance import SliceCosts  # noqa: E402
 from megatron.schedules.slimpipe import slimpipe_schedule  # noqa: E402
-from megatron.schedules.units import seq1f1b_schedule  # noqa: E402
+from megatron.schedules.seq1f1b import seq1f1b_schedule  # noqa: E402
 from tools.bench_attention_balance import base_argv, parse_args  # noqa: E402
 
 P, M, V, N = 2, 4, 2, 8

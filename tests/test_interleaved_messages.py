@@ -10,15 +10,9 @@ from megatron.schedules.interleaved import (
     interleaved_rank_units,
     num_interleaved_warmup,
 )
-from megatron.schedules.messages import (
-    RECV,
-    SEND,
-    Message,
-    check_rendezvous,
-    checked_chunked_programs,
-    lower_chunked,
-)
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.actions import BACKWARD, FORWARD, RECV, SEND, Message, Unit
+from megatron.schedules.lowering import checked_programs, lower
+from megatron.schedules.simulate import ScheduleDeadlock, ScheduleError, simulate
 
 SHAPES = [
     (p, v, s, m)
@@ -35,7 +29,7 @@ def _units_of(program):
 
 @pytest.mark.parametrize("p,v,s,m", SHAPES)
 def test_programs_run_the_generator_order_without_deadlock(p, v, s, m):
-    programs = checked_chunked_programs(p, m, v, s)  # raises on deadlock / FIFO mismatch
+    programs = checked_programs(p, m, v, s)  # raises on deadlock / FIFO mismatch
     for rank, program in enumerate(programs):
         expected = interleaved_rank_units(rank, p, m, v, num_splits=s)
         assert _units_of(program) == expected
@@ -44,14 +38,14 @@ def test_programs_run_the_generator_order_without_deadlock(p, v, s, m):
 
 @pytest.mark.parametrize("p,v,s,m,group", GROUPED)
 def test_group_sizes_larger_than_p(p, v, s, m, group):
-    programs = checked_chunked_programs(p, m, v, s, group)
+    programs = checked_programs(p, m, v, s, group)
     for rank, program in enumerate(programs):
         assert _units_of(program) == interleaved_rank_units(rank, p, m, v, group, s)
 
 
 @pytest.mark.parametrize("p,v,s,m", SHAPES[::5])
 def test_forward_only_programs(p, v, s, m):
-    programs = checked_chunked_programs(p, m, v, s, forward_only=True)
+    programs = checked_programs(p, m, v, s, forward_only=True)
     for program in programs:
         units = _units_of(program)
         assert units == interleaved_forward_only_units(m, v, s, p)
@@ -60,7 +54,7 @@ def test_forward_only_programs(p, v, s, m):
 
 @pytest.mark.parametrize("p,v,s,m", [(2, 2, 2, 4), (4, 2, 3, 8), (3, 3, 2, 6)])
 def test_every_message_is_sent_once_and_received_once(p, v, s, m):
-    programs = checked_chunked_programs(p, m, v, s)
+    programs = checked_programs(p, m, v, s)
     sends, recvs = [], []
     for rank, program in enumerate(programs):
         for action in program:
@@ -88,7 +82,7 @@ def test_checker_finds_a_deadlock():
     input" deadlocks for interleaved orders; the checker must say so."""
     p, v, s, m = 2, 2, 2, 4
     units = [interleaved_rank_units(r, p, m, v, num_splits=s) for r in range(p)]
-    from megatron.schedules.messages import consumer, producer
+    from megatron.schedules.actions import consumer, producer
 
     programs = []
     for rank, rank_units in enumerate(units):
@@ -109,14 +103,14 @@ def test_checker_finds_a_deadlock():
             if batch:
                 program.append(tuple(batch))
         programs.append(program)
-    with pytest.raises(AssertionError, match="deadlock"):
-        check_rendezvous(programs, v, s)
+    with pytest.raises(ScheduleDeadlock, match="deadlock"):
+        simulate(programs)
 
 
 def test_checker_finds_crossed_messages():
     """Two activations sent to one rank in one order and received in the other."""
     p, v, s, m = 2, 2, 1, 2
-    programs = [list(prog) for prog in lower_chunked(
+    programs = [list(prog) for prog in lower(
         [interleaved_rank_units(r, p, m, v) for r in range(p)], v)]
     # rank 1 receives its first two activations labelled the other way round
     a, b = Unit(FORWARD, 0, 0, 0), Unit(FORWARD, 1, 0, 0)
@@ -124,21 +118,21 @@ def test_checker_finds_crossed_messages():
     programs[1] = [tuple(Message(x.kind, x.peer, relabel.get(x.unit, x.unit))
                          if x.kind == RECV else x for x in action)
                    if isinstance(action, tuple) else action for action in programs[1]]
-    with pytest.raises(AssertionError, match="FIFO mismatch"):
-        check_rendezvous(programs, v, s)
+    with pytest.raises(ScheduleError, match="FIFO mismatch"):
+        simulate(programs)
 
 
 def test_checker_finds_a_unit_before_its_input():
     p, v, s, m = 2, 2, 2, 2
-    programs = [list(prog) for prog in lower_chunked(
+    programs = [list(prog) for prog in lower(
         [interleaved_rank_units(r, p, m, v, num_splits=s) for r in range(p)], v)]
     # rank 1 runs its second forward split before the first one
     units = [i for i, a in enumerate(programs[1]) if a in (Unit(FORWARD, 0, 0, 0),
                                                             Unit(FORWARD, 0, 1, 0))]
     i, j = units
     programs[1][i], programs[1][j] = programs[1][j], programs[1][i]
-    with pytest.raises(AssertionError):
-        check_rendezvous(programs, v, s)
+    with pytest.raises(ScheduleError):
+        simulate(programs)
 
 
 def test_backward_runs_splits_in_reverse_and_chunks_in_reverse():

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 from megatron.core.pipeline_parallel import schedules as mcore_schedules  # noqa: E402
 
 from megatron.schedules import dispatch  # noqa: E402
-from megatron.schedules.seq1f1b import forward_backward_pipelining_seq1f1b  # noqa: E402
+from megatron.schedules.executor import forward_backward_pipelining_with_splits  # noqa: E402
 
 SEQ, MBS, SPLITS, MICROBATCHES, VOCAB = 16, 2, 4, 2, 64
 
@@ -48,7 +48,7 @@ def test_positional_call_is_megatron_cores(pp, vp):
 
 def _is_our_executor(func, splits):
     return (isinstance(func, functools.partial)
-            and func.func is forward_backward_pipelining_seq1f1b
+            and func.func is forward_backward_pipelining_with_splits
             and func.keywords["settings"].num_splits == splits)
 
 

@@ -9,7 +9,7 @@ from megatron.schedules import timeline as trace
 from megatron.planner.cli import config_from_args, parse, main
 from megatron.planner.predict import PlanError, predict
 from megatron.schedules.attention_balance import moved_fraction
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
 
 # 7B at 128K tokens, 8 slices of 16K, TP 2 (the four pipeline ranks share a node)
 LONG = ["--model", "7B", "--seq-length", "131072", "--tensor-model-parallel-size", "2",

@@ -12,7 +12,7 @@ from megatron.schedules.interleaved import (
     num_interleaved_warmup,
     schedule_table,
 )
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
 
 mcore = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 

@@ -4,18 +4,17 @@ import itertools
 
 import pytest
 
-from megatron.schedules.units import (
+from megatron.schedules.actions import (
     BACKWARD,
     FORWARD,
-    RECV_BACKWARD,
-    RECV_FORWARD,
-    SEND_BACKWARD,
-    SEND_FORWARD,
     Unit,
-    num_warmup_units,
-    seq1f1b_rank_actions,
-    seq1f1b_schedule,
+    format_program,
+    parse_program,
+    units_of,
 )
+from megatron.schedules.lowering import checked_programs
+from megatron.schedules.seq1f1b import num_warmup_units, seq1f1b_schedule
+from megatron.schedules.simulate import simulate
 
 SHAPES = [
     (p, m, s)
@@ -26,90 +25,12 @@ SHAPES = [
 
 
 def run_rendezvous(pp_size, num_microbatches, num_splits, forward_only=False):
-    """Run every rank's actions with blocking, matched sends and receives.
-
-    A communication step's ops are posted together; an op completes only when the
-    neighbour has posted the matching op in its current step (rendezvous, as
-    blocking NCCL p2p). Compute units assert their dependencies. Returns the order
-    in which compute units ran globally; raises on deadlock or a broken dependency.
-    """
-    programs = [
-        seq1f1b_rank_actions(r, pp_size, num_microbatches, num_splits, forward_only)
-        for r in range(pp_size)
-    ]
-    position = [0] * pp_size
-    pending = [None] * pp_size  # ops of the current step not yet completed
-    done = [set() for _ in range(pp_size)]  # computed units per rank
-    received = [set() for _ in range(pp_size)]  # (op, unit) receives completed
-
-    def peer_and_match(rank, op):
-        if op.op == SEND_FORWARD:
-            return rank + 1, RECV_FORWARD
-        if op.op == RECV_FORWARD:
-            return rank - 1, SEND_FORWARD
-        if op.op == SEND_BACKWARD:
-            return rank - 1, RECV_BACKWARD
-        return rank + 1, SEND_BACKWARD
-
-    def check_compute(rank, unit):
-        if unit.kind == FORWARD:
-            if rank > 0:
-                assert (RECV_FORWARD, unit) in received[rank], f"{unit} on {rank} lacks input"
-            if unit.split > 0:
-                assert Unit(FORWARD, unit.microbatch, unit.split - 1) in done[rank]
-        else:
-            assert Unit(FORWARD, unit.microbatch, unit.split) in done[rank]
-            if rank < pp_size - 1:
-                assert (RECV_BACKWARD, unit) in received[rank], f"{unit} on {rank} lacks grad"
-            if unit.split < num_splits - 1:
-                # later splits' backward deposits this split's K/V gradient
-                assert Unit(BACKWARD, unit.microbatch, unit.split + 1) in done[rank]
-
-    order = []
-    while True:
-        progressed = False
-        for rank in range(pp_size):
-            # advance through compute units and finished steps
-            while position[rank] < len(programs[rank]):
-                action = programs[rank][position[rank]]
-                if isinstance(action, Unit):
-                    check_compute(rank, action)
-                    done[rank].add(action)
-                    order.append((rank, action))
-                    position[rank] += 1
-                    progressed = True
-                    continue
-                if pending[rank] is None:
-                    for op in action:
-                        if op.op in (SEND_FORWARD, SEND_BACKWARD):
-                            assert op.unit in done[rank], f"send of uncomputed {op.unit}"
-                    pending[rank] = list(action)
-                if pending[rank]:
-                    break
-                pending[rank] = None
-                position[rank] += 1
-                progressed = True
-        # complete matched pairs among posted ops
-        for rank in range(pp_size):
-            for op in list(pending[rank] or []):
-                peer, want = peer_and_match(rank, op)
-                assert 0 <= peer < pp_size, f"rank {rank} talks to missing rank {peer}"
-                match = [o for o in (pending[peer] or []) if o.op == want]
-                if match:
-                    other = match[0]
-                    # channels are FIFO: the message must carry the unit expected
-                    assert other.unit == op.unit, f"{op} on {rank} paired with {other}"
-                    pending[rank].remove(op)
-                    pending[peer].remove(other)
-                    for r, o in ((rank, op), (peer, other)):
-                        if o.op in (RECV_FORWARD, RECV_BACKWARD):
-                            received[r].add((o.op, o.unit))
-                    progressed = True
-        if all(position[r] == len(programs[r]) for r in range(pp_size)):
-            return order
-        if not progressed:
-            stuck = {r: pending[r] for r in range(pp_size) if position[r] < len(programs[r])}
-            raise AssertionError(f"deadlock: {stuck}")
+    """The executor's lowered programs of every rank, run by the simulator with
+    blocking, matched sends and receives (it raises on deadlock, a crossed message or a
+    broken dependency); returns the timed units."""
+    programs = checked_programs(pp_size, num_microbatches, 1, num_splits, None, forward_only,
+                                "seq1f1b")
+    return [t for timed in simulate(programs).ranks for t in timed]
 
 
 @pytest.mark.parametrize("p,m,s", SHAPES)
@@ -130,10 +51,12 @@ def test_every_unit_once_and_no_deadlock(p, m, s):
 
 @pytest.mark.parametrize("p,m,s", SHAPES)
 def test_actions_run_exactly_the_generators_unit_order(p, m, s):
-    """The executor's action list computes the units in the generator's order."""
+    """The executor's program computes the units in the generator's order."""
+    programs = checked_programs(p, m, 1, s, None, False, "seq1f1b")
     for rank, units in enumerate(seq1f1b_schedule(p, m, s)):
-        actions = seq1f1b_rank_actions(rank, p, m, s)
-        assert [a for a in actions if isinstance(a, Unit)] == units
+        assert units_of(programs[rank]) == units
+        # the printed form is exact: it parses back to the same program
+        assert parse_program(format_program(programs[rank])) == list(programs[rank])
 
 
 @pytest.mark.parametrize("p,m,s", SHAPES)
@@ -198,7 +121,7 @@ def test_split_reports_merge_per_microbatch():
     its splits' (loss sum, token count) pairs added, in microbatch order."""
     import torch
 
-    from megatron.schedules.seq1f1b import merge_split_reports
+    from megatron.schedules.executor import merge_split_reports
 
     reports = [(1, {"lm loss": torch.tensor([2.0, 3.0])}), (0, {"lm loss": torch.tensor([1.0, 2.0])}),
                (1, {"lm loss": torch.tensor([4.0, 5.0])}), (0, {"lm loss": torch.tensor([0.5, 1.0])})]

@@ -4,21 +4,16 @@ import itertools
 
 import pytest
 
-from megatron.schedules.simulate import simulate
-from megatron.schedules.messages import check_rendezvous, checked_chunked_programs
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
+from megatron.schedules.lowering import checked_programs
+from megatron.schedules.seq1f1b import in_flight_peak, seq1f1b_rank_units
+from megatron.schedules.simulate import ScheduleError, simulate
 from megatron.schedules.slimpipe import (
     check_slimpipe_shape,
     num_slimpipe_warmup,
     slimpipe_forward_only_units,
     slimpipe_rank_units,
     slimpipe_schedule,
-)
-from megatron.schedules.units import (
-    BACKWARD,
-    FORWARD,
-    Unit,
-    in_flight_peak,
-    seq1f1b_rank_units,
 )
 
 # n a multiple of p as the flags ask, plus n >= p that is not (the generator allows it)
@@ -36,7 +31,7 @@ def _units_of(program):
 
 @pytest.mark.parametrize("p,v,n,m", SHAPES)
 def test_every_unit_once_and_messages_cannot_deadlock(p, v, n, m):
-    programs = checked_chunked_programs(p, m, v, n, schedule="slimpipe")  # raises on deadlock
+    programs = checked_programs(p, m, v, n, schedule="slimpipe")  # raises on deadlock
     expected = {Unit(kind, mb, j, c) for kind in (FORWARD, BACKWARD)
                 for mb in range(m) for j in range(n) for c in range(v)}
     for rank, program in enumerate(programs):
@@ -116,7 +111,7 @@ def test_without_virtual_stages_it_is_seq1f1b_with_n_splits(p, n, m):
 
 @pytest.mark.parametrize("p,v,n,m", SHAPES[::7])
 def test_forward_only_programs(p, v, n, m):
-    programs = checked_chunked_programs(p, m, v, n, forward_only=True, schedule="slimpipe")
+    programs = checked_programs(p, m, v, n, forward_only=True, schedule="slimpipe")
     for program in programs:
         units = _units_of(program)
         assert units == slimpipe_forward_only_units(m, v, n)
@@ -126,7 +121,7 @@ def test_forward_only_programs(p, v, n, m):
 def test_checker_rejects_a_non_reversed_backward():
     """Sanity of the check itself: running a microbatch's backward slices in forward
     order breaks the K/V-gradient dependency and the rendezvous check says so."""
-    from megatron.schedules.messages import lower_chunked
+    from megatron.schedules.lowering import lower
 
     p, v, n, m = 2, 2, 2, 2
     units = [list(slimpipe_rank_units(r, p, m, v, n)) for r in range(p)]
@@ -136,8 +131,8 @@ def test_checker_rejects_a_non_reversed_backward():
         b = rank_units.index(Unit(BACKWARD, 0, 0, 0))
         rank_units[a], rank_units[b] = rank_units[b], rank_units[a]
         swapped.append(rank_units)
-    with pytest.raises(AssertionError):
-        check_rendezvous(lower_chunked(swapped, v), v, n)
+    with pytest.raises(ScheduleError):
+        simulate(lower(swapped, v))
 
 
 def test_rejects_bad_shapes():

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.schedules.slimpipe import slimpipe_rank_units  # noqa: E402
-from megatron.schedules.units import in_flight_peak, seq1f1b_rank_units  # noqa: E402
+from megatron.schedules.seq1f1b import in_flight_peak, seq1f1b_rank_units  # noqa: E402
 from megatron.seqsplit.split_lengths import plan_splits  # noqa: E402
 
 

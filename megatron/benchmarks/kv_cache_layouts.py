@@ -17,7 +17,7 @@ import time
 import torch
 
 from megatron.schedules.memory_probe import ActivationMemoryProbe
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
 from megatron.seqsplit.attention_backends import get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets

@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron.schedules.simulate import simulate
 from megatron.schedules.timeline import Timeline, read_timeline
-from megatron.schedules.units import Unit, seq1f1b_schedule
+from megatron.schedules.actions import Unit
+from megatron.schedules.seq1f1b import seq1f1b_schedule
 
 TIMED, TIMELINE, MEMORY, UNIT_CPU = "timed", "timeline", "memory", "unit_cpu"
 
@@ -547,7 +548,7 @@ def format_report(summary: Dict) -> str:
             f"{fmt_ratio(r.get('worst_stage_activation_ratio'))} | "
             f"{_loss(r['loss'])} | {_loads(r.get('foreign_cores_runs'))} |")
     lines += check_lines(summary, "Final losses {verdict} across schedules", "1F1B's",
-                         "megatron.schedules.units.seq1f1b_rank_units")
+                         "megatron.schedules.seq1f1b.seq1f1b_rank_units")
     lines += ["", "paired ratio: median over rounds of (this run's tokens/s / 1F1B's run of "
               "the same round), then over the undisturbed rounds and their number; bubble: idle / span per stage in the recorded timelines "
               "(median over the timeline runs); other processes: CPU cores used by other "

@@ -1,7 +1,7 @@
 """One pipeline stage of 1F1B / Seq1F1B, emulated on one device.
 
 A stage's share of an iteration is its unit list from the shared generator
-(``megatron.schedules.units.seq1f1b_rank_units(rank, p, m, s)``). This module runs
+(``megatron.schedules.seq1f1b.seq1f1b_rank_units(rank, p, m, s)``). This module runs
 that list on one device with the project's real model (``pretrain_gpt``'s model
 provider: megatron-core layers with the split-aware local spec, the KV-prefix cache,
 Float16Module for bf16, megatron-core DDP gradient buffers) and replaces every
@@ -15,7 +15,7 @@ neighbour would send:
 * backward of a non-last stage receives a ``[l_j, b, h]`` output gradient;
 * the first stage reads tokens / position ids, the last stage labels / loss mask
   (random tokens), through ``pretrain_gpt.forward_step`` and, with splits,
-  ``megatron.schedules.seq1f1b.SplitDataIterator`` (the executor's own slicing).
+  ``megatron.schedules.executor.SplitDataIterator`` (the executor's own slicing).
 
 Backward is megatron-core's ``backward_step``. Measured per run: every unit's wall
 time (device synchronised around each unit, ``TimelineRecorder``), the activation
@@ -36,7 +36,8 @@ import torch
 
 from megatron.schedules.simulate import simulate
 from megatron.schedules.memory_probe import ActivationMemoryProbe
-from megatron.schedules.units import Unit, seq1f1b_rank_units, seq1f1b_schedule
+from megatron.schedules.actions import Unit
+from megatron.schedules.seq1f1b import seq1f1b_rank_units, seq1f1b_schedule
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 from megatron.seqsplit.split_context import SplitContext
@@ -147,7 +148,7 @@ class StageEmulator:
         """Run this rank's unit list once (one iteration of this stage)."""
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
-        from megatron.schedules.seq1f1b import SplitDataIterator
+        from megatron.schedules.executor import MicrobatchSlicer, SplitDataIterator
         from megatron.mcore_compat import backward_step
 
         args, config = self.args, self.config
@@ -157,7 +158,8 @@ class StageEmulator:
         for observer in observers:  # as the executor does: the probe counts the cache's
             if hasattr(observer, "attach_kv_store"):  # buffers and gradient accumulators
                 observer.attach_kv_store(kv_store)
-        iterator = SplitDataIterator(_Sequence(batches)) if splits > 1 else _Sequence(batches)
+        iterator = _Sequence(batches)
+        slicer = MicrobatchSlicer(iterator)
         generator = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
         inputs, outputs = {}, {}
         self.model.zero_grad_buffer()
@@ -172,11 +174,11 @@ class StageEmulator:
                     received = torch.randn(length, b, h, dtype=self.dtype, device=self.device,
                                            generator=generator).requires_grad_()
                 self.set_input_tensor([received])
-                if splits > 1:
-                    iterator.split = SplitContext(
+                if splits > 1:  # as the executor: an iterator made for the unit
+                    iterator = SplitDataIterator(slicer, SplitContext(
                         microbatch_id=unit.microbatch, split_index=unit.split, num_splits=splits,
                         offset=offsets[unit.split], length=length, seq_length=L,
-                        kv_store=kv_store)
+                        kv_store=kv_store))
                 output, loss_func = self.forward_step(iterator, self.model, args=args)
                 if self.last:
                     loss_sum, _, _ = loss_func(output)

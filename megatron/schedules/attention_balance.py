@@ -23,9 +23,9 @@ from the SlimPipe unit lists alone (so every rank computes the same plan):
   that best evens the two; the pair is kept only if the simulated iteration gets
   shorter (or equally long with every unit finishing earlier in total);
 * the executor lowers the unit lists on plain SlimPipe's timed run with the pairs
-  starting together (``messages.lower_chunked(times=...)``), so paired units meet
-  without deadlock and every other message keeps its place; ``check_rendezvous``
-  verifies it with the pairs as rendezvous.
+  starting together (``lowering.lower(times=...)``), so paired units meet
+  without deadlock and every other message keeps its place; ``simulate`` verifies
+  the lowered programs with the pairs as rendezvous.
 """
 
 import bisect
@@ -34,10 +34,10 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.schedules.actions import Unit
+from megatron.schedules.lowering import lower
 from megatron.schedules.simulate import ScheduleDeadlock, simulate
-from megatron.schedules.messages import check_rendezvous, lower_chunked
 from megatron.schedules.slimpipe import slimpipe_rank_units
-from megatron.schedules.units import Unit
 from megatron.seqsplit.attention_exchange import ASK, HELP
 # Pairs tried per plan, each one simulation of the whole schedule: up to MAX_TRIALS,
 # fewer for large schedules (SIMULATED_UNITS_BUDGET units simulated in all), never
@@ -69,14 +69,14 @@ class SliceCosts:
 
     @staticmethod
     def from_model(model, slice_length: int, exchange: float = 0.0) -> "SliceCosts":
-        """From a ``megatron.seqsplit.split_lengths.ModelShape``: per-token linear FLOPs of a
-        layer against ``4 hq d l`` attention FLOPs per token and chunk of ``l`` keys.
+        """From a ``megatron.model_shape.ModelShape``: a layer's linear FLOPs per token
+        against its attention FLOPs per token and chunk of ``l`` keys (``l`` causal pairs).
         ``exchange`` is per K/V chunk (``2 g d`` values per token); the query slice and
         the output (``hq d`` values per token each) cost ``exchange hq / g``."""
         if exchange < 0:
             raise ValueError(f"the exchange cost must be >= 0, got {exchange}")
-        linear = (model.linear_flops_per_token() - 2 * model.hidden_size * model.vocab_size)
-        per_chunk = model.attention_flops_per_pair() * slice_length
+        linear = model.layer_flops_per_token()
+        per_chunk = model.layer_flops_per_pair() * slice_length
         query = exchange * model.num_attention_heads / model.num_query_groups
         return SliceCosts(gemm=linear / per_chunk, exchange=exchange, query_exchange=query)
 
@@ -261,7 +261,7 @@ def balanced_slimpipe(pp_size: int, num_microbatches: int, num_chunks: int, num_
 def checked_balanced_programs(pp_size: int, num_microbatches: int, num_chunks: int,
                               num_slices: int, costs: SliceCosts):
     """(every rank's lowered program, the balanced schedule), checked by
-    ``check_rendezvous`` with the pairs as rendezvous."""
+    ``simulate`` with the pairs as rendezvous."""
     plan = balanced_slimpipe(pp_size, num_microbatches, num_chunks, num_slices, costs)
     # Lower on the timed run plain SlimPipe is lowered on (forward 1, backward 2), with
     # the pairs starting together: messages stay where they are without balancing
@@ -269,13 +269,11 @@ def checked_balanced_programs(pp_size: int, num_microbatches: int, num_chunks: i
     # each other, measured), and a rendezvous is only ever added, never reordered around.
     # Whether pairs can meet depends on the orders, not the durations, so this cannot
     # fail where the plan's simulation did not.
-    sim = simulate(plan.units, lambda rank, unit: 1.0 if unit.is_forward else 2.0,
-                   partners=plan.partners())
+    sim = simulate(plan.units, partners=plan.partners())
     start = {(t.rank, t.unit): t.start for timed in sim.ranks for t in timed}
     end = {(t.rank, t.unit): t.end for timed in sim.ranks for t in timed}
-    programs = tuple(tuple(p) for p in lower_chunked(plan.units, num_chunks,
-                                                     times=(start, end)))
-    check_rendezvous(programs, num_chunks, num_slices, partners=plan.partners())
+    programs = tuple(tuple(p) for p in lower(plan.units, num_chunks, times=(start, end)))
+    simulate(programs, partners=plan.partners())
     return programs, plan
 
 

@@ -7,7 +7,7 @@ import inspect
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
-from megatron.schedules.seq1f1b import Seq1F1BSettings, forward_backward_pipelining_seq1f1b
+from megatron.schedules.executor import ScheduleSettings, forward_backward_pipelining_with_splits
 
 # megatron-core 0.19 added a third parameter (schedule_pg_collection); 0.16 has two
 _MCORE_TAKES_PG_COLLECTION = "schedule_pg_collection" in inspect.signature(
@@ -96,7 +96,7 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
 
     Data-parallel gradient reduction follows ``config.no_sync_func`` /
     ``grad_sync_func`` as megatron-core's schedules do (``--overlap-grad-reduce``):
-    see ``forward_backward_pipelining_seq1f1b``.
+    see ``megatron.schedules.grad_sync``.
     """
     if schedule_pg_collection is not None and not _MCORE_TAKES_PG_COLLECTION:
         raise TypeError("schedule_pg_collection needs megatron-core >= 0.17")
@@ -104,12 +104,12 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
         if not slimpipe_slices or slimpipe_slices < 1:
             raise ValueError(f"SlimPipe needs slimpipe_slices >= 1, got {slimpipe_slices}")
         _refuse_pg_collection(schedule_pg_collection)
-        settings = Seq1F1BSettings(num_splits=slimpipe_slices, balance_method="average",
-                                   alignment=alignment, model_shape=model_shape,
-                                   observers=list(observers), schedule="slimpipe",
-                                   attention_balance=attention_balance,
-                                   exchange_cost=exchange_cost)
-        return functools.partial(forward_backward_pipelining_seq1f1b, settings=settings)
+        settings = ScheduleSettings(schedule="slimpipe", num_splits=slimpipe_slices,
+                                    balance_method="average", alignment=alignment,
+                                    model_shape=model_shape, observers=list(observers),
+                                    attention_balance=attention_balance,
+                                    exchange_cost=exchange_cost)
+        return functools.partial(forward_backward_pipelining_with_splits, settings=settings)
     if seq1f1b_splits <= 1 and not observers:
         if pp_size is None and vp_size is None:  # megatron-core's fallback
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -119,10 +119,10 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
                      if schedule_pg_collection is not None else {})
             return mcore_schedules.get_forward_backward_func(pp_size, vp_size, **extra)
     _refuse_pg_collection(schedule_pg_collection)
-    settings = Seq1F1BSettings(num_splits=seq1f1b_splits, balance_method=balance_method,
-                               alignment=alignment, model_shape=model_shape,
-                               observers=list(observers))
-    return functools.partial(forward_backward_pipelining_seq1f1b, settings=settings)
+    settings = ScheduleSettings(schedule="seq1f1b", num_splits=seq1f1b_splits,
+                                balance_method=balance_method, alignment=alignment,
+                                model_shape=model_shape, observers=list(observers))
+    return functools.partial(forward_backward_pipelining_with_splits, settings=settings)
 
 
 def _refuse_pg_collection(schedule_pg_collection):

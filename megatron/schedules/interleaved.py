@@ -28,13 +28,14 @@ backward yields the K/V gradient of splits ``< j``). With ``s`` splits the group
 rank needs before the last split of the first microbatch reaches its last chunk:
 ``min(2 (p - r - 1) + (v - 1) G s + s - 1, v m s)``. With ``s = 1`` every number
 above is megatron-core's. The executor runs these lists (``s = 1`` included) through
-``megatron.schedules.messages``; their completeness and freedom from deadlock are
+``megatron.schedules.lowering``; their completeness and freedom from deadlock are
 checked by the planner's simulator, the rendezvous check and their tests.
 """
 
 from typing import List, Optional, Tuple
 
-from megatron.schedules.units import BACKWARD, FORWARD, Unit, check_positive_shape
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
+from megatron.schedules.seq1f1b import check_positive_shape, one_forward_one_backward
 
 Item = Tuple[int, int]  # (microbatch, split)
 
@@ -164,11 +165,7 @@ def table_rank_units(
     warmup = num_interleaved_warmup(
         rank, pp_size, num_microbatches, num_chunks, group, num_splits
     )
-    units = list(forwards[:warmup])
-    for forward, backward in zip(forwards[warmup:], backwards):
-        units += [forward, backward]
-    units += backwards[len(forwards) - warmup:]
-    return units
+    return one_forward_one_backward(forwards, backwards, warmup)
 
 
 def interleaved_schedule(

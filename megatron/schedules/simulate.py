@@ -1,34 +1,51 @@
-"""Event simulation of a pipeline schedule: per-unit start/end and memory over time.
+"""The one pipeline simulator: every rank runs its program in order, and the result
+says when each unit starts and ends, the memory over time, or why the programs cannot
+run. The planner, attention balancing, the lowering pass, the executor's deadlock
+check, the timeline pictures and the tests all use it.
 
-Input: every rank's ordered unit list (from ``megatron.schedules``), a duration for
-each unit, a delay for each point-to-point message and, optionally, the memory each
-unit allocates and frees. Each rank runs its units in list order; a unit starts when
-the rank is free and every unit it depends on has finished and its message arrived:
+A unit starts when its rank is free and everything it depends on (``dependencies``)
+is done:
 
-* forward ``(mb, split, chunk)`` on rank ``r`` needs the same forward on rank ``r - 1``;
-  on rank 0 with ``chunk > 0`` it needs the forward of ``chunk - 1`` on rank ``p - 1``;
-  split ``j > 0`` also needs split ``j - 1``'s forward on the same rank (K/V prefix);
-* backward on rank ``r`` needs the same backward on rank ``r + 1``; on rank ``p - 1``
-  with ``chunk < v - 1`` the backward of ``chunk + 1`` on rank 0; the very last stage
-  needs its own forward; split ``j < s - 1`` also needs split ``j + 1``'s backward on the
+* forward ``(mb, split, chunk)`` needs the same forward of the previous global stage
+  (rank ``r - 1``, or rank ``p - 1``'s previous chunk from rank 0); split ``j > 0``
+  also needs split ``j - 1``'s forward on the same rank (its K/V prefix);
+* backward needs the same backward of the next global stage (none on the last stage)
+  and its own forward; split ``j < s - 1`` also needs split ``j + 1``'s backward on the
   same rank (it deposits split ``j``'s K/V gradient).
 
-Sends are asynchronous (a message waits at the receiver until it is used), which is
-the standard model for pipeline timelines. ``partners`` pairs units of two ranks that
-must run at the same time (SlimPipe's attention redistribution exchanges data inside
-them): each starts when both ranks are ready for it. An order in which some unit waits for a
-unit later in its own rank's list (or on a cycle across ranks) raises
-``ScheduleDeadlock``.
+Two kinds of program:
+
+* **unit lists** (a schedule before lowering): a unit's input from another rank
+  arrives ``comm`` seconds after its producer ends -- sends are asynchronous, the
+  standard model for pipeline timelines (planner, attention balancing, lowering);
+* **lowered programs** (``megatron.schedules.lowering``: units and batches of
+  messages): tensors move only in batches, under the strictest semantics a backend
+  may have. A batch blocks until every op in it met its peer's matching op
+  (rendezvous), matched first-in first-out per directed pair of ranks (NCCL matches
+  the k-th send from A to B with the k-th receive at B from A, whatever it is meant to
+  carry). A unit whose input has not arrived, a send of a tensor not yet computed and
+  a receive that would get another unit's message raise ``ScheduleError``.
+
+``partners`` pairs units of two ranks that must run at the same time (SlimPipe's
+attention redistribution exchanges data inside them): both start when both ranks are
+ready. Programs that wait forever raise ``ScheduleDeadlock``, naming each rank's next
+action. ``duration`` defaults to forward 1, backward 2.
 """
 
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron.schedules.units import BACKWARD, FORWARD, Unit
+from megatron.schedules.actions import (
+    BACKWARD, FORWARD, RECV, SEND, Action, Unit, format_action, producer)
 
 
-class ScheduleDeadlock(RuntimeError):
-    """The unit lists cannot all run: some unit waits forever."""
+class ScheduleError(RuntimeError):
+    """Programs that cannot run as written: a unit before its input or its K/V, a
+    send before its tensor exists, a receive that would get another unit's message."""
+
+
+class ScheduleDeadlock(ScheduleError):
+    """The programs cannot all run: some rank waits forever."""
 
 
 @dataclass(frozen=True)
@@ -116,32 +133,24 @@ class SimResult:
         return peak
 
 
-def _key(unit: Unit, kind: str, split: int, chunk: int) -> Tuple[str, int, int, int]:
-    return (kind, unit.microbatch, split, chunk)
 
 
-def dependencies(
-    rank: int, unit: Unit, pp_size: int, num_chunks: int, num_splits: int
-) -> List[Tuple[int, Tuple[str, int, int, int]]]:
-    """(rank, unit key) pairs that must finish before ``unit`` may start on ``rank``."""
+def dependencies(rank: int, unit: Unit, pp_size: int, num_chunks: int,
+                 num_splits: int) -> List[Tuple[int, Unit]]:
+    """(rank, unit) pairs that must finish before ``unit`` may start on ``rank``: its
+    input's producer on another rank (if any) first, then those on its own rank."""
     deps = []
-    j, c = unit.split, unit.chunk
-    if unit.kind == FORWARD:
-        if rank > 0:
-            deps.append((rank - 1, _key(unit, FORWARD, j, c)))
-        elif c > 0:
-            deps.append((pp_size - 1, _key(unit, FORWARD, j, c - 1)))
+    source = producer(unit, rank, pp_size, num_chunks)
+    if source is not None:
+        deps.append(source)
+    mb, j, c = unit.microbatch, unit.split, unit.chunk
+    if unit.is_forward:
         if j > 0:
-            deps.append((rank, _key(unit, FORWARD, j - 1, c)))
+            deps.append((rank, Unit(FORWARD, mb, j - 1, c)))
     else:
-        if rank < pp_size - 1:
-            deps.append((rank + 1, _key(unit, BACKWARD, j, c)))
-        elif c < num_chunks - 1:
-            deps.append((0, _key(unit, BACKWARD, j, c + 1)))
-        else:
-            deps.append((rank, _key(unit, FORWARD, j, c)))
+        deps.append((rank, Unit(FORWARD, mb, j, c)))
         if j < num_splits - 1:
-            deps.append((rank, _key(unit, BACKWARD, j + 1, c)))
+            deps.append((rank, Unit(BACKWARD, mb, j + 1, c)))
     return deps
 
 
@@ -150,83 +159,168 @@ CommFn = Callable[[int, int, Unit], float]
 MemoryFn = Callable[[int, Unit], MemoryEffect]
 
 
+def default_duration(rank: int, unit: Unit) -> float:
+    """Forward 1, backward 2: the relative cost used where no cost model is given."""
+    return 1.0 if unit.is_forward else 2.0
+
+
 def simulate(
-    schedule: Sequence[Sequence[Unit]],
-    duration: DurationFn,
+    programs: Sequence[Sequence[Action]],
+    duration: Optional[DurationFn] = None,
     comm: Optional[CommFn] = None,
     memory: Optional[MemoryFn] = None,
     partners: Optional[Dict[Tuple[int, Unit], Tuple[int, Unit]]] = None,
 ) -> SimResult:
-    """Time every rank's unit list.
+    """Run every rank's program (a unit list or a lowered program; see module doc).
 
-    ``duration(rank, unit)`` -> seconds; ``comm(src_rank, dst_rank, unit)`` -> seconds
-    for the message that carries ``unit``'s output (activation for forwards, input
-    gradient for backwards) between ranks (0 if omitted; messages inside a rank are
-    free); ``memory(rank, unit)`` -> ``MemoryEffect`` (memory traces are built only
-    when given); ``partners[(rank, unit)] = (peer_rank, peer_unit)`` (given for both
-    sides) makes the two units start together, at the later of their ready times.
+    ``duration(rank, unit)`` -> seconds (default ``default_duration``);
+    ``comm(src_rank, dst_rank, unit)`` -> seconds for the message that carries
+    ``unit``'s output between ranks (0 if omitted); ``memory(rank, unit)`` ->
+    ``MemoryEffect`` (memory traces are built only when given);
+    ``partners[(rank, unit)] = (peer_rank, peer_unit)`` (given for both sides) makes
+    the two units start together, at the later of their ready times.
     """
-    partners = partners or {}
-    waiting: Dict[Tuple[int, Unit], float] = {}  # paired units ready, partner not yet
-    pp_size = len(schedule)
-    num_chunks = 1 + max((u.chunk for units in schedule for u in units), default=0)
-    num_splits = 1 + max((u.split for units in schedule for u in units), default=0)
-    finished: Dict[Tuple[int, Tuple[str, int, int, int]], float] = {}
-    position = [0] * pp_size
-    clock = [0.0] * pp_size
-    timed: List[List[TimedUnit]] = [[] for _ in range(pp_size)]
-    total = sum(len(units) for units in schedule)
-    done = 0
-    while done < total:
-        progressed = False
-        for rank in range(pp_size):
-            units = schedule[rank]
-            while position[rank] < len(units):
-                unit = units[position[rank]]
-                ready = clock[rank]
-                blocked = False
-                for dep_rank, key in dependencies(rank, unit, pp_size, num_chunks, num_splits):
-                    end = finished.get((dep_rank, key))
-                    if end is None:
-                        blocked = True
-                        break
-                    if dep_rank != rank and comm is not None:
-                        dep_unit = Unit(key[0], key[1], key[2], key[3])
-                        end += comm(dep_rank, rank, dep_unit)
-                    ready = max(ready, end)
-                if blocked:
-                    break
-                partner = partners.get((rank, unit))
-                if partner is None:
-                    starts = [(rank, unit, ready)]
-                elif partner in waiting:
-                    start = max(ready, waiting.pop(partner))
-                    starts = [(rank, unit, start), partner + (start,)]
-                else:
-                    waiting[(rank, unit)] = ready
-                    break
-                for run_rank, run_unit, start in starts:
-                    end = start + duration(run_rank, run_unit)
-                    key = (run_unit.kind, run_unit.microbatch, run_unit.split, run_unit.chunk)
-                    if (run_rank, key) in finished:
-                        raise ScheduleDeadlock(f"unit {run_unit} appears twice on rank {run_rank}")
-                    finished[(run_rank, key)] = end
-                    timed[run_rank].append(TimedUnit(run_rank, run_unit, start, end))
-                    clock[run_rank] = end
-                    position[run_rank] += 1
-                    done += 1
-                progressed = True
-        if not progressed:
-            stuck = {
-                r: str(schedule[r][position[r]])
-                for r in range(pp_size)
-                if position[r] < len(schedule[r])
-            }
-            raise ScheduleDeadlock(f"schedule cannot proceed; next units per rank: {stuck}")
+    timed = _Simulation(programs, duration or default_duration, comm, partners or {}).run()
     traces = None
     if memory is not None:
-        traces = [memory_trace(timed[r], memory) for r in range(pp_size)]
+        traces = [memory_trace(rank_timed, memory) for rank_timed in timed]
     return SimResult(timed, traces)
+
+
+class _Simulation:
+    """One run of ``simulate``: each rank's position, clock and posted batch."""
+
+    def __init__(self, programs, duration, comm, partners):
+        self.programs = programs
+        self.duration, self.comm, self.partners = duration, comm, partners
+        self.pp_size = len(programs)
+        units = [a for program in programs for a in program if isinstance(a, Unit)]
+        self.num_chunks = 1 + max((u.chunk for u in units), default=0)
+        self.num_splits = 1 + max((u.split for u in units), default=0)
+        self.lowered = len(units) < sum(len(program) for program in programs)
+        self.position = [0] * self.pp_size
+        self.clock = [0.0] * self.pp_size
+        self.timed: List[List[TimedUnit]] = [[] for _ in range(self.pp_size)]
+        self.finished: Dict[Tuple[int, Unit], float] = {}  # (rank, unit) -> end
+        self.arrived: Dict[Tuple[int, Unit], float] = {}  # lowered: (rank, unit) -> input
+        self.waiting: Dict[Tuple[int, Unit], float] = {}  # paired unit ready, partner not
+        self.pending: List[Optional[list]] = [None] * self.pp_size  # unmatched posted ops
+        self.posted: Dict[Tuple[str, int, int], int] = {}  # ops so far per channel
+
+    def run(self) -> List[List[TimedUnit]]:
+        while True:
+            progressed = False
+            for rank in range(self.pp_size):
+                program = self.programs[rank]
+                while self.position[rank] < len(program):
+                    action = program[self.position[rank]]
+                    step = self._unit if isinstance(action, Unit) else self._batch
+                    if not step(rank, action):
+                        break
+                    progressed = True
+            progressed = self._match_messages() or progressed
+            if all(self.position[r] == len(p) for r, p in enumerate(self.programs)):
+                return self.timed
+            if not progressed:
+                raise ScheduleDeadlock(f"deadlock: the programs cannot proceed; next action "
+                                       f"per rank: {self._next_actions()}")
+
+    def _unit(self, rank: int, unit: Unit) -> bool:
+        """Start ``unit`` (and its partner) if it can; False when it must wait."""
+        ready = self.clock[rank]
+        for dep_rank, dep in dependencies(rank, unit, self.pp_size, self.num_chunks,
+                                          self.num_splits):
+            if dep_rank == rank:
+                if (rank, dep) not in self.finished:
+                    raise ScheduleDeadlock(f"{unit} on rank {rank} runs before {dep}, which "
+                                           "its rank runs later or never")
+            elif self.lowered:
+                if (rank, unit) not in self.arrived:
+                    raise ScheduleError(f"{unit} on rank {rank} runs before its input arrived")
+                ready = max(ready, self.arrived[(rank, unit)])
+            elif (dep_rank, dep) not in self.finished:
+                return False
+            else:
+                delay = self.comm(dep_rank, rank, dep) if self.comm is not None else 0.0
+                ready = max(ready, self.finished[(dep_rank, dep)] + delay)
+        partner = self.partners.get((rank, unit))
+        if partner is None:
+            starts = [(rank, unit, ready)]
+        elif partner in self.waiting:
+            start = max(ready, self.waiting.pop(partner))
+            starts = [(rank, unit, start), partner + (start,)]
+        else:
+            self.waiting[(rank, unit)] = ready
+            return False
+        for run_rank, run_unit, start in starts:
+            if (run_rank, run_unit) in self.finished:
+                raise ScheduleDeadlock(f"unit {run_unit} appears twice on rank {run_rank}")
+            end = start + self.duration(run_rank, run_unit)
+            self.finished[(run_rank, run_unit)] = self.clock[run_rank] = end
+            self.timed[run_rank].append(TimedUnit(run_rank, run_unit, start, end))
+            self.position[run_rank] += 1
+        return True
+
+    def _batch(self, rank: int, batch) -> bool:
+        """Post ``batch`` once; done (True) when every op in it has been matched."""
+        if self.pending[rank] is None:
+            self.pending[rank] = [self._post(rank, message) for message in batch]
+        if self.pending[rank]:
+            return False
+        self.pending[rank] = None
+        self.position[rank] += 1
+        return True
+
+    def _post(self, rank: int, message) -> list:
+        channel = (rank, message.peer) if message.kind == SEND else (message.peer, rank)
+        key = (message.kind,) + channel
+        index = self.posted.get(key, 0)
+        self.posted[key] = index + 1
+        if message.kind == SEND:  # the tensor exists once the producing unit ran
+            source = producer(message.unit, message.peer, self.pp_size, self.num_chunks)
+            if source is None or source[0] != rank or (rank, source[1]) not in self.finished:
+                raise ScheduleError(f"rank {rank} sends {message.unit}'s input before "
+                                    "computing it")
+        return [message, channel, index]
+
+    def _match_messages(self) -> bool:
+        """Complete every send whose receive is posted (FIFO per channel)."""
+        progressed = False
+        for rank in range(self.pp_size):
+            for op in [op for op in (self.pending[rank] or []) if op[0].kind == SEND]:
+                message, channel, index = op
+                peer = message.peer
+                match = next((other for other in (self.pending[peer] or [])
+                              if other[0].kind == RECV and other[1:] == [channel, index]),
+                             None)
+                if match is None:
+                    continue
+                if match[0].unit != message.unit:
+                    raise ScheduleError(f"FIFO mismatch on {rank}->{peer}: send for "
+                                        f"{message.unit} would be received as {match[0].unit}")
+                self.pending[rank].remove(op)
+                self.pending[peer].remove(match)
+                source = producer(message.unit, peer, self.pp_size, self.num_chunks)[1]
+                delay = self.comm(rank, peer, source) if self.comm is not None else 0.0
+                arrival = max(self.clock[rank], self.clock[peer]) + delay
+                self.arrived[(peer, message.unit)] = arrival
+                self.clock[rank] = self.clock[peer] = arrival
+                progressed = True
+        return progressed
+
+    def _next_actions(self) -> Dict[int, str]:
+        stuck = {}
+        for rank, program in enumerate(self.programs):
+            if self.position[rank] == len(program):
+                continue
+            action = program[self.position[rank]]
+            if self.pending[rank]:
+                stuck[rank] = "waits in " + format_action(tuple(op[0] for op in self.pending[rank]))
+            elif (rank, action) in self.waiting:
+                stuck[rank] = f"waits at {action} for its partner"
+            else:
+                stuck[rank] = format_action(action)
+        return stuck
 
 
 def memory_trace(timed: Sequence[TimedUnit], memory: MemoryFn) -> MemoryTrace:

@@ -32,13 +32,8 @@ from megatron.schedules.interleaved import (
     schedule_table,
     table_rank_units,
 )
-from megatron.schedules.units import (
-    FORWARD,
-    Unit,
-    check_positive_shape,
-    num_warmup_units,
-    seq1f1b_rank_units,
-)
+from megatron.schedules.actions import FORWARD, Unit
+from megatron.schedules.seq1f1b import check_positive_shape, num_warmup_units, seq1f1b_rank_units
 
 
 def check_slimpipe_shape(pp_size: int, num_microbatches: int, num_chunks: int,

@@ -231,7 +231,7 @@ class TimelineRecorder:
                        getattr(unit, "chunk", 0), begin, self._now())
             )
 
-    # Observer interface of the executor (Seq1F1BSettings.observers):
+    # Observer interface of the executor (ScheduleSettings.observers):
     # on_unit_start(rank, unit) / on_unit_end(rank, unit).
     def on_unit_start(self, rank, unit) -> None:
         self._open = (unit, self._now())

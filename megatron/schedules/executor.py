@@ -1,0 +1,426 @@
+"""The pipeline executor: runs this rank's lowered program on megatron-core.
+
+``forward_backward_pipelining_with_splits`` has the signature and return value of
+megatron-core's ``forward_backward_pipelining_without_interleaving``. It builds this
+rank's program for ``ScheduleSettings.schedule`` -- Seq1F1B (interleaved order with
+virtual stages), SlimPipe, or SlimPipe with attention balance; one split is plain 1F1B
+-- lowered by ``megatron.schedules.lowering`` and checked free of deadlock by the
+simulator, and ``PipelineExecutor`` runs it: one method per action kind (a compute
+unit, a batch of sends and receives), every message with its own shape (splits may
+differ in length, so there is no shape handshake).
+
+Loss: the user's loss function must return megatron's triple ``(loss_sum,
+num_tokens, reported)``. A split's loss sum is normalised at backward time by the
+token count of its whole microbatch (known by then: on the last stage all splits
+of a microbatch run forward before its first backward), so the split losses add up
+to the unsplit microbatch loss; with ``calculate_per_token_loss`` the sums are
+used as they are and megatron-core divides by the total token count.
+
+What reaches the model: ``forward_step(data_iterator, model)`` gets a
+``SplitDataIterator`` made for the unit, whose ``split`` is the unit's
+``SplitContext`` (pass it to the model as ``packed_seq_params``); the model must
+consume it (``check_split_consumed``: refused after the first forward unit
+otherwise). The attention exchange of a paired unit (attention balance) reaches the
+attention through the KV store's one context object, ``KVCacheStore.unit_exchange``,
+which the executor sets around each unit. Data-parallel gradient reduction starts as
+megatron-core's schedules start it (``megatron.schedules.grad_sync``).
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol, runtime_checkable
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from megatron.mcore_compat import backward_step
+from megatron.schedules.actions import FORWARD, SEND, Unit, producer
+from megatron.schedules.grad_sync import GradSync
+from megatron.schedules.lowering import checked_programs
+from megatron.seqsplit.kv_cache import KVCacheStore
+from megatron.seqsplit.split_context import SplitContext, slice_batch
+from megatron.seqsplit.split_lengths import plan_splits, split_offsets
+
+SCHEDULES = ("seq1f1b", "slimpipe")
+
+
+@runtime_checkable
+class UnitObserver(Protocol):
+    """Watches the units of training iterations (timeline recorder, memory probe).
+    Forward-only calls (evaluation) are not shown to observers, so a timeline or memory
+    probe of the last iteration holds the training iteration only."""
+
+    def on_unit_start(self, rank: int, unit: Unit) -> None: ...
+
+    def on_unit_end(self, rank: int, unit: Unit) -> None: ...
+
+
+@runtime_checkable
+class KVStoreObserver(UnitObserver, Protocol):
+    """An observer that also counts the KV cache (given each iteration's store)."""
+
+    def attach_kv_store(self, store: KVCacheStore) -> None: ...
+
+
+@dataclass
+class ScheduleSettings:
+    """Which schedule the executor runs, how it splits, and who watches."""
+
+    # "seq1f1b": Seq1F1B (interleaved Seq1F1B with virtual stages; one split is 1F1B);
+    # "slimpipe": SlimPipe, num_splits its uniform slices (Seq1F1B's order when v = 1)
+    schedule: str = "seq1f1b"
+    num_splits: int = 1
+    balance_method: str = "average"  # the split solver's method (seqsplit.split_lengths)
+    alignment: int = 1
+    model_shape: Any = None  # megatron.model_shape.ModelShape: uniform_comp, attention balance
+    observers: List[UnitObserver] = field(default_factory=list)
+    # SlimPipe only: attention redistribution between paired units
+    # (megatron.schedules.attention_balance); needs the chunked KV cache and model_shape
+    attention_balance: bool = False
+    exchange_cost: float = 0.0  # SliceCosts.exchange: one K/V chunk's send vs its attention
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}: one of {SCHEDULES}")
+
+
+class MicrobatchSlicer:
+    """Reads each microbatch from the user's iterator once (at its split 0) and keeps it
+    until its last split's slice is taken."""
+
+    def __init__(self, data_iterator):
+        self.data_iterator = data_iterator
+        self.batches: Dict[int, dict] = {}
+
+    def slice(self, split: SplitContext) -> dict:
+        if split.split_index == 0:
+            batch = next(self.data_iterator)
+            if not isinstance(batch, dict):
+                raise TypeError(
+                    "with sequence splits the data iterator must yield dicts of per-token "
+                    "tensors ([b, seq_length], e.g. tokens, labels, loss_mask, position_ids) "
+                    f"so that each split gets its slice; got {type(batch).__name__}")
+            self.batches[split.microbatch_id] = batch
+        batch = self.batches[split.microbatch_id]
+        if split.is_last:
+            del self.batches[split.microbatch_id]
+        return slice_batch(batch, split.offset, split.length, split.seq_length)
+
+
+class SplitDataIterator:
+    """What the user's ``forward_step`` receives as ``data_iterator``: made for one unit,
+    ``split`` is its ``SplitContext`` and ``next()`` returns the split's slice."""
+
+    def __init__(self, slicer: MicrobatchSlicer, split: SplitContext):
+        self.split = split
+        self.slicer = slicer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.slicer.slice(self.split)
+
+
+class SplitNotConsumedError(RuntimeError):
+    """A forward under sequence splits returned without the model using its split."""
+
+
+def check_split_consumed(split: SplitContext, unit: Unit) -> None:
+    """Refuse a forward whose model did not consume the split (see
+    ``SplitContext.missing_consumers``): it would attend within the split only and
+    train on wrong gradients, silently. Called after every forward unit with more than
+    one split, so the first unit fails, before any backward."""
+    missing = split.missing_consumers()
+    if not missing:
+        return
+    raise SplitNotConsumedError(
+        f"sequence splits (--seq1f1b-splits / --slimpipe-slices > 1): the forward of unit "
+        f"{unit} (microbatch {unit.microbatch}, split {unit.split} of {split.num_splits}, "
+        f"model chunk {unit.chunk}) returned without the split reaching the model's "
+        f"{' and '.join(missing)}, so it would attend within the split only and train on "
+        "wrong gradients. Build the model as megatron.seqsplit.model.SeqSplitGPTModel with "
+        "transformer_layer_spec=split_aware_local_spec(config) (a stock megatron-core "
+        "GPTModel cannot run splits), and have forward_step pass the split on: "
+        "model(tokens, position_ids, None, labels=labels, "
+        "packed_seq_params=data_iterator.split) (the forward_step contract in "
+        "megatron.schedules.dispatch.get_forward_backward_func's docstring)")
+
+
+def merge_split_reports(reports):
+    """One report per microbatch, in microbatch order, as megatron-core's schedules
+    return them: the reports of a microbatch's splits added key by key. The loss
+    function's reports are additive (a loss sum and a token count, as the executor
+    requires the (loss_sum, num_tokens, reported) form), so the merged entry is what the
+    unsplit microbatch reports, and a training loop that averages over the list's
+    entries (or counts them) sees the same as without splits."""
+    merged = {}
+    for microbatch, reported in reports:
+        if microbatch not in merged:
+            merged[microbatch] = dict(reported)
+        else:
+            entry = merged[microbatch]
+            for key, value in reported.items():
+                entry[key] = entry[key] + value
+    return [merged[m] for m in sorted(merged)]
+
+
+class PipelineExecutor:
+    """One iteration of this rank's program: its state in named fields, one method per
+    action kind."""
+
+    def __init__(self, *, settings: ScheduleSettings, forward_step_func, chunks, iterators,
+                 pp_group, num_microbatches: int, seq_length: int, micro_batch_size: int,
+                 forward_only: bool):
+        self.settings = settings
+        self.forward_step_func = forward_step_func
+        self.chunks = chunks
+        self.num_chunks = len(chunks)
+        self.config = get_model_config(chunks[0])
+        self.pp_group = pp_group
+        self.rank, self.pp_size = pp_group.rank(), pp_group.size()
+        self.num_microbatches = num_microbatches
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.forward_only = forward_only
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        # megatron-core all-reduces this over NCCL on GPU: keep it on the run's device
+        self.device = next(chunks[0].parameters()).device
+        self.lengths = plan_splits(seq_length, settings.num_splits, settings.balance_method,
+                                   alignment=settings.alignment, model=settings.model_shape)
+        self.offsets = split_offsets(self.lengths)
+        self.kv_store = KVCacheStore(forward_only=forward_only)
+        self.observers = () if forward_only else tuple(settings.observers)
+        for observer in self.observers:
+            if isinstance(observer, KVStoreObserver):
+                observer.attach_kv_store(self.kv_store)
+        self.slicers = [MicrobatchSlicer(iterator) for iterator in iterators]
+        self.set_input_tensors = [get_attr_wrapped_model(chunk, "set_input_tensor")
+                                  for chunk in chunks]
+        self.exchanges = {}  # unit -> this rank's side of an attention-redistribution pair
+        self.program = self._program()
+        self.grad_sync = GradSync(self.config, chunks, self.program)
+        # tensors in flight, keyed by the unit that produced or consumes them
+        self.received_inputs: Dict[Unit, torch.Tensor] = {}
+        self.received_grads: Dict[Unit, torch.Tensor] = {}
+        self.inputs: Dict[Unit, Optional[torch.Tensor]] = {}  # forward unit -> its input
+        self.outputs: Dict[Unit, torch.Tensor] = {}  # forward unit -> its output (for backward)
+        self.unsent_outputs: Dict[Unit, torch.Tensor] = {}  # until sent downstream
+        self.input_grads: Dict[Unit, Optional[torch.Tensor]] = {}  # until sent upstream
+        self.tokens_per_microbatch: Dict[int, torch.Tensor] = {}  # last stage: loss tokens
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self.reports = []  # (microbatch, reported) per loss-holding forward
+
+    def _program(self):
+        settings = self.settings
+        if settings.attention_balance and not self.forward_only:
+            return self._balanced_program()
+        schedule = "interleaved" if settings.schedule == "seq1f1b" else settings.schedule
+        group_size = getattr(self.config, "microbatch_group_size_per_vp_stage", None)
+        if self.num_chunks == 1:  # SlimPipe without virtual stages is Seq1F1B over its slices
+            schedule, group_size = "seq1f1b", None
+        return checked_programs(self.pp_size, self.num_microbatches, self.num_chunks,
+                                settings.num_splits, group_size if schedule == "interleaved"
+                                else None, self.forward_only, schedule)[self.rank]
+
+    def _balanced_program(self):
+        """SlimPipe with attention redistribution: this rank's program (lowered on the
+        balanced timeline, checked free of deadlock with the pairs as rendezvous) and
+        the ``Exchange`` of each of its paired units."""
+        from megatron.schedules.attention_balance import SliceCosts, checked_balanced_programs
+        from megatron.seqsplit.attention_exchange import Exchange
+
+        settings = self.settings
+        if settings.schedule != "slimpipe" or settings.model_shape is None:
+            raise ValueError("attention balance needs the SlimPipe schedule and the model shape")
+        costs = SliceCosts.from_model(settings.model_shape,
+                                      self.seq_length // settings.num_splits,
+                                      settings.exchange_cost)
+        programs, plan = checked_balanced_programs(self.pp_size, self.num_microbatches,
+                                                   self.num_chunks, settings.num_splits, costs)
+        lengths, offsets = self.lengths, self.offsets
+        self.exchanges = {
+            unit: Exchange(
+                role=o.role, peer=torch.distributed.get_global_rank(self.pp_group, o.peer),
+                group=self.pp_group, asker_forward=o.asker.is_forward,
+                num_chunks=o.num_chunks, query_length=lengths[o.asker.split],
+                query_start=offsets[o.asker.split], chunk_lengths=tuple(lengths[:o.num_chunks]))
+            for unit, o in plan.offloads[self.rank].items()}
+        return programs[self.rank]
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> list:
+        """Run the program; returns one loss report per microbatch (last stage)."""
+        try:
+            for action in self.program:
+                if isinstance(action, Unit):
+                    self.run_unit(action)
+                else:
+                    self.run_batch(action)
+        finally:
+            self.grad_sync.close()  # also on an error: no_sync state is left as found
+        if not self.forward_only:
+            if self.kv_store.num_entries() != 0:
+                raise AssertionError(f"{self.kv_store.num_entries()} KV-cache entries "
+                                     "outlived their microbatch's backward")
+        self.kv_store.clear()
+        return merge_split_reports(self.reports)
+
+    def run_unit(self, unit: Unit) -> None:
+        for observer in self.observers:
+            observer.on_unit_start(self.rank, unit)
+        with self.kv_store.unit_exchange.running(self.exchanges.get(unit), unit.is_forward):
+            if unit.is_forward:
+                self._forward(unit)
+            else:
+                self._backward(unit)
+        for observer in self.observers:
+            observer.on_unit_end(self.rank, unit)
+
+    def _holds_loss(self, unit: Unit) -> bool:
+        return self.rank == self.pp_size - 1 and unit.chunk == self.num_chunks - 1
+
+    def _split(self, unit: Unit) -> SplitContext:
+        return SplitContext(
+            microbatch_id=unit.microbatch, split_index=unit.split,
+            num_splits=self.settings.num_splits, offset=self.offsets[unit.split],
+            length=self.lengths[unit.split], seq_length=self.seq_length,
+            kv_store=self.kv_store)
+
+    def _forward(self, unit: Unit) -> None:
+        config = self.config
+        input_tensor = self.received_inputs.pop(unit, None)
+        self.set_input_tensors[unit.chunk]([input_tensor])
+        split = self._split(unit)
+        data = SplitDataIterator(self.slicers[unit.chunk], split)
+        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
+                    if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
+        with autocast:
+            output_tensor, loss_func = self.forward_step_func(data, self.chunks[unit.chunk])
+        if self.settings.num_splits > 1:
+            check_split_consumed(split, unit)
+        if self._holds_loss(unit):
+            output_tensor = self._loss(unit, loss_func(output_tensor))
+        else:
+            self.unsent_outputs[unit] = output_tensor
+        if not self.forward_only:
+            self.inputs[unit] = input_tensor
+            self.outputs[unit] = output_tensor
+
+    def _loss(self, unit: Unit, reduced) -> torch.Tensor:
+        if len(reduced) != 3:
+            raise ValueError(
+                "with --seq1f1b-splits > 1 the loss function must return (loss_sum, "
+                "num_tokens, reported) so split losses can be normalised by the whole "
+                "microbatch's token count")
+        loss_sum, num_tokens, reported = reduced
+        self.reports.append((unit.microbatch, reported))
+        num_tokens = torch.as_tensor(num_tokens).to(device=self.device, dtype=torch.int)
+        self.tokens_per_microbatch[unit.microbatch] = (
+            self.tokens_per_microbatch.get(unit.microbatch, 0) + num_tokens)
+        self.total_num_tokens = self.total_num_tokens + num_tokens
+        return loss_sum
+
+    def _backward(self, unit: Unit) -> None:
+        forward_unit = Unit(FORWARD, unit.microbatch, unit.split, unit.chunk)
+        input_tensor = self.inputs.pop(forward_unit)
+        output_tensor = self.outputs.pop(forward_unit)
+        if self._holds_loss(unit) and not self.config.calculate_per_token_loss:
+            tokens = self.tokens_per_microbatch[unit.microbatch].clamp(min=1)
+            output_tensor = output_tensor / tokens.to(output_tensor.device) / self.num_microbatches
+        self.grad_sync.before_backward(unit)
+        grad = backward_step(input_tensor, output_tensor, self.received_grads.pop(unit, None),
+                             self.config)
+        self.grad_sync.after_backward(unit)
+        if self.rank != 0 or unit.chunk != 0:  # the first stage has nothing to send upstream
+            self.input_grads[unit] = grad
+
+    def run_batch(self, batch) -> None:
+        """One ``batch_isend_irecv`` of sends and receives, each op with its own shape."""
+        ops, arrivals, sent_outputs = [], [], []
+        for message in batch:
+            peer = torch.distributed.get_global_rank(self.pp_group, message.peer)
+            if message.kind == SEND:
+                _, produced = producer(message.unit, message.peer, self.pp_size, self.num_chunks)
+                if produced.is_forward:
+                    tensor = self.unsent_outputs[produced]
+                    sent_outputs.append(produced)
+                else:
+                    tensor = self.input_grads.pop(produced)
+                ops.append(torch.distributed.P2POp(torch.distributed.isend, tensor, peer,
+                                                   self.pp_group))
+            else:
+                tensor = torch.empty(self._hidden_shape(message.unit), requires_grad=True,
+                                     device=self.device, dtype=self.config.pipeline_dtype)
+                ops.append(torch.distributed.P2POp(torch.distributed.irecv, tensor, peer,
+                                                   self.pp_group))
+                arrivals.append((message.unit, tensor))
+        for request in torch.distributed.batch_isend_irecv(ops):
+            request.wait()
+        if self.config.batch_p2p_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()  # as megatron-core: guard against batch_isend_irecv races
+        for unit, tensor in arrivals:
+            (self.received_inputs if unit.is_forward else self.received_grads)[unit] = tensor
+        for unit in sent_outputs:
+            # the activation has left: keep only what backward needs (megatron's trick)
+            tensor = self.unsent_outputs.pop(unit)
+            if not self.forward_only:
+                deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
+
+    def _hidden_shape(self, unit: Unit):
+        length = self.lengths[unit.split]
+        seq = length // self.tp_size if self.config.sequence_parallel else length
+        return (seq, self.micro_batch_size, self.config.hidden_size)
+
+
+def forward_backward_pipelining_with_splits(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+    settings: ScheduleSettings,
+):
+    """Run one iteration of ``settings.schedule`` with megatron-core's
+    ``forward_backward_func`` arguments. Returns the loss functions' reported values
+    (last pipeline stage) as megatron-core's schedules do; an empty list elsewhere."""
+    chunks = list(model) if isinstance(model, list) else [model]
+    iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
+    if len(iterators) == 1 and len(chunks) > 1:
+        iterators = iterators * len(chunks)
+    if len(iterators) != len(chunks):
+        raise ValueError(f"{len(chunks)} model chunks need {len(chunks)} data iterators, "
+                         f"got {len(iterators)}")
+    if collect_non_loss_data:
+        raise ValueError("collect_non_loss_data is not supported with --seq1f1b-splits > 1")
+    if decoder_seq_length is not None or adjust_tensor_shapes_fn is not None:
+        raise ValueError("encoder-decoder models are not supported with --seq1f1b-splits > 1")
+    pp_group = (p2p_communicator.pp_group if p2p_communicator is not None
+                else parallel_state.get_pipeline_model_parallel_group())
+    if len(chunks) > 1 and pp_group.size() < 2:
+        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    executor = PipelineExecutor(
+        settings=settings, forward_step_func=forward_step_func, chunks=chunks,
+        iterators=iterators, pp_group=pp_group, num_microbatches=num_microbatches,
+        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only)
+    reports = executor.run()
+    config = executor.config
+    if not forward_only and config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            chunks, executor.total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    return reports
