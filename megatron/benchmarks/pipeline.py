@@ -276,7 +276,7 @@ def timeline_metrics(path: str, microbatches: int, splits: int, iteration_s: flo
     }
 
 
-def _aggregate_timelines(runs: List[Dict]) -> Dict:
+def aggregate_timelines(runs: List[Dict]) -> Dict:
     """Median of every scalar (element-wise for per-stage values) over timeline runs;
     ``timeline_file`` is the run whose span is the median (the one drawn)."""
     spans = sorted(runs, key=lambda r: r["pipeline_span_s"])
@@ -361,7 +361,7 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                 metrics["foreign_cores"] = record.get("foreign_cores")
                 runs.append(metrics)
             row["_timeline_runs"] = runs
-            row.update(_aggregate_timelines(runs))
+            row.update(aggregate_timelines(runs))
         if recs[UNIT_CPU]:
             per_run = []
             for record in recs[UNIT_CPU]:

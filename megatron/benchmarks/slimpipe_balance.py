@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 from megatron.benchmarks.pipeline import (
     TIMED,
     TIMELINE,
-    _aggregate_timelines,
+    aggregate_timelines,
     build_spec,
     check_lines,
     iteration_times,
@@ -96,13 +96,12 @@ def build_balance_spec(configs: Sequence[BalanceConfig], base_argv: Sequence[str
 def model_costs(argv: Sequence[str], world_size: int):
     """(parsed arguments, ``SliceCosts.from_model``) exactly as the balanced run builds
     them (``megatron.schedules.seq1f1b._balanced_actions``)."""
+    from megatron.model_shape import ModelShape
     from megatron.trainer.arguments import parse_args
-    from megatron.trainer.training import model_shape_from_args
 
     args = parse_args(list(argv), world_size=world_size, cuda_available=False)
-    # the vocabulary cancels out of SliceCosts (the LM head is not a per-slice layer cost)
-    args.padded_vocab_size = args.vocab_size or 0
-    costs = SliceCosts.from_model(model_shape_from_args(args),
+    # the vocabulary does not enter SliceCosts (the LM head is not a per-slice layer cost)
+    costs = SliceCosts.from_model(ModelShape.from_args(args, vocab_size=0),
                                   args.seq_length // args.slimpipe_slices,
                                   args.slimpipe_attention_balance_exchange_cost)
     return args, costs
@@ -193,7 +192,7 @@ def summarize_balance(configs: Sequence[BalanceConfig], records: Sequence[Dict],
                                            slices, iteration_times(record)[-1], expected)
                 metrics["round"] = record["meta"].get("round")
                 runs.append(metrics)
-            row.update(_aggregate_timelines(runs))
+            row.update(aggregate_timelines(runs))
     worst = max(row["loss_max_rel_deviation"] for row in summary["runs"])
     summary.update({"loss_max_rel_deviation": worst, "losses_equal": worst <= loss_rtol,
                     "plan": plan, "shape": {"pp": pp, "vp": vp, "slices": slices,
