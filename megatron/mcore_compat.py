@@ -60,7 +60,10 @@ def _torch(name, why, *params):
 
 # Modules whose global ``torch`` cpu_support swaps for a CPU stand-in: they create
 # tensors on "cuda" / torch.cuda.current_device(), or call torch.cuda.synchronize /
-# current_stream, on the training and checkpoint paths.
+# current_stream, on the training and checkpoint paths. Every one exists, with a global
+# ``torch``, on each CHECKED_MCORE version (on 0.19.2 finalize_model_grads no longer
+# creates a tensor on "cuda"; swapping its torch is harmless); a missing one stops
+# cpu_support.apply with its row (``cuda_call_site``) before anything is patched.
 CUDA_CALL_SITES = {
     "pipeline_parallel.p2p_communication": "receive buffers, shape handshake",
     "pipeline_parallel.schedules": "total_num_tokens on 'cuda'",
@@ -82,6 +85,13 @@ CUDA_CALL_SITES = {
     "rerun_state_machine": "loss checks",
     "timers": "Timer.start/stop synchronize, Timers' all-gather buffer (--timing-log-level)",
 }
+
+
+def cuda_call_site(module: str) -> Entry:
+    """The TABLE row of one ``CUDA_CALL_SITES`` module: its global ``torch``."""
+    return _mcore(f"{module}:torch",
+                  f"cpu_support swaps this module's torch on CPU: {CUDA_CALL_SITES[module]}")
+
 
 _SCHEDULES = "pipeline_parallel.schedules:"
 _P2P = "pipeline_parallel.p2p_communication:P2PCommunicator."
@@ -210,8 +220,7 @@ TABLE = (
            "wrapped on CPU: tied embeddings call weight.data.cuda()", "self"),
     _mcore("optimizer.distrib_optimizer:DistributedOptimizer.__init__",
            "wrapped on CPU: checks param.type() == 'torch.cuda.FloatTensor'", "self"),
-    *(_mcore(f"{module}:torch", f"cpu_support swaps this module's torch on CPU: {what}")
-      for module, what in CUDA_CALL_SITES.items()),
+    *(cuda_call_site(module) for module in CUDA_CALL_SITES),
     # --- torch ---------------------------------------------------------------------------
     _torch("torch.nn.attention.bias:causal_lower_right",
            "bottom-right causal mask of a split (lq != lk) for SDPA"),

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.seqsplit.attention_exchange import ASK, HELP, Exchange
+from megatron.seqsplit.attention_exchange import ASK, HELP, Exchange, UnitExchange
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.kv_chunks import chunked_split_attention
 from megatron.seqsplit.split_context import SplitContext
@@ -57,16 +57,14 @@ def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd, doc
         split = SplitContext(microbatch_id=microbatch, split_index=j, num_splits=len(inputs),
                              offset=offsets[j], length=LENGTHS[j], seq_length=sum(LENGTHS),
                              kv_store=store, document_ids=documents)
-        store.exchange, store.exchange_unit_is_forward = exchanges_fwd.get(j), True
-        outs.append(chunked_split_attention(q, k, v, split=split, store=store, layer_key=0,
-                                            softmax_scale=SCALE))
-        store.exchange = None
+        with store.unit_exchange.running(exchanges_fwd.get(j), True):
+            outs.append(chunked_split_attention(q, k, v, split=split, store=store, layer_key=0,
+                                                softmax_scale=SCALE))
     grads = []
     gen = torch.Generator().manual_seed(99 + microbatch)
     for j in reversed(range(len(inputs))):
-        store.exchange, store.exchange_unit_is_forward = exchanges_bwd.get(j), False
-        outs[j].backward(torch.randn(outs[j].shape, generator=gen, dtype=torch.float64))
-        store.exchange = None
+        with store.unit_exchange.running(exchanges_bwd.get(j), False):
+            outs[j].backward(torch.randn(outs[j].shape, generator=gen, dtype=torch.float64))
     for q, k, v in inputs:
         grads += [q.grad, k.grad, v.grad]
     return [o.detach() for o in outs], grads
@@ -120,3 +118,22 @@ def test_asker_and_helper_equal_local_attention_float64(with_documents):
     for rank, out_err, grad_err in results:
         assert out_err < 1e-12, f"rank {rank}: outputs differ by {out_err}"
         assert grad_err < 1e-12, f"rank {rank}: gradients differ by {grad_err}"
+
+
+def test_unit_exchange_serves_attention_passes_of_the_units_direction():
+    """A forward unit's exchange serves its attention forwards, a backward unit's its
+    attention backwards; a forward inside a backward unit (recomputation) runs locally,
+    and leaving the unit (even by an error) clears it."""
+    unit_exchange = UnitExchange()
+    ask = Exchange(role=ASK, peer=1, group=None, asker_forward=True, num_chunks=1,
+                   query_length=2, query_start=2, chunk_lengths=(2,))
+    assert unit_exchange.current(True) is None and unit_exchange.current(False) is None
+    with unit_exchange.running(ask, True):
+        assert unit_exchange.current(True) is ask and unit_exchange.current(False) is None
+    with unit_exchange.running(ask, False):
+        assert unit_exchange.current(False) is ask and unit_exchange.current(True) is None
+    with unit_exchange.running(None, True):
+        assert unit_exchange.current(True) is None
+    with pytest.raises(RuntimeError), unit_exchange.running(ask, True):
+        raise RuntimeError("unit failed")
+    assert unit_exchange.current(True) is None and unit_exchange.current(False) is None

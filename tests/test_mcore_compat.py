@@ -84,3 +84,21 @@ def test_backward_step_bridge_returns_the_input_gradient():
     output = (x * 3.0).sum()
     grad = mcore_compat.backward_step(x, output, None, config)
     assert torch.equal(grad, torch.tensor([3.0, 3.0]))
+
+
+def test_cpu_support_stops_on_a_missing_call_site_module(monkeypatch):
+    """A CUDA call site module missing from the installed megatron-core is an error that
+    names it and the installed version, raised before anything is patched."""
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.trainer import cpu_support
+
+    sites = dict(mcore_compat.CUDA_CALL_SITES, no_such_module="a CUDA call site")
+    monkeypatch.setattr(mcore_compat, "CUDA_CALL_SITES", sites)
+    monkeypatch.setattr(cpu_support, "_APPLIED", False)
+    monkeypatch.setattr(cpu_support.device, "on_cuda", lambda *args: False)
+    tracker = mp_random.CudaRNGStatesTracker
+    installed = importlib.metadata.version("megatron-core")
+    with pytest.raises(CompatError, match=rf"megatron-core {installed} .*module missing: "
+                                          r"megatron.core.no_such_module:torch"):
+        cpu_support.apply()
+    assert mp_random.CudaRNGStatesTracker is tracker  # nothing patched

@@ -18,10 +18,16 @@ Shapes are known on both sides from the plan (slice lengths) and the layer's own
 tensors (batch, heads, groups, head size and dtype are the same on every rank), so
 no shape is sent. Messages go over the pipeline group between the two ranks with the
 same tensor-parallel rank (heads are split the same way on both).
+
+Attention finds the running unit's side of a pair through `UnitExchange`
+(`KVCacheStore.unit_exchange`): the executor wraps each unit in
+``unit_exchange.running(exchange, unit_is_forward)`` and attention asks
+``unit_exchange.current(in_forward)``.
 """
 
+import contextlib
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
@@ -46,6 +52,42 @@ class Exchange:
     query_length: int  # the asker's slice length
     query_start: int  # the asker's slice offset (its queries follow every moved chunk)
     chunk_lengths: tuple  # lengths of the moved chunks
+
+
+class UnitExchange:
+    """The exchange of the pipeline unit being run, as its attention layers see it.
+
+    One per `KVCacheStore` (its ``unit_exchange`` field), so attention reaches it
+    through the store its split already carries:
+
+        with store.unit_exchange.running(exchanges.get(unit), unit.is_forward):
+            ...  # the unit's forward or backward; attention calls current(...)
+    """
+
+    def __init__(self):
+        self._exchange: Optional[Exchange] = None  # None: no unit running, or not paired
+        self._unit_is_forward = True
+
+    @contextlib.contextmanager
+    def running(self, exchange: Optional[Exchange], unit_is_forward: bool) -> Iterator[None]:
+        """While one unit runs: its side of a pair (None when the unit is not paired)
+        and whether the unit is a forward. The previous state is restored on exit."""
+        saved = self._exchange, self._unit_is_forward
+        self._exchange, self._unit_is_forward = exchange, unit_is_forward
+        try:
+            yield
+        finally:
+            self._exchange, self._unit_is_forward = saved
+
+    def current(self, in_forward: bool) -> Optional[Exchange]:
+        """The exchange for an attention forward (``in_forward``) or backward pass: the
+        running unit's when the unit runs in that direction, else None. A forward pass
+        inside a backward unit is a recomputation (``--recompute-granularity full``): it
+        runs locally, since the pair's forward exchange happened in the forward unit
+        (same result up to rounding)."""
+        if self._exchange is None or self._unit_is_forward != in_forward:
+            return None
+        return self._exchange
 
 
 def _post(exchange: Exchange, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]):

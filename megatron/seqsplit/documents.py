@@ -48,10 +48,26 @@ class DocumentIdsDataset(torch.utils.data.Dataset):
         return sample
 
 
+def key_documents(split, num_keys: int, device):
+    """Packed documents: the document of each of the first `num_keys` keys of a split
+    (``split.document_ids`` [b, >= num_keys]) as [b, num_keys] on `device`, or None.
+
+    Memoised on the split, so every layer of a unit passes the same tensor and the
+    SDPA backend builds the split's mask once for all of them."""
+    documents = getattr(split, "document_ids", None)
+    if documents is None:
+        return None
+    memo = vars(split).setdefault("_key_documents", {})
+    key = (num_keys, str(device))
+    if key not in memo:
+        memo[key] = documents[:, :num_keys].to(device)
+    return memo[key]
+
+
 class PerSplitMemo:
     """What a backend derives from a split's document ids alone (a mask, a layout), made
     once per split instead of once per layer: every layer of a pipeline unit passes the
-    same document-id tensor (`kv_cache.key_documents`), so the last value is reused while
+    same document-id tensor (`key_documents`), so the last value is reused while
     that tensor (and the other arguments) come back. The tensor is held weakly, so a new
     one that reuses its memory is never taken for it. With `weak`, the value is too: it
     then lives only as long as something else keeps it (a kernel, for backward), and

@@ -15,12 +15,20 @@ Gradients: backward runs splits s-1..0. Split j's attention yields a gradient fo
 whole prefix buf[:o_j + l_j]; the part for positions < o_j is added into the entry's
 gradient accumulator, and split j returns its own part plus what later splits left in
 the accumulator for its positions. Split 0's backward frees the entry.
+
+`split_causal_attention` picks the layout: this module's buffer, or `kv_chunks`'
+per-split chunks. Both keep their entries in a `KVCacheStore` and reach it only
+through its public methods, so dependencies point one way: kv_cache -> kv_chunks.
 """
 
 from dataclasses import dataclass
 from functools import partial
 
 import torch
+
+from megatron.seqsplit.attention_exchange import UnitExchange
+from megatron.seqsplit.documents import key_documents
+from megatron.seqsplit.kv_chunks import chunked_split_attention
 
 
 @dataclass
@@ -40,6 +48,12 @@ class KVCacheStore:
 
     Entries are this module's full-sequence buffers or `kv_chunks`' per-split chunks
     (whichever the attention layer uses); the store only needs their `tensors()`.
+    Layouts reach entries through `lookup`, `insert`, `release` and
+    `release_after_last_forward`.
+
+    `unit_exchange`: the attention-redistribution exchange of the pipeline unit being
+    run (`attention_exchange.UnitExchange`); the executor sets it around each unit with
+    ``unit_exchange.running(...)`` and the chunked layout's attention reads it.
 
     `forward_only`: when are entries freed after the last split's forward?
       None  - when that forward recorded no autograd graph (evaluation); otherwise by
@@ -53,11 +67,7 @@ class KVCacheStore:
     def __init__(self, forward_only: bool | None = None):
         self.forward_only = forward_only
         self._entries: dict = {}
-        # the running unit's side of an attention-redistribution pair
-        # (`attention_exchange.Exchange`) and whether that unit is a forward, set by the
-        # executor around each unit
-        self.exchange = None
-        self.exchange_unit_is_forward = True
+        self.unit_exchange = UnitExchange()
 
     def num_entries(self) -> int:
         return len(self._entries)
@@ -76,35 +86,45 @@ class KVCacheStore:
         self._entries.clear()
 
     def lookup(self, entry_id):
+        """The entry of ``(microbatch_id, layer_key)``, or None."""
         return self._entries.get(entry_id)
 
     def insert(self, entry_id, entry):
+        """Store a new entry; returns it."""
         self._entries[entry_id] = entry
         return entry
 
-    def _entry(self, entry_id, split, key: torch.Tensor) -> _Entry:
-        entry = self._entries.get(entry_id)
-        if entry is None:
-            if split.split_index != 0:
-                raise RuntimeError(
-                    f"no cached K/V for microbatch {split.microbatch_id}, layer {entry_id[1]}: "
-                    f"split {split.split_index} ran forward before split 0, or the entry was "
-                    "already freed (recomputing with a reentrant checkpoint needs "
-                    "KVCacheStore(forward_only=False))"
-                )
-            shape = (split.seq_length,) + tuple(key.shape[1:])
-            entry = _Entry(key.new_empty(shape), key.new_empty(shape))
-            self._entries[entry_id] = entry
-        if tuple(key.shape[1:]) != tuple(entry.key.shape[1:]) or split.offset > entry.filled:
-            raise RuntimeError(
-                f"split {split.split_index} of microbatch {split.microbatch_id} (offset "
-                f"{split.offset}, K/V {tuple(key.shape)}) does not continue the cached prefix "
-                f"({entry.filled} positions of {tuple(entry.key.shape)})"
-            )
-        return entry
-
-    def _release(self, entry_id) -> None:
+    def release(self, entry_id) -> None:
+        """Free an entry (split 0's backward, or no backward will need it); no-op if gone."""
         self._entries.pop(entry_id, None)
+
+    def release_after_last_forward(self, entry_id, split, tracked: bool) -> None:
+        """After a split's forward: free the entry if this was the microbatch's last split
+        and no backward will need it (``tracked``: the forward recorded autograd)."""
+        free_now = self.forward_only if self.forward_only is not None else not tracked
+        if free_now and split.split_index == split.num_splits - 1:
+            self.release(entry_id)
+
+
+def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor) -> _Entry:
+    entry = store.lookup(entry_id)
+    if entry is None:
+        if split.split_index != 0:
+            raise RuntimeError(
+                f"no cached K/V for microbatch {split.microbatch_id}, layer {entry_id[1]}: "
+                f"split {split.split_index} ran forward before split 0, or the entry was "
+                "already freed (recomputing with a reentrant checkpoint needs "
+                "KVCacheStore(forward_only=False))"
+            )
+        shape = (split.seq_length,) + tuple(key.shape[1:])
+        entry = store.insert(entry_id, _Entry(key.new_empty(shape), key.new_empty(shape)))
+    if tuple(key.shape[1:]) != tuple(entry.key.shape[1:]) or split.offset > entry.filled:
+        raise RuntimeError(
+            f"split {split.split_index} of microbatch {split.microbatch_id} (offset "
+            f"{split.offset}, K/V {tuple(key.shape)}) does not continue the cached prefix "
+            f"({entry.filled} positions of {tuple(entry.key.shape)})"
+        )
+    return entry
 
 
 def _alias(buf: torch.Tensor, length: int) -> torch.Tensor:
@@ -167,28 +187,6 @@ class _PrefixKV(torch.autograd.Function):
         return gk, gv, None, None, None
 
 
-def release_after_last_forward(store, entry_id, split, tracked: bool) -> None:
-    """Free an entry after its last split's forward when no backward will need it."""
-    free_now = store.forward_only if store.forward_only is not None else not tracked
-    if free_now and split.split_index == split.num_splits - 1:
-        store._release(entry_id)
-
-
-def key_documents(split, num_keys: int, device):
-    """Packed documents: the document of each of the first `num_keys` keys, or None.
-
-    Memoised on the split, so every layer of a unit passes the same tensor and the
-    SDPA backend builds the split's mask once for all of them."""
-    documents = getattr(split, "document_ids", None)
-    if documents is None:
-        return None
-    memo = vars(split).setdefault("_key_documents", {})
-    key = (num_keys, str(device))
-    if key not in memo:
-        memo[key] = documents[:, :num_keys].to(device)
-    return memo[key]
-
-
 def _to_bhld(x):  # megatron [l, b, h, d] -> kernel [b, h, l, d] (a view)
     return x.permute(1, 2, 0, 3)
 
@@ -216,8 +214,6 @@ def split_causal_attention(
         if dropout_p > 0.0:
             raise ValueError("the chunked KV cache has no attention dropout: set "
                              "--attention-dropout 0 or use --seq1f1b-kv-cache buffer")
-        from megatron.seqsplit.kv_chunks import chunked_split_attention  # imports this module
-
         return chunked_split_attention(query, key, value, split=split, store=store,
                                        layer_key=layer_key, softmax_scale=softmax_scale)
     elif kv_cache != "buffer":
@@ -229,14 +225,14 @@ def split_causal_attention(
                 f"length {split.length} at offset {split.offset} of {split.seq_length}"
             )
         entry_id = (split.microbatch_id, layer_key)
-        entry = store._entry(entry_id, split, key)
+        entry = _buffer_entry(store, entry_id, split, key)
         tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if tracked:
-            release = partial(store._release, entry_id)
+            release = partial(store.release, entry_id)
             k_all, v_all = _PrefixKV.apply(key, value, entry, split.offset, release)
         else:
             k_all, v_all = _write_and_expose(entry, key, value, split.offset)
-        release_after_last_forward(store, entry_id, split, tracked)
+        store.release_after_last_forward(entry_id, split, tracked)
     documents = key_documents(split, k_all.shape[0], query.device)
     out = backend(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from megatron.seqsplit import attention_exchange
-from megatron.seqsplit.kv_cache import key_documents, release_after_last_forward
+from megatron.seqsplit.documents import key_documents
 from megatron.seqsplit.lse_attention import (
     DEFAULT_MAX_BLOCK_ELEMENTS,
     lse_attention_backward,
@@ -100,17 +100,6 @@ def _local_kwargs(kwargs, keys, num_moved):
     return dict(kwargs, document_ids=documents[:, moved:])
 
 
-def _exchange(store, in_forward: bool):
-    """The running unit's side of a redistribution pair for an attention forward
-    (``in_forward``) or backward call. A forward call inside a backward unit is a
-    recomputation (``--recompute-granularity full``): it runs locally, since the pair's
-    forward exchange happened in the forward unit (same result up to rounding)."""
-    exchange = getattr(store, "exchange", None)
-    if exchange is None or store.exchange_unit_is_forward != in_forward:
-        return None
-    return exchange
-
-
 def _serve(exchange, q, keys, kwargs):
     attention_exchange.serve(exchange, q, keys[0], softmax_scale=kwargs["softmax_scale"],
                              documents=kwargs["document_ids"])
@@ -160,15 +149,15 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         keys, values = _store_own(entry, split_index, key, value)
         ctx.kwargs = dict(softmax_scale=softmax_scale, document_ids=documents,
                           max_block_elements=max_block_elements)
-        out, lse = _attend(_exchange(store, True), query.permute(1, 2, 0, 3), keys, values,
-                           ctx.kwargs)
+        out, lse = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
+                           keys, values, ctx.kwargs)
         # saved and returned in Megatron's [l, b, h, d] layout: the output projection keeps
         # this same storage, not a second copy. The query is copied so a view of the fused
         # QKV output does not keep K and V alive twice (they are in the chunks)
         out = out.permute(2, 0, 1, 3).contiguous()
         ctx.save_for_backward(query.contiguous(), out, lse)
         ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
-        ctx.store = store  # its exchange at backward time is the backward unit's
+        ctx.unit_exchange = store.unit_exchange  # at backward time: the backward unit's
         ctx.on_first_split_done = on_first_split_done
         ctx.kv_dtype = key.dtype
         return out
@@ -179,9 +168,9 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         keys, values = ctx.chunks
         entry, j = ctx.entry, ctx.split_index
         bhld = (1, 2, 0, 3)  # [l, b, h, d] -> the kernel's [b, h, l, d]
-        dq, dks, dvs = _attend_backward(_exchange(ctx.store, False), grad_out.permute(bhld),
-                                        query.permute(bhld), out.permute(bhld), lse, keys,
-                                        values, ctx.kwargs)
+        dq, dks, dvs = _attend_backward(ctx.unit_exchange.current(False),
+                                        grad_out.permute(bhld), query.permute(bhld),
+                                        out.permute(bhld), lse, keys, values, ctx.kwargs)
         for c in range(j):  # prefix chunks: their own splits' backwards return these
             _accumulate(entry.grad_keys, c, dks[c])
             _accumulate(entry.grad_values, c, dvs[c])
@@ -202,7 +191,9 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
                             max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
     """Split attention over the microbatch's K/V chunks; same contract as
     `kv_cache.split_causal_attention` (query [l, b, hq, d], key/value [l, b, g, d],
-    returns [l, b, hq, d]) for a split with `num_splits > 1`."""
+    returns [l, b, hq, d]) for a split with `num_splits > 1`. `store`: a
+    `kv_cache.KVCacheStore`, used through its public methods and `unit_exchange` (the
+    running unit's attention exchange)."""
     if key.shape[0] != split.length or split.offset + split.length > split.seq_length:
         raise ValueError(
             f"split {split.split_index}: K/V length {key.shape[0]} does not match "
@@ -213,15 +204,15 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
     tracked = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value))
     if tracked:
-        release = partial(store._release, entry_id)
+        release = partial(store.release, entry_id)
         out = _ChunkedSplitAttention.apply(
             query, key, value, entry, split.split_index, softmax_scale, documents, release,
             max_block_elements, store)
     else:
         keys, values = _store_own(entry, split.split_index, key, value)
-        out, _ = _attend(_exchange(store, True), query.permute(1, 2, 0, 3), keys, values,
-                         dict(softmax_scale=softmax_scale, document_ids=documents,
-                              max_block_elements=max_block_elements))
+        out, _ = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
+                         keys, values, dict(softmax_scale=softmax_scale, document_ids=documents,
+                                            max_block_elements=max_block_elements))
         out = out.permute(2, 0, 1, 3).contiguous()
-    release_after_last_forward(store, entry_id, split, tracked)
+    store.release_after_last_forward(entry_id, split, tracked)
     return out  # [l, b, hq, d]

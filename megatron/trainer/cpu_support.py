@@ -11,6 +11,7 @@ laptop or CI machine, which makes pipeline schedules debuggable without GPUs.
 
 import contextlib
 import importlib
+import importlib.metadata
 import types
 
 import torch
@@ -205,9 +206,11 @@ def _patch_distributed_optimizer():
     DistributedOptimizer.__init__ = __init__
 
 
-# The megatron-core names patched above, each a row of mcore_compat.TABLE: a version
-# that lacks one, or changed its signature, stops here with that row instead of
-# failing later in a CUDA call.
+# The megatron-core names patched above, each a row of mcore_compat.TABLE, and the
+# modules of mcore_compat.CUDA_CALL_SITES: a version that lacks one, or changed its
+# signature, stops `apply` with that row before anything is patched, instead of failing
+# later in a CUDA call. No module is skipped: the table states on which versions each
+# was checked.
 _PATCHED_NAMES = (
     "tensor_parallel.random:CudaRNGStatesTracker.add",
     "tensor_parallel.random:CudaRNGStatesTracker.fork",
@@ -219,7 +222,27 @@ _PATCHED_NAMES = (
     "models.common.language_module.language_module:"
     "LanguageModule.setup_embeddings_and_output_layer",
     "optimizer.distrib_optimizer:DistributedOptimizer.__init__",
-) + tuple(f"{module}:torch" for module in mcore_compat.CUDA_CALL_SITES)
+)
+
+
+def _installed_mcore() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _check_patched_names() -> None:
+    """Every megatron-core name and module this module patches, resolved and checked;
+    CompatError naming the row and the installed megatron-core otherwise."""
+    try:
+        mcore_compat.require(*_PATCHED_NAMES)
+        for module in mcore_compat.CUDA_CALL_SITES:
+            mcore_compat.check(mcore_compat.cuda_call_site(module))
+    except mcore_compat.CompatError as error:
+        raise mcore_compat.CompatError(
+            f"cannot run megatron-core {_installed_mcore()} on CPU: {error}; supported: "
+            f"megatron-core{mcore_compat.SUPPORTED_MCORE}") from error
 
 
 def apply() -> bool:
@@ -229,7 +252,7 @@ def apply() -> bool:
         return False
     if _APPLIED:
         return True
-    mcore_compat.require(*_PATCHED_NAMES)
+    _check_patched_names()
     _patch_tensor_parallel_random()
     _patch_clip_grads()
     _patch_language_module()
