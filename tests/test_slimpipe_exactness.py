@@ -175,16 +175,16 @@ BALANCE_CASES = [n for n, case in CASES.items() if case[5].endswith("_balance")]
 
 
 def _balance_askers(name):
+    from megatron.model_shape import ModelShape
     from megatron.schedules.attention_balance import SliceCosts, balanced_slimpipe
     from megatron.trainer.arguments import parse_args
-    from megatron.trainer.training import model_shape_from_args
 
     world, model, batch, lay, schedule, extra = CASES[name]
     args = parse_args(with_corpus(MODELS[model] + BATCHES[batch] + lay + schedule + EXTRAS[extra],
                                   None),  # the plan does not depend on the data
                       world_size=world, cuda_available=False)
-    args.padded_vocab_size = args.vocab_size  # not part of the per-layer costs
-    costs = SliceCosts.from_model(model_shape_from_args(args),
+    # the vocabulary is not part of the per-layer costs
+    costs = SliceCosts.from_model(ModelShape.from_args(args, vocab_size=args.vocab_size),
                                   args.seq_length // args.slimpipe_slices)
     plan = balanced_slimpipe(args.pipeline_model_parallel_size, args.num_microbatches,
                              args.virtual_pipeline_model_parallel_size or 1,

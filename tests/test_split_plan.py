@@ -2,8 +2,8 @@
 
 import pytest
 
+from megatron.model_shape import ModelShape
 from megatron.seqsplit.split_lengths import (
-    ModelShape,
     SplitPlanError,
     plan_splits,
     split_flops,

@@ -8,7 +8,7 @@
 
 For every split count (1 = megatron's 1F1B) and balance method, and for each stage
 role (rank 0 with the embedding, a middle rank, rank p-1 with the LM head and loss),
-the stage's unit list from ``megatron.schedules.units.seq1f1b_rank_units`` runs on one
+the stage's unit list from ``megatron.schedules.seq1f1b.seq1f1b_rank_units`` runs on one
 device with the project's model (megatron-core layers, split-aware local spec, KV-prefix
 cache, Float16Module + DDP gradient buffers); point-to-point messages are replaced by
 locally produced tensors of the right shape (see ``megatron/benchmarks/stage.py``).
@@ -188,13 +188,15 @@ def setup(args):
     return targs, config
 
 
-def model_shape(args):
-    from megatron.seqsplit.split_lengths import ModelShape
+def model_shape(args, targs):
+    """The stage's TP shard (``targs``) with the whole model's depth and the unpadded
+    vocabulary's shard, for the split solver."""
+    from dataclasses import replace
 
-    t = args.tp_shard
-    return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads // t,
-                      args.num_query_groups // t, args.ffn_hidden_size // t, args.swiglu,
-                      args.vocab_size // t, args.kv_channels)
+    from megatron.model_shape import ModelShape
+
+    return replace(ModelShape.from_args(targs), num_layers=args.num_layers,
+                   vocab_size=args.vocab_size // args.tp_shard)
 
 
 def _gib(x):
@@ -285,7 +287,7 @@ def main(argv=None):
     )
 
     targs, config = setup(args)
-    shape = model_shape(args)
+    shape = model_shape(args, targs)
     configs = []
     for s in args.splits:
         if s == 1:

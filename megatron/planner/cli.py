@@ -5,10 +5,11 @@ import json
 import sys
 from typing import Dict, List, Optional
 
+from megatron.model_shape import ModelShape
 from megatron.planner.costs import KV_LAYOUTS, Parallel, Recompute
 from megatron.planner.gpus import GPUS, GIB, get_gpu
 from megatron.planner.predict import SCHEDULES, PlanConfig, PlanError, Prediction, predict
-from megatron.planner.presets import PRESETS, ModelSpec, get_preset
+from megatron.planner.presets import PRESETS, get_preset
 from megatron.trainer.arguments import ArgumentError, validate_args
 from megatron.trainer.arguments import build_parser as training_parser
 
@@ -186,7 +187,7 @@ def _training_args(args) -> argparse.Namespace:
     return t
 
 
-def model_from_args(args, t=None) -> ModelSpec:
+def model_from_args(args, t=None) -> ModelShape:
     """The model of a (validated) training command line."""
     t = t or _training_args(args)
     vocab = t.vocab_size
@@ -195,25 +196,7 @@ def model_from_args(args, t=None) -> ModelSpec:
         vocab += 1  # Megatron's NullTokenizer adds the end-of-document token
     elif t.tokenizer_type == "GPT2BPETokenizer":
         vocab = 50257
-    name = args.model or "custom"
-    return ModelSpec(
-        name=name,
-        num_layers=t.num_layers,
-        hidden_size=t.hidden_size,
-        num_attention_heads=t.num_attention_heads,
-        num_query_groups=t.num_query_groups,
-        ffn_hidden_size=t.ffn_hidden_size,
-        swiglu=bool(t.swiglu),
-        vocab_size=vocab,
-        kv_channels=t.kv_channels,
-        add_bias_linear=not t.disable_bias_linear,
-        hidden_dropout=t.hidden_dropout > 0,
-        normalization=t.normalization,
-        untie_embeddings=bool(t.untie_embeddings_and_output_weights),
-        position_embedding_type=t.position_embedding_type,
-        attention_dropout=t.attention_dropout > 0,
-        vocab_divisible_by=getattr(t, "make_vocab_size_divisible_by", 128),
-    )
+    return ModelShape.from_args(t, vocab_size=vocab, name=args.model or "custom")
 
 
 def config_from_args(args) -> PlanConfig:

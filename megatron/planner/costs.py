@@ -9,13 +9,13 @@ parallel size, ``t_sp`` = ``t`` with sequence parallelism and 1 without.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
+from megatron.model_shape import ModelShape
 from megatron.planner.gpus import GPU
-from megatron.planner.presets import ModelSpec
 from megatron.schedules.simulate import MemoryEffect
-from megatron.schedules.units import FORWARD, Unit
+from megatron.schedules.actions import FORWARD, Unit
 
 BF16 = 2
 FP32 = 4
@@ -74,18 +74,12 @@ class Recompute:
     num_layers: int = 1
 
 
-def pad_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron pads the vocabulary to a multiple of 128 * tp."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab / multiple) * multiple)
-
-
 class CostModel:
     """Per-GPU memory and time of every unit of one configuration."""
 
     def __init__(
         self,
-        model: ModelSpec,
+        model: ModelShape,
         par: Parallel,
         gpu: GPU,
         seq_length: int,
@@ -105,7 +99,8 @@ class CostModel:
         self.kv_layout = kv_layout
         self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
         self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)
-        self.vocab = pad_vocab(model.vocab_size, par.tp, model.vocab_divisible_by)
+        self.vocab = model.padded_vocab_size(par.tp)
+        self.shape = replace(model, vocab_size=self.vocab)  # as training builds it
 
     # ------------------------------------------------------------------ parameters
     def layer_params(self) -> Dict[str, float]:
@@ -122,9 +117,6 @@ class CostModel:
             bias = ((a * d + 2 * g * d) + f * (2 if m.swiglu else 1)) / t + 2 * h
         norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
         return {"linear": (qkv + proj + fc1 + fc2) / t, "other": bias + norms}
-
-    def linear_params_per_layer(self) -> float:
-        return self.layer_params()["linear"]
 
     def is_first(self, rank: int, chunk: int) -> bool:
         return rank == 0 and chunk == 0
@@ -384,16 +376,13 @@ class CostModel:
 
     # ----------------------------------------------------------------------- FLOPs
     def unit_flops(self, rank: int, unit: Unit) -> Dict[str, float]:
-        """Forward FLOPs of a unit on one GPU: GEMMs and causal attention."""
-        b, n = self.par.micro_batch_size, self.layers_per_chunk
-        l, o = self.split_lengths[unit.split], self.offsets[unit.split]
-        m = self.model
-        gemm = 2 * b * l * self.linear_params_per_layer() * n
-        if self.is_last(rank, unit.chunk):
-            gemm += 2 * b * l * m.hidden_size * self.vocab / self.par.tp
-        pairs = l * o + l * (l + 1) / 2
-        attn = 4 * b * m.num_attention_heads * m.head_dim * pairs * n / self.par.tp
-        return {"gemm": gemm, "attention": attn}
+        """Forward FLOPs of a unit on one GPU: GEMMs and causal attention
+        (``ModelShape.forward_flops_parts`` of its layers, over the micro-batch and TP)."""
+        gemm, attn = self.shape.forward_flops_parts(
+            self.split_lengths[unit.split], self.offsets[unit.split],
+            layers=self.layers_per_chunk, lm_head=self.is_last(rank, unit.chunk))
+        share = self.par.micro_batch_size / self.par.tp
+        return {"gemm": gemm * share, "attention": attn * share}
 
     # ------------------------------------------------------------------------ time
     def _tp_comm_time(self, tokens: float) -> float:
@@ -441,8 +430,8 @@ class CostModel:
             share = 1.0 if rc.method == "uniform" else k / n
             fwd_layers = sum(f.values())
             if self.is_last(rank, unit.chunk):  # the LM head is not recomputed
-                lm = 2 * self.par.micro_batch_size * self.split_lengths[unit.split]
-                lm *= self.model.hidden_size * self.vocab / self.par.tp
+                lm = self.par.micro_batch_size * self.split_lengths[unit.split] / self.par.tp
+                lm *= self.shape.lm_head_flops_per_token()
                 fwd_layers -= lm / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
             backward += share * fwd_layers
         return backward
@@ -465,7 +454,7 @@ class CostModel:
         """Share of ``unit``'s causal (query, key) pairs in its first ``num_chunks``
         prefix chunks: ``k l^2 / (l o + l (l + 1) / 2)`` for uniform slices of length l."""
         l, o = self.split_lengths[unit.split], self.offsets[unit.split]
-        return num_chunks * l * l / (l * o + l * (l + 1) / 2)
+        return num_chunks * l * l / ModelShape.causal_pairs(l, o)
 
     def moved_attention_time(self, rank: int, unit: Unit, num_chunks: int) -> float:
         """Attention time of ``unit`` that moves to the helper with ``num_chunks``
@@ -486,9 +475,11 @@ class CostModel:
         kv_bytes = tokens * BF16 * 2 * m.num_query_groups * m.head_dim / t
         bw = min(self.pipeline_link_bw(a, b) for a in range(self.par.pp)
                  for b in range(self.par.pp) if a != b)
-        # split 0's forward attention is half a chunk (its causal block) per layer
-        first = Unit(FORWARD, 0, 0)
-        chunk = 2 * self.forward_time_parts(0, first)["attention"] / self.layers_per_chunk
+        # split 0's forward attention is its causal block: l (l + 1) / 2 of a chunk's
+        # l^2 (query, key) pairs, per layer
+        l = self.split_lengths[0]
+        first = self.forward_time_parts(0, Unit(FORWARD, 0, 0))["attention"]
+        chunk = first * l * l / ModelShape.causal_pairs(l) / self.layers_per_chunk
         return (kv_bytes / bw + self.gpu.p2p_latency_s) / chunk
 
     def exchange_time(self, asker_rank: int, helper_rank: int, unit: Unit,
@@ -537,14 +528,3 @@ class CostModel:
         touched = 30 * owned + GRAD_BYTES * params  # read/write master, m, v, grad; zero grads
         return touched / (self.gpu.hbm_bw * self.gpu.hbm_efficiency)
 
-
-def model_flops_per_sequence(model: ModelSpec, seq_length: int, causal: bool = True) -> float:
-    """Forward + backward model FLOPs of one sequence (no recomputation).
-
-    ``3 * (linear_flops_per_token * S + attention_flops_per_pair * pairs)`` with
-    ``pairs = S (S + 1) / 2`` for causal attention (the work done), or ``S^2`` as in
-    the formula of Narayanan et al. (2021) that Megatron-LM reports.
-    """
-    shape = model.shape()
-    pairs = seq_length * (seq_length + 1) / 2 if causal else seq_length**2
-    return 3 * (shape.linear_flops_per_token() * seq_length + shape.attention_flops_per_pair() * pairs)

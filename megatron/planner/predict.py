@@ -6,24 +6,18 @@ the shared generators (``megatron.schedules``), times it with the cost model in
 ``Prediction`` (``.to_json()`` gives the ``--json`` object of ``tools/plan.py``).
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Tuple, Union
 
-from megatron.planner.costs import (
-    KV_LAYOUTS,
-    CostModel,
-    Parallel,
-    Recompute,
-    model_flops_per_sequence,
-    pad_vocab,
-)
+from megatron.model_shape import ModelShape
+from megatron.planner.costs import KV_LAYOUTS, CostModel, Parallel, Recompute
 from megatron.planner.gpus import GIB, GPU, get_gpu
-from megatron.planner.presets import ModelSpec
 from megatron.schedules.simulate import MemoryEffect, SimResult, simulate
 from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
 from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
 from megatron.schedules.slimpipe import check_slimpipe_shape, slimpipe_schedule
-from megatron.schedules.units import Unit, seq1f1b_schedule
+from megatron.schedules.actions import Unit
+from megatron.schedules.seq1f1b import seq1f1b_schedule
 from megatron.seqsplit.split_lengths import BALANCE_METHODS, SplitPlanError, plan_splits
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b", "slimpipe")
@@ -37,7 +31,7 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class PlanConfig:
-    model: ModelSpec
+    model: ModelShape
     seq_length: int
     parallel: Parallel
     schedule: str = "1f1b"
@@ -110,7 +104,7 @@ class Prediction:
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),
             "tflops_per_gpu_full_attention": round(self.tflops_per_gpu_full_attention, 3),
             "gpu": self.gpu.name,
-            "model": c.model.to_dict(),
+            "model": asdict(c.model),
             "seq_length": c.seq_length,
             "parallel": {
                 "tensor_model_parallel_size": p.tp,
@@ -295,10 +289,9 @@ def split_alignment(c: PlanConfig) -> int:
     return p.tp if p.sequence_parallel and p.tp > 1 else 1
 
 
-def training_shape(c: PlanConfig):
+def training_shape(c: PlanConfig) -> ModelShape:
     """The model shape as training plans its splits: the padded vocabulary."""
-    padded = pad_vocab(c.model.vocab_size, c.parallel.tp, c.model.vocab_divisible_by)
-    return replace(c.model.shape(), vocab_size=padded)
+    return replace(c.model, vocab_size=c.model.padded_vocab_size(c.parallel.tp))
 
 
 def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:
@@ -354,8 +347,9 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
     tail = max(cost.grad_sync_time(r) + cost.optimizer_time(r) for r in range(p.pp))
     iteration = pipeline + tail
     tokens = p.global_batch_size * c.seq_length
-    flops = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=True)
-    flops_full = p.global_batch_size * model_flops_per_sequence(c.model, c.seq_length, causal=False)
+    # model FLOPs over the unpadded vocabulary (training's metrics count the padded one)
+    flops = p.global_batch_size * c.model.iteration_flops(c.seq_length)
+    flops_full = p.global_batch_size * c.model.iteration_flops(c.seq_length, causal=False)
     peak = max(s["reserved"] for s in stages) * GIB
     bubble = sim.bubble_fraction() if balance is None else balance["summary"]["bubble_fraction"]
     return Prediction(
@@ -405,7 +399,7 @@ def _attention_balance(c: PlanConfig, cost: CostModel, schedule, num_splits: int
     if exchange_cost is None:
         exchange_cost = cost.balance_exchange_cost()
     plan = balanced_slimpipe(p.pp, p.num_microbatches, p.num_chunks, num_splits,
-                             SliceCosts.from_model(c.model.shape(), cost.split_lengths[0],
+                             SliceCosts.from_model(c.model, cost.split_lengths[0],
                                                    exchange_cost))
     if [list(units) for units in plan.units] != [list(units) for units in schedule]:
         raise AssertionError("attention balance plan does not follow the SlimPipe schedule")

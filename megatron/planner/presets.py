@@ -7,66 +7,16 @@ untied embeddings, SwiGLU FFN, RMSNorm, no biases, no dropout; 70B uses grouped-
 attention with 8 K/V groups (7B and 13B have one K/V head per query head, as published).
 """
 
-from dataclasses import asdict, dataclass, replace
-from typing import Optional
-
-from megatron.seqsplit.split_lengths import ModelShape
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer as Megatron builds it."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    swiglu: bool
-    vocab_size: int
-    kv_channels: Optional[int] = None
-    add_bias_linear: bool = True
-    hidden_dropout: bool = True  # dropout after attention / MLP (stores a 1-byte mask)
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    untie_embeddings: bool = True
-    position_embedding_type: str = "rope"  # or "learned_absolute"
-    # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
-    # sends SDPA to the math kernel, which saves the scores
-    attention_dropout: bool = False
-    vocab_divisible_by: int = 128  # --make-vocab-size-divisible-by (x TP)
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    def shape(self) -> ModelShape:
-        """The split planner's view of this model."""
-        return ModelShape(
-            self.num_layers,
-            self.hidden_size,
-            self.num_attention_heads,
-            self.num_query_groups,
-            self.ffn_hidden_size,
-            self.swiglu,
-            self.vocab_size,
-            self.kv_channels,
-        )
-
-    def with_overrides(self, **kwargs) -> "ModelSpec":
-        return replace(self, **{k: v for k, v in kwargs.items() if v is not None})
-
-    def to_dict(self):
-        return asdict(self)
+from megatron.model_shape import ModelShape
 
 
 def _gpt(name, layers, hidden, heads):
-    return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, False, 50257)
+    return ModelShape(layers, hidden, heads, heads, 4 * hidden, False, 50257, name=name)
 
 
 def _llama(name, layers, hidden, heads, groups, ffn):
-    return ModelSpec(
-        name, layers, hidden, heads, groups, ffn, True, 32000,
+    return ModelShape(
+        layers, hidden, heads, groups, ffn, True, 32000, name=name,
         add_bias_linear=False, hidden_dropout=False, normalization="RMSNorm",
     )
 
@@ -83,7 +33,7 @@ PRESETS = {
 }
 
 
-def get_preset(name: str) -> ModelSpec:
+def get_preset(name: str) -> ModelShape:
     for key, spec in PRESETS.items():
         if key.lower() == name.lower():
             return spec

@@ -3,60 +3,21 @@
 Pure functions only. `plan_splits` returns split LENGTHS in sequence order; the
 schedule and the attention cache derive offsets from them with `split_offsets`.
 
-FLOPs model (forward pass, whole model, 2 flops per multiply-accumulate), for a
-split of `l` tokens that follows a prefix of `P` tokens:
-
-    per layer, per token:  2 * h * (2 * hq * d + 2 * g * d + m * ffn)
-                           (Q and output projections, K and V projections with
-                           `g` query groups, MLP with m = 2, or 3 for SwiGLU)
-    per layer, attention:  4 * hq * d * (l * P + l * (l + 1) / 2)
-                           (QK^T and AV over the causal pairs the split owns)
-    LM head, per token:    2 * h * vocab   (the embedding lookup costs no flops)
-
-So split cost is a * l + b * (l * P + l * (l + 1) / 2), which is the difference
-C(P + l) - C(P) of the prefix cost C(x) = a * x + b * x * (x + 1) / 2.
+`uniform_comp` balances the forward FLOPs of `megatron.model_shape.ModelShape`: a
+split of `l` tokens after a prefix of `P` costs a * l + b * (l * P + l * (l + 1) / 2)
+(a: linear FLOPs per token, b: attention FLOPs per causal pair), which is the
+difference C(P + l) - C(P) of the prefix cost C(x) = a * x + b * x * (x + 1) / 2.
 """
 
 import math
-from dataclasses import dataclass
+
+from megatron.model_shape import ModelShape
 
 BALANCE_METHODS = ("average", "uniform_comp")
 
 
 class SplitPlanError(ValueError):
     """A split plan that cannot be built; the message names the flag to change."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The parts of a GPT shape that decide per-token and attention FLOPs."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    swiglu: bool
-    vocab_size: int
-    kv_channels: int | None = None
-
-    @property
-    def head_dim(self) -> int:
-        # Megatron's default: kv_channels = hidden / heads.
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    def linear_flops_per_token(self) -> float:
-        """Forward flops per token that do not depend on the position: all layers + LM head."""
-        h, d = self.hidden_size, self.head_dim
-        q_out = 2 * h * self.num_attention_heads * d  # Q projection + output projection
-        kv = 2 * h * self.num_query_groups * d  # K and V projections (GQA: g groups)
-        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
-        per_layer = 2 * (q_out + kv + mlp)
-        return self.num_layers * per_layer + 2 * h * self.vocab_size
-
-    def attention_flops_per_pair(self) -> float:
-        """Forward flops per causal (query, key) pair over all layers: QK^T and AV."""
-        return self.num_layers * 2 * 2 * self.num_attention_heads * self.head_dim
 
 
 def split_offsets(lengths: list[int]) -> list[int]:
@@ -69,12 +30,8 @@ def split_offsets(lengths: list[int]) -> list[int]:
 
 
 def split_flops(lengths: list[int], model: ModelShape) -> list[float]:
-    """Forward FLOPs of each split over the whole model (closed form, see module doc)."""
-    a, b = model.linear_flops_per_token(), model.attention_flops_per_pair()
-    return [
-        a * l + b * (l * p + l * (l + 1) / 2)
-        for l, p in zip(lengths, split_offsets(lengths))
-    ]
+    """Forward FLOPs of each split over the whole model."""
+    return [model.forward_flops(l, p) for l, p in zip(lengths, split_offsets(lengths))]
 
 
 def plan_splits(
@@ -141,8 +98,7 @@ def _balanced_ends(seq_length: int, num_splits: int, model: ModelShape) -> list[
     2T / (B + sqrt(B^2 - 2bT)) to avoid cancellation (and to cover b == 0).
     """
     a, b = model.linear_flops_per_token(), model.attention_flops_per_pair()
-    total = a * seq_length + b * seq_length * (seq_length + 1) / 2
-    target = total / num_splits
+    target = model.forward_flops(seq_length) / num_splits
     ends, end = [float(seq_length)], float(seq_length)
     for _ in range(num_splits - 1):
         big_b = a + b * end + b / 2

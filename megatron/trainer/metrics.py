@@ -5,32 +5,16 @@ import sys
 
 import torch
 
+from megatron.model_shape import ModelShape
 from megatron.trainer import device
 
 
 def model_flops_per_iteration(args) -> float:
-    """Training FLOPs of one iteration (forward + backward = 3x forward).
-
-    Per token and layer, forward: QKV projections 2*h*(h_q + 2*h_kv), attention output
-    projection 2*h_q*h, MLP 2*h*ffn*(3 with SwiGLU else 2), causal attention scores and
-    weighted sum 2*2*h_q*(seq/2) (each query sees on average half the sequence).
-    Plus the output layer 2*h*vocab per token. h_q = heads*kv_channels,
-    h_kv = query_groups*kv_channels.
-    """
-    h = args.hidden_size
-    kv_channels = args.kv_channels or h // args.num_attention_heads
-    h_q = args.num_attention_heads * kv_channels
-    h_kv = args.num_query_groups * kv_channels
-    mlp_matrices = 3 if args.swiglu else 2
-    per_token_layer = (
-        2 * h * (h_q + 2 * h_kv)
-        + 2 * h_q * h
-        + 2 * h * args.ffn_hidden_size * mlp_matrices
-        + 2 * 2 * h_q * (args.seq_length / 2)
-    )
-    per_token = args.num_layers * per_token_layer + 2 * h * args.padded_vocab_size
-    tokens = args.global_batch_size * args.seq_length
-    return 3.0 * per_token * tokens
+    """Training FLOPs of one iteration, ``ModelShape.iteration_flops``: forward + backward
+    (3x forward) over the global batch, causal attention as ``S (S + 1) / 2`` pairs per
+    sequence (Megatron-LM counts ``S^2 / 2``; see ``megatron.model_shape``)."""
+    shape = ModelShape.from_args(args)
+    return shape.iteration_flops(args.seq_length, args.global_batch_size)
 
 
 # the memory column's heading says what it measures

@@ -24,6 +24,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from megatron.model_shape import ModelShape
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
 from megatron.trainer import checkpointing, device, faults, initialize, monitoring
@@ -273,7 +274,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         seq1f1b_splits=args.seq1f1b_splits,
         balance_method=args.seq1f1b_balance_method,
         alignment=args.seq1f1b_alignment,
-        model_shape=model_shape_from_args(args),
+        model_shape=ModelShape.from_args(args),
         observers=observers,
         pp_size=args.pipeline_model_parallel_size,
         vp_size=args.virtual_pipeline_model_parallel_size,
@@ -306,7 +307,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         plan = balanced_slimpipe(
             args.pipeline_model_parallel_size, args.num_microbatches,
             args.virtual_pipeline_model_parallel_size or 1, args.slimpipe_slices,
-            SliceCosts.from_model(model_shape_from_args(args), args.slimpipe_slice_length,
+            SliceCosts.from_model(ModelShape.from_args(args), args.slimpipe_slice_length,
                                   args.slimpipe_attention_balance_exchange_cost))
         print_rank_0(f"> {describe(plan)}")
     try:
@@ -365,21 +366,6 @@ def write_timeline(args, recorder):
         args.timeline_file, group=parallel_state.get_pipeline_model_parallel_group(), meta=meta)
     if timeline is not None:
         print(f"  timeline of the last iteration written to {args.timeline_file}", flush=True)
-
-
-def model_shape_from_args(args):
-    from megatron.seqsplit.split_lengths import ModelShape
-
-    return ModelShape(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        swiglu=args.swiglu,
-        vocab_size=args.padded_vocab_size,
-        kv_channels=args.kv_channels,
-    )
 
 
 _EXIT_REASONS = {
