@@ -15,7 +15,8 @@ from megatron.planner.gpus import GIB, get_gpu
 from megatron.planner.predict import PlanConfig, PlanError, predict
 from megatron.planner.presets import PRESETS, get_preset
 from megatron.schedules.simulate import MemoryEffect, ScheduleDeadlock, simulate
-from megatron.schedules.units import BACKWARD, FORWARD, Unit, seq1f1b_schedule
+from megatron.schedules.actions import BACKWARD, FORWARD, Unit
+from megatron.schedules.seq1f1b import seq1f1b_schedule
 
 GRID = [(p, m, s) for p in (1, 2, 4, 8) for m in (1, 2, 3, 8) for s in (1, 2, 3, 4)]
 
@@ -367,7 +368,7 @@ def test_chunked_kv_cache_memory_model():
     from megatron.planner.costs import CostModel
     from megatron.planner.gpus import get_gpu
     from megatron.planner.predict import split_lengths
-    from megatron.schedules.units import BACKWARD, FORWARD, Unit
+    from megatron.schedules.actions import BACKWARD, FORWARD, Unit
 
     args = parse(["--model", "1.3B", "--seq-length", "8192",
                                       "--pipeline-model-parallel-size", "2",

@@ -12,12 +12,12 @@ from typing import Dict, List, Optional, Tuple, Union
 from megatron.model_shape import ModelShape
 from megatron.planner.costs import KV_LAYOUTS, CostModel, Parallel, Recompute
 from megatron.planner.gpus import GIB, GPU, get_gpu
-from megatron.schedules.simulate import MemoryEffect, SimResult, simulate
-from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
-from megatron.schedules.interleaved import check_interleaved_shape, interleaved_schedule
-from megatron.schedules.slimpipe import check_slimpipe_shape, slimpipe_schedule
 from megatron.schedules.actions import Unit
-from megatron.schedules.seq1f1b import seq1f1b_schedule
+from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
+from megatron.schedules.interleaved import check_interleaved_shape
+from megatron.schedules.lowering import schedule_units
+from megatron.schedules.simulate import MemoryEffect, SimResult, simulate
+from megatron.schedules.slimpipe import check_slimpipe_shape
 from megatron.seqsplit.split_lengths import BALANCE_METHODS, SplitPlanError, plan_splits
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b", "slimpipe")
@@ -308,14 +308,11 @@ def split_lengths(c: PlanConfig, num_splits: int) -> List[int]:
 
 
 def build_schedule(c: PlanConfig, num_splits: int):
+    """Every rank's units, as the executor gets them (SlimPipe, or Seq1F1B: interleaved
+    with virtual stages)."""
     p = c.parallel
-    if c.schedule == "slimpipe":
-        return slimpipe_schedule(p.pp, p.num_microbatches, p.num_chunks, num_splits)
-    if p.num_chunks > 1:
-        return interleaved_schedule(
-            p.pp, p.num_microbatches, p.num_chunks, c.microbatch_group_size, num_splits
-        )
-    return seq1f1b_schedule(p.pp, p.num_microbatches, num_splits)
+    return schedule_units("slimpipe" if c.schedule == "slimpipe" else "seq1f1b", p.pp,
+                          p.num_microbatches, p.num_chunks, num_splits, c.microbatch_group_size)
 
 
 # ------------------------------------------------------------------------ predict

@@ -341,6 +341,10 @@ class PipelineExecutor:
 
     def run_batch(self, batch) -> None:
         """One ``batch_isend_irecv`` of sends and receives, each op with its own shape."""
+        timer = None
+        if self.config.timers is not None:  # megatron-core's p2p timers, by the same names
+            timer = self.config.timers(p2p_timer_name(batch), log_level=2)
+            timer.start()
         ops, arrivals, sent_outputs = [], [], []
         for message in batch:
             peer = torch.distributed.get_global_rank(self.pp_group, message.peer)
@@ -363,6 +367,8 @@ class PipelineExecutor:
             request.wait()
         if self.config.batch_p2p_sync and torch.cuda.is_available():
             torch.cuda.synchronize()  # as megatron-core: guard against batch_isend_irecv races
+        if timer is not None:
+            timer.stop()
         for unit, tensor in arrivals:
             (self.received_inputs if unit.is_forward else self.received_grads)[unit] = tensor
         for unit in sent_outputs:
@@ -375,6 +381,22 @@ class PipelineExecutor:
         length = self.lengths[unit.split]
         seq = length // self.tp_size if self.config.sequence_parallel else length
         return (seq, self.micro_batch_size, self.config.hidden_size)
+
+
+def p2p_timer_name(batch) -> str:
+    """megatron-core's timer name for a batch: ``forward-send`` (an activation sent),
+    ``backward-recv`` (a gradient received), ``forward-send-backward-recv``, ...; a batch
+    of more kinds than megatron-core's calls combine is
+    ``forward-backward-send-forward-backward-recv``."""
+    kinds = {("forward" if m.unit.is_forward else "backward", m.kind) for m in batch}
+    if len(kinds) == 1:
+        (direction, kind), = kinds
+        return f"{direction}-{kind}"
+    sends = [d for d, k in kinds if k == SEND]
+    recvs = [d for d, k in kinds if k != SEND]
+    if len(sends) == 1 and len(recvs) == 1:
+        return f"{sends[0]}-send-{recvs[0]}-recv"
+    return "forward-backward-send-forward-backward-recv"
 
 
 def forward_backward_pipelining_with_splits(
