@@ -151,19 +151,9 @@ TABLE = (
     _mcore(_SCHEDULES + "get_schedule_table",
            "tests compare our interleaved unit order with megatron-core's",
            "num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage"),
-    _mcore(_P2P + "__init__", "the executor builds one per pipeline group",
+    _mcore(_P2P + "__init__", "megatron-core's training loop may pass one (p2p_communicator=); "
+           "the executor reads its pp_group and sends with batch_isend_irecv itself",
            "self", "pp_group", "config"),
-    _mcore(_P2P + "recv_forward", "one message of a given shape",
-           "self", "tensor_shapes", "is_first_stage"),
-    _mcore(_P2P + "send_forward", "one message", "self", "output_tensors", "is_last_stage"),
-    _mcore(_P2P + "recv_backward", "one message of a given shape",
-           "self", "tensor_shapes", "is_last_stage"),
-    _mcore(_P2P + "send_backward", "one message",
-           "self", "input_tensor_grads", "is_first_stage"),
-    _mcore(_P2P + "send_forward_recv_backward", "steady-state exchange, shape per message",
-           "self", "output_tensors", "tensor_shapes", "is_last_stage"),
-    _mcore(_P2P + "send_backward_recv_forward", "steady-state exchange, shape per message",
-           "self", "input_tensor_grads", "tensor_shapes", "is_first_stage"),
     # --- RNG (cpu_support, checkpointing, initialize, recompute) -----------------------
     _mcore(_RANDOM + "CudaRNGStatesTracker.add",
            "cpu_support subclasses the tracker over the CPU generator (uses seeds_, "

@@ -128,3 +128,17 @@ def test_split_reports_merge_per_microbatch():
     merged = merge_split_reports(reports)
     assert [m["lm loss"].tolist() for m in merged] == [[1.5, 3.0], [6.0, 8.0]]
     assert reports[1][1]["lm loss"].tolist() == [1.0, 2.0]  # the inputs are left alone
+
+
+def test_actions_print_compactly_and_parse_back():
+    from megatron.schedules.actions import RECV, SEND, Message, format_program
+
+    program = [Unit(FORWARD, 3, 1), (Message(SEND, 1, Unit(FORWARD, 3, 1)),
+                                     Message(RECV, 1, Unit(BACKWARD, 2, 0, 1))),
+               Unit(BACKWARD, 2, 0, 1)]
+    text = format_program(program)
+    assert text == "F3.1 [S1:F3.1 R1:B2.0c1] B2.0c1"
+    assert parse_program(text) == program
+    for bad in ("X1.0", "F1", "[S1:F0.0", "[Q1:F0.0]"):
+        with pytest.raises(ValueError):
+            parse_program(bad)

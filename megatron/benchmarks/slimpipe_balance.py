@@ -143,9 +143,9 @@ def _line_fit(points):
 def fit_slice_costs(timeline: Timeline) -> Optional[Dict]:
     """The cost model's parameters from a recorded run without balance.
 
-    Forward of slice ``j`` = ``b (gemm + j + 0.5)`` (``SliceCosts``), so a line
-    ``a + b j`` through every forward unit (all ranks and chunks) gives
-    ``gemm = a / b - 0.5`` in units of one chunk's attention; the backward line's slope
+    Forward of slice ``j`` = ``b (gemm + j + own_block)`` (``SliceCosts``; own_block is
+    0.5 for long slices), so a line ``a + b j`` through every forward unit (all ranks and
+    chunks) gives ``gemm = a / b - 0.5`` in units of one chunk's attention; the backward line's slope
     over the forward's is the backward attention factor (the model's 2.5)."""
     forward = [(e["split"], e["end"] - e["start"]) for r in timeline.ranks for e in r
                if e["kind"] == "F"]

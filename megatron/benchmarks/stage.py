@@ -9,7 +9,7 @@ point-to-point message by a tensor produced locally with the shape and dtype the
 neighbour would send:
 
 * forward input of a non-first stage: ``[l_j, b, h]`` with ``requires_grad`` (what
-  ``P2PCommunicator.recv_forward`` returns), kept until the unit's backward;
+  the executor's receive returns), kept until the unit's backward;
 * after a non-last stage's forward the output is "sent": megatron's
   ``deallocate_output_tensor`` drops its data, as the executor does;
 * backward of a non-last stage receives a ``[l_j, b, h]`` output gradient;

@@ -350,7 +350,7 @@ def report(pred: Prediction) -> str:
     lines.append(f"tokens/s               {pred.tokens_per_s:,.0f}")
     lines.append(
         f"TFLOP/s per GPU        {pred.tflops_per_gpu:.1f} (causal model FLOPs; "
-        f"{pred.tflops_per_gpu_full_attention:.1f} counting full S^2 attention as Megatron-LM's formula)"
+        f"{pred.tflops_per_gpu_full_attention:.1f} counting full S^2 attention as Narayanan et al. 2021)"
     )
     ab = pred.attention_balance
     if ab is not None:

@@ -56,8 +56,9 @@ class SliceCosts:
 
     ``gemm``: position-independent work (projections, MLP, norms), in units of the
     attention of one query slice over one full key slice (one *chunk*). Slice ``j``'s
-    forward costs ``gemm + j + 0.5`` (``j`` prefix chunks and half of its own causal
-    block). ``exchange``: time to send one K/V chunk to the paired rank, in the same
+    forward costs ``gemm + j + own_block``: ``j`` prefix chunks and its own causal block,
+    ``l (l + 1) / 2`` of a chunk's ``l^2`` pairs (``ModelShape.causal_pairs``; 0.5 in the
+    limit of long slices, the default). ``exchange``: time to send one K/V chunk to the paired rank, in the same
     units (``--slimpipe-attention-balance-exchange-cost``; 0: free); the query slice
     there and the partial output back cost ``query_exchange`` more per exchange, and a
     backward exchange twice a forward one (its gradients come back).
@@ -66,6 +67,7 @@ class SliceCosts:
     gemm: float
     exchange: float = 0.0
     query_exchange: float = 0.0
+    own_block: float = 0.5
 
     @staticmethod
     def from_model(model, slice_length: int, exchange: float = 0.0) -> "SliceCosts":
@@ -78,7 +80,9 @@ class SliceCosts:
         linear = model.layer_flops_per_token()
         per_chunk = model.layer_flops_per_pair() * slice_length
         query = exchange * model.num_attention_heads / model.num_query_groups
-        return SliceCosts(gemm=linear / per_chunk, exchange=exchange, query_exchange=query)
+        own_block = model.causal_pairs(slice_length) / slice_length**2
+        return SliceCosts(gemm=linear / per_chunk, exchange=exchange, query_exchange=query,
+                          own_block=own_block)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ def _factors(unit: Unit) -> Tuple[float, float]:
 def unit_cost(unit: Unit, costs: SliceCosts) -> float:
     """Time of a unit without redistribution."""
     gemm, attention = _factors(unit)
-    return gemm * costs.gemm + attention * (unit.split + 0.5)
+    return gemm * costs.gemm + attention * (unit.split + costs.own_block)
 
 
 def paired_cost(asker: Unit, helper: Unit, num_chunks: int, costs: SliceCosts) -> float:
@@ -140,6 +144,7 @@ class BalancedSchedule:
     end: Dict[Tuple[int, Unit], float]
     makespan: float
     makespan_unbalanced: float
+    costs: SliceCosts  # the cost model the pairs were chosen with
 
     def partners(self) -> Dict[Tuple[int, Unit], Tuple[int, Unit]]:
         return {(rank, unit): (o.peer, o.peer_unit)
@@ -211,7 +216,7 @@ def balance_units(units: Sequence[Sequence[Unit]], costs: SliceCosts,
     # read-only: plans are cached and shared by every caller
     return BalancedSchedule(units, tuple(MappingProxyType(o) for o in offloads),
                             MappingProxyType(start), MappingProxyType(end), sim.makespan,
-                            unbalanced)
+                            unbalanced, costs)
 
 
 def _next_candidate(sim, pairs, tried, costs):
@@ -283,7 +288,7 @@ def moved_fraction(plan: BalancedSchedule) -> Optional[float]:
     for rank_units, offloads in zip(plan.units, plan.offloads):
         for unit in rank_units:
             _, attention = _factors(unit)
-            total += attention * (unit.split + 0.5)
+            total += attention * (unit.split + plan.costs.own_block)
             o = offloads.get(unit)
             if o is not None and o.role == ASK:
                 moved += attention * o.num_chunks

@@ -11,7 +11,8 @@ One ``Monitor`` per ``train`` call owns:
   and ``forward-compute`` themselves; our executor (Seq1F1B, SlimPipe, interleaved) does
   not, so for it the Monitor times the schedule call and wraps the user's
   ``forward_step`` and loss function (``backward-compute`` and the p2p timers come from
-  megatron-core's ``backward_step`` and ``P2PCommunicator``, which the executor calls).
+  megatron-core's ``backward_step``, which the executor calls, and from the executor's
+  message batches, timed under megatron-core's p2p timer names).
   Printed every ``--log-interval`` on the last rank, averaged per iteration.
 * **writers** (``--tensorboard-dir``, ``--wandb-project``): TensorBoard and Weights &
   Biases on the last rank, as Megatron-LM, with Megatron-LM's scalar names; the
