@@ -95,7 +95,7 @@ def build_balance_spec(configs: Sequence[BalanceConfig], base_argv: Sequence[str
 # ------------------------------------------------------------------------ the plan
 def model_costs(argv: Sequence[str], world_size: int):
     """(parsed arguments, ``SliceCosts.from_model``) exactly as the balanced run builds
-    them (``megatron.schedules.seq1f1b._balanced_actions``)."""
+    them (``megatron.schedules.executor.PipelineExecutor``)."""
     from megatron.model_shape import ModelShape
     from megatron.trainer.arguments import parse_args
 

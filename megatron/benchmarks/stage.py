@@ -148,7 +148,8 @@ class StageEmulator:
         """Run this rank's unit list once (one iteration of this stage)."""
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
-        from megatron.schedules.executor import MicrobatchSlicer, SplitDataIterator
+        from megatron.schedules.executor import (KVStoreObserver, MicrobatchSlicer,
+                                                 SplitDataIterator)
         from megatron.mcore_compat import backward_step
 
         args, config = self.args, self.config
@@ -156,7 +157,7 @@ class StageEmulator:
         offsets = split_offsets(list(lengths))
         kv_store = KVCacheStore(forward_only=False)
         for observer in observers:  # as the executor does: the probe counts the cache's
-            if hasattr(observer, "attach_kv_store"):  # buffers and gradient accumulators
+            if isinstance(observer, KVStoreObserver):  # buffers and gradient accumulators
                 observer.attach_kv_store(kv_store)
         iterator = _Sequence(batches)
         slicer = MicrobatchSlicer(iterator)

@@ -200,8 +200,8 @@ class PipelineExecutor:
         self.slicers = [MicrobatchSlicer(iterator) for iterator in iterators]
         self.set_input_tensors = [get_attr_wrapped_model(chunk, "set_input_tensor")
                                   for chunk in chunks]
-        self.exchanges = {}  # unit -> this rank's side of an attention-redistribution pair
-        self.program = self._program()
+        # this rank's program, and each paired unit's side of an attention-redistribution pair
+        self.program, self.exchanges = self._program()
         self.grad_sync = GradSync(self.config, chunks, self.program)
         # tensors in flight, keyed by the unit that produced or consumes them
         self.received_inputs: Dict[Unit, torch.Tensor] = {}
@@ -215,16 +215,15 @@ class PipelineExecutor:
         self.reports = []  # (microbatch, reported) per loss-holding forward
 
     def _program(self):
+        """(this rank's checked program, unit -> its ``Exchange`` under attention balance)."""
         settings = self.settings
         if settings.attention_balance and not self.forward_only:
             return self._balanced_program()
-        schedule = "interleaved" if settings.schedule == "seq1f1b" else settings.schedule
         group_size = getattr(self.config, "microbatch_group_size_per_vp_stage", None)
-        if self.num_chunks == 1:  # SlimPipe without virtual stages is Seq1F1B over its slices
-            schedule, group_size = "seq1f1b", None
-        return checked_programs(self.pp_size, self.num_microbatches, self.num_chunks,
-                                settings.num_splits, group_size if schedule == "interleaved"
-                                else None, self.forward_only, schedule)[self.rank]
+        programs = checked_programs(self.pp_size, self.num_microbatches, self.num_chunks,
+                                    settings.num_splits, group_size, self.forward_only,
+                                    settings.schedule)
+        return programs[self.rank], {}
 
     def _balanced_program(self):
         """SlimPipe with attention redistribution: this rank's program (lowered on the
@@ -242,14 +241,14 @@ class PipelineExecutor:
         programs, plan = checked_balanced_programs(self.pp_size, self.num_microbatches,
                                                    self.num_chunks, settings.num_splits, costs)
         lengths, offsets = self.lengths, self.offsets
-        self.exchanges = {
+        exchanges = {
             unit: Exchange(
                 role=o.role, peer=torch.distributed.get_global_rank(self.pp_group, o.peer),
                 group=self.pp_group, asker_forward=o.asker.is_forward,
                 num_chunks=o.num_chunks, query_length=lengths[o.asker.split],
                 query_start=offsets[o.asker.split], chunk_lengths=tuple(lengths[:o.num_chunks]))
             for unit, o in plan.offloads[self.rank].items()}
-        return programs[self.rank]
+        return programs[self.rank], exchanges
 
     # ------------------------------------------------------------------ running
 

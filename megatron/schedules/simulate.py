@@ -300,8 +300,10 @@ class _Simulation:
                                         f"{message.unit} would be received as {match[0].unit}")
                 self.pending[rank].remove(op)
                 self.pending[peer].remove(match)
-                source = producer(message.unit, peer, self.pp_size, self.num_chunks)[1]
-                delay = self.comm(rank, peer, source) if self.comm is not None else 0.0
+                delay = 0.0
+                if self.comm is not None:  # the message carries its producer's output
+                    source = producer(message.unit, peer, self.pp_size, self.num_chunks)[1]
+                    delay = self.comm(rank, peer, source)
                 arrival = max(self.clock[rank], self.clock[peer]) + delay
                 self.arrived[(peer, message.unit)] = arrival
                 self.clock[rank] = self.clock[peer] = arrival
