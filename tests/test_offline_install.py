@@ -74,6 +74,33 @@ def test_installs_the_chosen_wheel_without_network(tmp_path):
     assert (target / "helper_pkg_probe.py").exists()
 
 
+def test_upgrade_replaces_an_older_megatron_core_in_the_target(tmp_path):
+    """A target left by an earlier install (a warm machine, an older carried wheel) gets the
+    chosen version, with one megatron-core's metadata, and the version read back from the
+    target is what the script reports; a rerun leaves the target as it is."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    _fake_wheel(str(old), "megatron_core", "0.17.0")
+    _fake_wheel(str(new), "megatron_core", "0.19.2")
+    target = tmp_path / "site"
+    assert _run_without_megatron_core(old, target).returncode == 0
+    assert (target / "megatron_core_probe.py").read_text() == "VERSION = '0.17.0'\n"
+
+    proc = _run_without_megatron_core(new, target)
+    assert proc.returncode == 0, proc.stderr
+    assert "installed megatron-core 0.19.2" in proc.stderr
+    assert (target / "megatron_core_probe.py").read_text() == "VERSION = '0.19.2'\n"
+    assert sorted(p.name for p in target.glob("*.dist-info")) == [
+        "megatron_core-0.19.2.dist-info"]
+    assert [str(v) for v in offline_install.target_versions(str(target))] == ["0.19.2"]
+
+    again = _run_without_megatron_core(new, target)
+    assert again.returncode == 0, again.stderr
+    assert "megatron-core 0.19.2" in again.stderr and "is already in" in again.stderr
+    assert again.stdout.strip() == str(target)
+
+
 def test_no_usable_wheel_is_one_clear_line(tmp_path):
     proc = _run_without_megatron_core(tmp_path, tmp_path / "site")
     assert proc.returncode != 0

@@ -6,6 +6,12 @@ among the carried ``megatron_core-*.whl``, the newest release inside the range
 requirements.txt supports that fits this interpreter, and installs it with the other
 carried wheels into a target folder. An installed megatron-core inside the range is kept.
 
+The target may hold an earlier install (a warm machine, or an older carried wheel): pip
+runs with --upgrade so that the chosen wheel replaces it, the older megatron-core's
+metadata is removed, and the version read back from the target is the one reported (an
+error if it is not the chosen one). A target already holding exactly the chosen version
+is left as it is.
+
     python3 tools/offline_install.py --wheels .whl --target /tmp/site
     # prints the folder to put on PYTHONPATH (nothing when nothing was needed)
 """
@@ -14,6 +20,7 @@ import argparse
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -64,6 +71,25 @@ def installed_version():
         return None
 
 
+def target_versions(target):
+    """The megatron-core versions whose metadata lies in `target` (a pip --target folder)."""
+    if not os.path.isdir(target):
+        return []
+    return sorted(Version(dist.version)
+                  for dist in importlib.metadata.distributions(path=[target])
+                  if canonicalize_name(dist.metadata["Name"] or "") == "megatron-core")
+
+
+def remove_stale_metadata(target, keep):
+    """pip --target --upgrade replaces the package folders but leaves the metadata of the
+    version it replaced (its dist-info has another name): remove every megatron-core
+    dist-info but `keep`'s, so that importlib.metadata sees one version."""
+    for entry in os.listdir(target):
+        match = re.fullmatch(r"megatron[_-]core-(.+)\.dist-info", entry, re.IGNORECASE)
+        if match and Version(match.group(1)) != keep:
+            shutil.rmtree(os.path.join(target, entry))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", default=".whl", help="folder of carried wheels")
@@ -84,13 +110,26 @@ def main(argv=None):
             f"error: no megatron-core wheel for this Python inside {requirement} in "
             f"{args.wheels} ({found}); installed: {have or 'none'}. Carry one: see "
             "tools/gpu_checks.sh's header")
+    version = parse_wheel_filename(os.path.basename(chosen))[1]
+    if target_versions(args.target) == [version]:
+        print(f"megatron-core {version} (newest carried inside {requirement}) is already in "
+              f"{args.target}", file=sys.stderr)
+        print(os.path.abspath(args.target))
+        return 0
     others = [w for w in wheels
               if parse_wheel_filename(os.path.basename(w))[0] != "megatron-core"]
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-                    "--no-deps", "--target", args.target, chosen, *others], check=True)
-    print(f"installed {os.path.basename(chosen)} (newest carried inside {requirement})"
-          + (f" and {len(others)} other wheel(s)" if others else "") + f" into {args.target}",
-          file=sys.stderr)
+                    "--no-deps", "--upgrade", "--target", args.target, chosen, *others],
+                   check=True)
+    remove_stale_metadata(args.target, version)
+    found = target_versions(args.target)
+    if found != [version]:
+        raise SystemExit(f"error: installed {os.path.basename(chosen)} into {args.target}, "
+                         f"but it holds megatron-core {', '.join(map(str, found)) or 'none'}; "
+                         f"remove {args.target} and rerun")
+    print(f"installed megatron-core {found[0]} ({os.path.basename(chosen)}, newest carried "
+          f"inside {requirement})" + (f" and {len(others)} other wheel(s)" if others else "")
+          + f" into {args.target}", file=sys.stderr)
     print(os.path.abspath(args.target))
     return 0
 
