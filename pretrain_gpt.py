@@ -17,92 +17,14 @@ import warnings
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed",
                         category=UserWarning)
 
-import torch  # noqa: E402
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
-
-from megatron.seqsplit.documents import DocumentIdsDataset  # noqa: E402
-from megatron.seqsplit.split_context import SplitContext  # noqa: E402
-from megatron.trainer.device import compute_device  # noqa: E402
-from megatron.trainer.model import gpt_model_provider  # noqa: E402
+from megatron.trainer.gpt import (  # noqa: E402,F401 - the providers, as Megatron-LM's names
+    datasets_provider,
+    forward_step,
+    get_batch,
+    loss_func,
+    model_provider,
+)
 from megatron.trainer.training import pretrain  # noqa: E402
-
-
-def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """The GPT model of one pipeline stage (local or Transformer Engine layer spec)."""
-    return gpt_model_provider(args, config, pre_process=pre_process,
-                              post_process=post_process, vp_stage=vp_stage)
-
-
-def datasets_provider(args):
-    """(train, validation, tokenizer): megatron-core GPT datasets over --data-path, or mock."""
-    from megatron.dataprep.gpt_datasets import build_gpt_datasets
-    from megatron.dataprep.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file,
-                                tokenizer_model=args.tokenizer_model,
-                                vocab_size=args.vocab_size)
-    evaluations = args.train_iters // args.eval_interval + 1
-    num_samples = [args.train_samples_total,
-                   evaluations * args.eval_iters * args.global_batch_size, 0]
-    train, valid, _ = build_gpt_datasets(
-        data_path=args.data_path, split=args.split, seq_length=args.seq_length,
-        seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
-        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
-        create_attention_mask=False)  # the kernels mask causally
-    if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
-        train, valid = (DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
-                        for ds in (train, valid))
-    return train, valid, tokenizer
-
-
-def get_batch(data_iterator, args, vp_stage=None):
-    """This stage's share of the next batch (or split): tokens on the first stage,
-    labels and loss mask on the last; with --reset-attention-mask every stage reads
-    it, because attention on every stage needs the document boundaries. With virtual
-    stages, "first" and "last" are those of the model chunk (``vp_stage``)."""
-    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if not (first or last or args.reset_attention_mask):
-        return {}
-    batch = next(data_iterator)
-    device = compute_device()  # the flags' device (gloo on a GPU machine: the CPU)
-    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
-            for key, value in batch.items()}
-
-
-def loss_func(loss_mask, output_tensor):
-    """Megatron's triple: (sum of token losses, token count, reported [sum, count])."""
-    losses = output_tensor.float().view(-1)
-    loss_mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().to(torch.int)
-    reported = torch.stack([loss_sum.detach(), loss_mask.sum().detach()])
-    return loss_sum, num_tokens, {"lm loss": reported}
-
-
-def forward_step(data_iterator, model, args=None):
-    """One microbatch (or, under Seq1F1B, one split of one) through this stage."""
-    split = getattr(data_iterator, "split", None)  # SplitContext under Seq1F1B
-    batch = get_batch(data_iterator, args, get_attr_wrapped_model(model, "vp_stage"))
-    if batch.get("document_ids") is not None:
-        if split is None:  # unsplit: one "split" covering the whole sequence
-            length = batch["document_ids"].shape[1]
-            split = SplitContext(num_splits=1, offset=0, length=length, seq_length=length)
-        split.document_ids = batch["document_ids"]
-    output_tensor = model(
-        batch.get("tokens"),
-        batch.get("position_ids"),
-        None,  # causal attention: the kernel applies the mask
-        labels=batch.get("labels"),
-        packed_seq_params=split,
-    )
-    loss_mask = batch.get("loss_mask")
-    return output_tensor, lambda output: loss_func(loss_mask, output)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ setup(
         "megatron.planner",
         "megatron.benchmarks",
     ],
+    # our modules at the namespace's top (tests/test_packaging.py checks that the wheel
+    # holds every module megatron/ has)
+    py_modules=[
+        "megatron.cpu_support",
+        "megatron.mcore_compat",
+        "megatron.model_shape",
+    ],
     install_requires=REQUIREMENTS,
     extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest", "sentencepiece", "wandb"],
                     "sentencepiece": ["sentencepiece"]},

@@ -199,7 +199,7 @@ TABLE = (
            "load_parameter_state_from_fully_reshardable",
            "loads the Adam tensors with the per-parameter 'step' set aside (it would copy "
            "one shared step into every parameter)", "self", "state_dict"),
-    # --- CUDA-only call sites patched on CPU (megatron/trainer/cpu_support.py) ---------
+    # --- CUDA-only call sites patched on CPU (megatron/cpu_support.py) ---------
     _mcore("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
            "replaced on CPU: asserts grads are torch.cuda.FloatTensor",
            "parameters", "max_norm", "total_norm"),

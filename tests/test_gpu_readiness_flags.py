@@ -77,9 +77,10 @@ def test_nccl_run_computes_on_cuda(gpu_machine):
                                              ([], False)])
 def test_cpu_patches_follow_the_run_device(gpu_machine, monkeypatch, flags, patched):
     """megatron-core's CUDA call sites are redirected for a gloo run on a GPU machine
-    and left alone for a CUDA run: `cpu_support.apply` asks the run's device."""
-    from megatron.trainer import cpu_support
+    and left alone for a CUDA run: initialize passes the run's device to
+    `cpu_support.apply`."""
+    from megatron import cpu_support
 
     monkeypatch.setattr(cpu_support, "_APPLIED", True)  # as if patched: nothing is re-applied
     device.use_device(parse(flags, cuda=True))
-    assert cpu_support.apply() is patched
+    assert cpu_support.apply(cuda=device.on_cuda()) is patched

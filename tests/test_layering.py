@@ -1,7 +1,8 @@
 """The package's dependencies point one way, without cycles or reaching into another
 module's private names (read from the source, lazy imports inside functions included).
 
-Layers, lowest first: ``mcore_compat`` and ``model_shape`` (leaves) <- ``seqsplit`` <-
+Layers, lowest first: ``mcore_compat`` and ``model_shape`` (leaves), ``cpu_support``
+(reads ``mcore_compat``) <- ``seqsplit`` <-
 ``schedules`` <- ``trainer``; the ``planner`` reads ``schedules`` (and the trainer's
 argument parser, to take a training command line) and no runtime module reads it;
 ``benchmarks`` drive everything and nothing imports them.
@@ -20,6 +21,8 @@ FORBIDDEN = {
     "mcore_compat": {"model_shape", "seqsplit", "schedules", "trainer", "planner",
                      "benchmarks", "dataprep"},
     "model_shape": {"mcore_compat", "seqsplit", "schedules", "trainer", "planner",
+                    "benchmarks", "dataprep"},
+    "cpu_support": {"model_shape", "seqsplit", "schedules", "trainer", "planner",
                     "benchmarks", "dataprep"},
     "seqsplit": {"schedules", "trainer", "planner", "benchmarks"},
     "schedules": {"trainer", "planner", "benchmarks"},

@@ -1,7 +1,10 @@
-"""Library use of `megatron.schedules.dispatch.get_forward_backward_func` is safe.
+"""Library use of `megatron.schedules` (`get_forward_backward_func`,
+`forward_backward_pipelining_seq1f1b`) is safe.
 
 * megatron-core's positional call `get_forward_backward_func(pp_size, vp_size)` works and
   returns what megatron-core returns;
+* `forward_backward_pipelining_seq1f1b` takes megatron-core's schedule arguments, and
+  with the split settings on the model config (no `settings`) trains exactly;
 * with splits (Seq1F1B or SlimPipe), a stock megatron-core `GPTModel` (local spec) and a
   plain `forward_step`, or our model with a `forward_step` that leaves the split out, are
   refused at the first unit, before any backward, with one message naming what to use;
@@ -28,9 +31,10 @@ sys.path.insert(0, ROOT)
 from megatron.core.pipeline_parallel import schedules as mcore_schedules  # noqa: E402
 
 from megatron.schedules import dispatch  # noqa: E402
-from megatron.schedules.executor import forward_backward_pipelining_with_splits  # noqa: E402
+from megatron.schedules import forward_backward_pipelining_seq1f1b  # noqa: E402
 
 SEQ, MBS, SPLITS, MICROBATCHES, VOCAB = 16, 2, 4, 2, 64
+pytestmark = pytest.mark.distributed  # the library run is a child process
 
 
 def test_signature_starts_as_megatron_cores():
@@ -46,9 +50,22 @@ def test_positional_call_is_megatron_cores(pp, vp):
     assert dispatch.get_forward_backward_func(pp_size=pp, vp_size=vp) is expected
 
 
+def test_seq1f1b_takes_megatron_cores_schedule_arguments():
+    """The same keyword arguments, defaults and order as megatron-core's
+    `forward_backward_pipelining_without_interleaving`, plus the optional `settings`."""
+    ours = inspect.signature(forward_backward_pipelining_seq1f1b).parameters
+    theirs = inspect.signature(
+        mcore_schedules.forward_backward_pipelining_without_interleaving).parameters
+    assert [n for n in ours if n != "settings"] == list(theirs)
+    for name, parameter in theirs.items():
+        assert ours[name].default == parameter.default, name
+        assert ours[name].kind == parameter.kind, name
+    assert ours["settings"].default is None
+
+
 def _is_our_executor(func, splits):
     return (isinstance(func, functools.partial)
-            and func.func is forward_backward_pipelining_with_splits
+            and func.func is forward_backward_pipelining_seq1f1b
             and func.keywords["settings"].num_splits == splits)
 
 
@@ -66,7 +83,7 @@ def _setup():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron.trainer import cpu_support
+    from megatron import cpu_support
 
     cpu_support.apply()
     with socket.socket() as sock:
@@ -197,6 +214,15 @@ def child(out_path):
         "unsplit_loss": unsplit_loss, "split_loss": split_loss,
         "max_grad_diff": max(float((split[n] - unsplit[n]).abs().max()) for n in unsplit),
         "max_grad": max(float(unsplit[n].abs().max()) for n in unsplit)}
+
+    # megatron-core's call of the schedule itself, the splits read from the model config
+    from megatron.schedules import forward_backward_pipelining_seq1f1b as seq1f1b
+
+    config.seq1f1b_splits = SPLITS
+    config_loss, from_config = _train_once(seq1f1b, forward_step, model)
+    result["from_config"] = {
+        "split_loss": config_loss,
+        "max_grad_diff": max(float((from_config[n] - unsplit[n]).abs().max()) for n in unsplit)}
     with open(out_path, "w") as handle:
         json.dump(result, handle)
     torch.distributed.destroy_process_group()
@@ -243,6 +269,12 @@ def test_docstring_forward_step_with_our_model_is_exact(library_run):
     assert abs(ours["split_loss"] - ours["unsplit_loss"]) <= 1e-5 * ours["unsplit_loss"]
     assert ours["max_grad"] > 0
     assert ours["max_grad_diff"] <= 1e-5 * ours["max_grad"], ours
+
+
+def test_seq1f1b_with_splits_from_the_model_config_is_exact(library_run):
+    ours, from_config = library_run["ours"], library_run["from_config"]
+    assert abs(from_config["split_loss"] - ours["unsplit_loss"]) <= 1e-5 * ours["unsplit_loss"]
+    assert from_config["max_grad_diff"] <= 1e-5 * ours["max_grad"], from_config
 
 
 if __name__ == "__main__":

@@ -90,15 +90,42 @@ def test_cpu_support_stops_on_a_missing_call_site_module(monkeypatch):
     """A CUDA call site module missing from the installed megatron-core is an error that
     names it and the installed version, raised before anything is patched."""
     from megatron.core.tensor_parallel import random as mp_random
-    from megatron.trainer import cpu_support
+    from megatron import cpu_support
 
     sites = dict(mcore_compat.CUDA_CALL_SITES, no_such_module="a CUDA call site")
     monkeypatch.setattr(mcore_compat, "CUDA_CALL_SITES", sites)
     monkeypatch.setattr(cpu_support, "_APPLIED", False)
-    monkeypatch.setattr(cpu_support.device, "on_cuda", lambda *args: False)
     tracker = mp_random.CudaRNGStatesTracker
     installed = importlib.metadata.version("megatron-core")
     with pytest.raises(CompatError, match=rf"megatron-core {installed} .*module missing: "
                                           r"megatron.core.no_such_module:torch"):
-        cpu_support.apply()
+        cpu_support.apply(cuda=False)
     assert mp_random.CudaRNGStatesTracker is tracker  # nothing patched
+
+
+def test_cpu_support_undo_puts_every_patched_name_back():
+    """`patched()` applies the CPU patches for a block and puts every replaced name back
+    after it, so a test or a library user can run megatron-core on CPU in-process and
+    leave it as found."""
+    import importlib
+
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron import cpu_support
+
+    if cpu_support._APPLIED:
+        pytest.skip("the CPU patches were applied earlier in this process")
+    call_sites = [importlib.import_module("megatron.core." + m)
+                  for m in mcore_compat.CUDA_CALL_SITES]
+    tracker = mp_random.CudaRNGStatesTracker
+    with cpu_support.patched(cuda=False) as active:
+        assert active
+        replaced = list(cpu_support._ORIGINALS)
+        assert len(replaced) >= len(mcore_compat.CUDA_CALL_SITES) + 8
+        assert all(getattr(owner, name) is not value for owner, name, value in replaced)
+        assert all(module.torch is not torch for module in call_sites)
+    assert all(getattr(owner, name) is value for owner, name, value in replaced)
+    assert all(module.torch is torch for module in call_sites)
+    assert mp_random.CudaRNGStatesTracker is tracker
+    assert not cpu_support._APPLIED and not cpu_support._ORIGINALS
+    with cpu_support.patched(cuda=True) as active:  # a CUDA run: nothing to patch
+        assert not active and not cpu_support._ORIGINALS

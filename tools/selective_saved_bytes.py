@@ -40,7 +40,7 @@ MODES = ("none", "selective", "selective-mcore")
 
 
 def _init():
-    from megatron.trainer import cpu_support
+    from megatron import cpu_support
     cpu_support.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random

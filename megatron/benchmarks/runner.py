@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-import pretrain_gpt  # noqa: E402
+from megatron.trainer import gpt as pretrain_gpt  # noqa: E402 - pretrain_gpt.py's providers
 from megatron.trainer import training  # noqa: E402
 from megatron.trainer.initialize import destroy_groups_except  # noqa: E402
 

@@ -108,7 +108,7 @@ class StageEmulator:
     """Builds one stage's model (its role decides embedding / LM head) and runs unit lists."""
 
     def __init__(self, args, config, rank: int, pp: int, device):
-        import pretrain_gpt
+        from megatron.trainer import gpt as pretrain_gpt  # pretrain_gpt.py's providers
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_attr_wrapped_model

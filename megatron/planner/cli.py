@@ -8,8 +8,9 @@ from typing import Dict, List, Optional
 from megatron.model_shape import ModelShape
 from megatron.planner.costs import KV_LAYOUTS, Parallel, Recompute
 from megatron.planner.gpus import GPUS, GIB, get_gpu
-from megatron.planner.predict import SCHEDULES, PlanConfig, PlanError, Prediction, predict
+from megatron.planner.predict import PlanConfig, PlanError, Prediction, predict
 from megatron.planner.presets import PRESETS, get_preset
+from megatron.schedules import registry
 from megatron.trainer.arguments import ArgumentError, validate_args
 from megatron.trainer.arguments import build_parser as training_parser
 
@@ -39,7 +40,7 @@ def _planner_flags(parser: argparse.ArgumentParser) -> None:
                    help="GPUs of the run (as torchrun would launch); default TP x PP x DP")
     g.add_argument("--data-parallel-size", type=int,
                    help="DP (default: world size / (TP x PP), or 1)")
-    g.add_argument("--schedule", choices=SCHEDULES + ("interleaved-seq1f1b",),
+    g.add_argument("--schedule", choices=registry.planner_names(),
                    help="default: as --pipeline-schedule; slimpipe when a --slimpipe-* flag "
                    "is given, seq1f1b when --seq1f1b-splits is given (>1 or auto), "
                    "interleaved-1f1b with virtual stages, else 1f1b; interleaved-seq1f1b is "

@@ -15,12 +15,15 @@ from megatron.planner.gpus import GIB, GPU, get_gpu
 from megatron.schedules.actions import Unit
 from megatron.schedules.attention_balance import ASK, BalancedSchedule, SliceCosts, balanced_slimpipe
 from megatron.schedules.interleaved import check_interleaved_shape
+from megatron.schedules import registry
 from megatron.schedules.lowering import schedule_units
 from megatron.schedules.simulate import MemoryEffect, SimResult, simulate
 from megatron.schedules.slimpipe import check_slimpipe_shape
 from megatron.seqsplit.split_lengths import BALANCE_METHODS, SplitPlanError, plan_splits
 
-SCHEDULES = ("1f1b", "interleaved-1f1b", "seq1f1b", "slimpipe")
+# the registry's schedules, and 1F1B over virtual stages under its own name (the planner
+# takes the virtual stages from the flags and checks that they match the name)
+SCHEDULES = registry.NAMES + (registry.SCHEDULES["1f1b"].interleaved_name,)
 MIN_AUTO_SPLIT_TOKENS = 256
 AUTO_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32)
 

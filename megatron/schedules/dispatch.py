@@ -1,5 +1,5 @@
 """Choose the pipeline schedule: megatron-core's, Seq1F1B when splits are asked for, or
-SlimPipe."""
+SlimPipe (by the names of ``megatron.schedules.registry``)."""
 
 import functools
 import inspect
@@ -7,7 +7,8 @@ import inspect
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
-from megatron.schedules.executor import ScheduleSettings, forward_backward_pipelining_with_splits
+from megatron.schedules import registry
+from megatron.schedules.executor import ScheduleSettings, forward_backward_pipelining_seq1f1b
 
 # megatron-core 0.19 added a third parameter (schedule_pg_collection); 0.16 has two
 _MCORE_TAKES_PG_COLLECTION = "schedule_pg_collection" in inspect.signature(
@@ -17,7 +18,7 @@ _MCORE_TAKES_PG_COLLECTION = "schedule_pg_collection" in inspect.signature(
 def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None, *,
                               seq1f1b_splits: int = 1, balance_method: str = "average",
                               alignment: int = 1, model_shape=None, observers=(),
-                              schedule: str = "seq1f1b", slimpipe_slices: int = None,
+                              schedule: str = None, slimpipe_slices: int = None,
                               attention_balance: bool = False, exchange_cost: float = 0.0):
     """megatron-core's ``get_forward_backward_func``, plus Seq1F1B and SlimPipe.
 
@@ -87,6 +88,14 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
     setup (pp=2: batched p2p swaps a gradient and an activation between the same two
     ranks; unbatched, the first iteration still differed), so it is not used.
 
+    ``schedule`` is a name of ``megatron.schedules.registry`` (``1f1b``, ``seq1f1b``,
+    ``slimpipe``; None: chosen from the split and slice counts as ``--pipeline-schedule``
+    is). An unknown name, or a combination the command line refuses (splits under
+    ``1f1b``, Seq1F1B splits or ``uniform_comp`` under ``slimpipe``, ...), raises
+    ``registry.ScheduleChoiceError`` naming the valid choices. With splits the returned
+    function is ``megatron.schedules.executor.forward_backward_pipelining_seq1f1b`` with
+    its ``settings`` bound (its ``.func``).
+
     ``schedule="slimpipe"`` runs SlimPipe (``megatron.schedules.slimpipe``) in the same
     executor: ``slimpipe_slices`` uniform slices (the ``average`` split plan), the
     interleaved order with a group of one microbatch, or Seq1F1B's order when
@@ -100,17 +109,15 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
     """
     if schedule_pg_collection is not None and not _MCORE_TAKES_PG_COLLECTION:
         raise TypeError("schedule_pg_collection needs megatron-core >= 0.17")
-    if schedule == "slimpipe":
-        if not slimpipe_slices or slimpipe_slices < 1:
-            raise ValueError(f"SlimPipe needs slimpipe_slices >= 1, got {slimpipe_slices}")
-        _refuse_pg_collection(schedule_pg_collection)
-        settings = ScheduleSettings(schedule="slimpipe", num_splits=slimpipe_slices,
-                                    balance_method="average", alignment=alignment,
-                                    model_shape=model_shape, observers=list(observers),
-                                    attention_balance=attention_balance,
-                                    exchange_cost=exchange_cost)
-        return functools.partial(forward_backward_pipelining_with_splits, settings=settings)
-    if seq1f1b_splits <= 1 and not observers:
+    schedule = registry.resolve(
+        schedule, seq1f1b_splits=seq1f1b_splits,
+        slices_flag=None if slimpipe_slices is None else "--slimpipe-slices",
+        balance_method=balance_method, attention_balance=attention_balance)
+    slimpipe = schedule == "slimpipe"
+    if slimpipe and (slimpipe_slices is None or slimpipe_slices < 1):
+        raise registry.ScheduleChoiceError(
+            f"--pipeline-schedule slimpipe needs slimpipe_slices >= 1, got {slimpipe_slices}")
+    if not slimpipe and seq1f1b_splits <= 1 and not observers:
         if pp_size is None and vp_size is None:  # megatron-core's fallback
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -119,10 +126,21 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
                      if schedule_pg_collection is not None else {})
             return mcore_schedules.get_forward_backward_func(pp_size, vp_size, **extra)
     _refuse_pg_collection(schedule_pg_collection)
-    settings = ScheduleSettings(schedule="seq1f1b", num_splits=seq1f1b_splits,
+    settings = ScheduleSettings(schedule=schedule,
+                                num_splits=slimpipe_slices if slimpipe else seq1f1b_splits,
                                 balance_method=balance_method, alignment=alignment,
-                                model_shape=model_shape, observers=list(observers))
-    return functools.partial(forward_backward_pipelining_with_splits, settings=settings)
+                                model_shape=model_shape, observers=list(observers),
+                                attention_balance=attention_balance,
+                                exchange_cost=exchange_cost)
+    return with_settings(settings)
+
+
+def with_settings(settings: ScheduleSettings):
+    """``forward_backward_pipelining_seq1f1b`` with ``settings`` bound: it keeps the
+    function's name and docstring, and ``.func`` is the function itself."""
+    return functools.update_wrapper(
+        functools.partial(forward_backward_pipelining_seq1f1b, settings=settings),
+        forward_backward_pipelining_seq1f1b)
 
 
 def _refuse_pg_collection(schedule_pg_collection):

@@ -1,7 +1,8 @@
 """The pipeline executor: runs this rank's lowered program on megatron-core.
 
-``forward_backward_pipelining_with_splits`` has the signature and return value of
-megatron-core's ``forward_backward_pipelining_without_interleaving``. It builds this
+``forward_backward_pipelining_seq1f1b`` takes megatron-core's arguments (plus an optional
+``settings``) and returns what its ``forward_backward_pipelining_without_interleaving``
+returns. It builds this
 rank's program for ``ScheduleSettings.schedule`` -- Seq1F1B (interleaved order with
 virtual stages), SlimPipe, or SlimPipe with attention balance; one split is plain 1F1B
 -- lowered by ``megatron.schedules.lowering`` and checked free of deadlock by the
@@ -40,11 +41,10 @@ from megatron.mcore_compat import backward_step
 from megatron.schedules.actions import FORWARD, SEND, Unit, producer
 from megatron.schedules.grad_sync import GradSync
 from megatron.schedules.lowering import checked_programs
+from megatron.schedules import registry
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.split_context import SplitContext, slice_batch
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets
-
-SCHEDULES = ("seq1f1b", "slimpipe")
 
 
 @runtime_checkable
@@ -69,8 +69,9 @@ class KVStoreObserver(UnitObserver, Protocol):
 class ScheduleSettings:
     """Which schedule the executor runs, how it splits, and who watches."""
 
-    # "seq1f1b": Seq1F1B (interleaved Seq1F1B with virtual stages; one split is 1F1B);
-    # "slimpipe": SlimPipe, num_splits its uniform slices (Seq1F1B's order when v = 1)
+    # a name of megatron.schedules.registry: "seq1f1b" (interleaved Seq1F1B with virtual
+    # stages; one split is 1F1B), "1f1b" (one split), "slimpipe" (num_splits its uniform
+    # slices; Seq1F1B's order when v = 1)
     schedule: str = "seq1f1b"
     num_splits: int = 1
     balance_method: str = "average"  # the split solver's method (seqsplit.split_lengths)
@@ -83,8 +84,40 @@ class ScheduleSettings:
     exchange_cost: float = 0.0  # SliceCosts.exchange: one K/V chunk's send vs its attention
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}: one of {SCHEDULES}")
+        """The command line's rules (``registry.resolve``): an unknown schedule or a
+        combination it refuses raises ``ScheduleChoiceError`` naming the choices."""
+        slimpipe = self.schedule == "slimpipe"
+        registry.resolve(self.schedule, seq1f1b_splits=1 if slimpipe else self.num_splits,
+                         slices_flag="--slimpipe-slices" if slimpipe else None,
+                         balance_method=self.balance_method,
+                         attention_balance=self.attention_balance)
+        if self.num_splits < 1:
+            raise registry.ScheduleChoiceError(
+                f"{'--slimpipe-slices' if slimpipe else '--seq1f1b-splits'} must be >= 1, "
+                f"got {self.num_splits}")
+
+    @classmethod
+    def from_config(cls, config) -> "ScheduleSettings":
+        """The settings a model config carries, as the original Seq1F1B fork read them
+        from its arguments: ``config.seq1f1b_splits`` (required), and optionally
+        ``seq1f1b_balance_method``, ``seq1f1b_split_alignment``, ``pipeline_schedule``
+        and ``slimpipe_slices`` (attributes set on the ``TransformerConfig``)."""
+        splits = getattr(config, "seq1f1b_splits", None)
+        slices = getattr(config, "slimpipe_slices", None)
+        schedule = getattr(config, "pipeline_schedule", None)
+        if splits is None and slices is None:
+            raise ValueError(
+                "forward_backward_pipelining_seq1f1b needs the split settings: set "
+                "config.seq1f1b_splits (and optionally config.seq1f1b_balance_method) on the "
+                "model's TransformerConfig, pass settings=ScheduleSettings(...), or get the "
+                "function from get_forward_backward_func(seq1f1b_splits=...)")
+        schedule = registry.resolve(
+            schedule, seq1f1b_splits=splits or 1,
+            slices_flag=None if slices is None else "--slimpipe-slices",
+            balance_method=getattr(config, "seq1f1b_balance_method", None) or "average")
+        return cls(schedule=schedule, num_splits=slices if schedule == "slimpipe" else splits,
+                   balance_method=getattr(config, "seq1f1b_balance_method", None) or "average",
+                   alignment=getattr(config, "seq1f1b_split_alignment", None) or 1)
 
 
 class MicrobatchSlicer:
@@ -398,7 +431,7 @@ def p2p_timer_name(batch) -> str:
     return "forward-backward-send-forward-backward-recv"
 
 
-def forward_backward_pipelining_with_splits(
+def forward_backward_pipelining_seq1f1b(
     *,
     forward_step_func,
     data_iterator,
@@ -414,11 +447,25 @@ def forward_backward_pipelining_with_splits(
     p2p_communicator=None,
     pg_collection=None,
     force_all_reduce: Optional[bool] = False,
-    settings: ScheduleSettings,
+    settings: Optional[ScheduleSettings] = None,
 ):
-    """Run one iteration of ``settings.schedule`` with megatron-core's
-    ``forward_backward_func`` arguments. Returns the loss functions' reported values
-    (last pipeline stage) as megatron-core's schedules do; an empty list elsewhere."""
+    """Seq1F1B beside megatron-core's ``forward_backward_pipelining_without_interleaving``:
+    one training (or ``forward_only``) iteration over ``num_microbatches`` microbatches.
+
+    Takes megatron-core's keyword arguments (``forward_step_func``, ``data_iterator``,
+    ``model``, ``num_microbatches``, ``seq_length``, ``micro_batch_size``,
+    ``decoder_seq_length``, ``forward_only``, ``collect_non_loss_data``,
+    ``first_val_step``, ``adjust_tensor_shapes_fn``, ``p2p_communicator``,
+    ``pg_collection``, ``force_all_reduce``) plus one optional keyword, ``settings``
+    (``ScheduleSettings``: the schedule, splits, balance method, observers). Without it
+    the split settings come from the model config (``ScheduleSettings.from_config``:
+    ``config.seq1f1b_splits``, ``config.seq1f1b_balance_method``, ...). ``model`` and
+    ``data_iterator`` may be lists (one per virtual stage: interleaved Seq1F1B).
+
+    Returns the loss functions' reported values, one dict per microbatch (the splits'
+    reports added), on the last pipeline stage as megatron-core's schedules do; an
+    empty list elsewhere. The forward_step contract is in
+    ``megatron.schedules.dispatch.get_forward_backward_func``'s docstring."""
     chunks = list(model) if isinstance(model, list) else [model]
     iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
     if len(iterators) == 1 and len(chunks) > 1:
@@ -434,6 +481,8 @@ def forward_backward_pipelining_with_splits(
                 else parallel_state.get_pipeline_model_parallel_group())
     if len(chunks) > 1 and pp_group.size() < 2:
         raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    if settings is None:
+        settings = ScheduleSettings.from_config(get_model_config(chunks[0]))
     executor = PipelineExecutor(
         settings=settings, forward_step_func=forward_step_func, chunks=chunks,
         iterators=iterators, pp_group=pp_group, num_microbatches=num_microbatches,

@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.schedules.actions import RECV, SEND, Action, Message, Unit, consumer
-from megatron.schedules import interleaved, seq1f1b, slimpipe
+from megatron.schedules import registry
 from megatron.schedules.simulate import simulate
 
 Times = Tuple[Dict[Tuple[int, Unit], float], Dict[Tuple[int, Unit], float]]
@@ -80,37 +80,16 @@ def lower(units_per_rank: Sequence[Sequence[Unit]], num_chunks: int,
 def schedule_units(schedule: str, pp_size: int, num_microbatches: int, num_chunks: int,
                    num_splits: int, group_size: Optional[int] = None,
                    forward_only: bool = False) -> List[List[Unit]]:
-    """Every rank's compute units of a named schedule.
-
-    ``"seq1f1b"`` (one chunk: ``megatron.schedules.seq1f1b``; with virtual stages the
-    interleaved order over splits), ``"interleaved"`` (``megatron.schedules.interleaved``,
-    with ``group_size``) or ``"slimpipe"`` (``megatron.schedules.slimpipe``, ``num_splits``
-    slices; a group is one microbatch).
-    """
-    if schedule == "seq1f1b" and num_chunks > 1:
-        schedule = "interleaved"
-    if schedule == "seq1f1b":
-        if forward_only:
-            return [seq1f1b.forward_only_rank_units(num_microbatches, num_splits)] * pp_size
-        return seq1f1b.seq1f1b_schedule(pp_size, num_microbatches, num_splits)
-    if schedule == "slimpipe":
-        if forward_only:
-            return [slimpipe.slimpipe_forward_only_units(num_microbatches, num_chunks,
-                                                         num_splits)] * pp_size
-        return slimpipe.slimpipe_schedule(pp_size, num_microbatches, num_chunks, num_splits)
-    if schedule != "interleaved":
-        raise ValueError(f"unknown schedule {schedule!r}")
-    if forward_only:
-        return [interleaved.interleaved_forward_only_units(
-            num_microbatches, num_chunks, num_splits, pp_size, group_size)] * pp_size
-    return interleaved.interleaved_schedule(pp_size, num_microbatches, num_chunks,
-                                            group_size, num_splits)
+    """Every rank's compute units of a named schedule (``registry.rank_units``: 1f1b,
+    seq1f1b, slimpipe; virtual stages run the interleaved order)."""
+    return registry.rank_units(schedule, pp_size, num_microbatches, num_chunks, num_splits,
+                               group_size, forward_only)
 
 
 @lru_cache(maxsize=64)
 def checked_programs(pp_size: int, num_microbatches: int, num_chunks: int, num_splits: int,
                      group_size: Optional[int] = None, forward_only: bool = False,
-                     schedule: str = "interleaved") -> Tuple[Program, ...]:
+                     schedule: str = "seq1f1b") -> Tuple[Program, ...]:
     """Every rank's lowered program of a named schedule (``schedule_units``), checked
     by ``simulate``: raises ``ScheduleError`` if it could deadlock or cross messages."""
     units = schedule_units(schedule, pp_size, num_microbatches, num_chunks, num_splits,

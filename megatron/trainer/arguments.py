@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.attention_backends import BACKEND_NAMES
 from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS
 from megatron.trainer.megatron_lm_flags import (
@@ -197,7 +198,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--seq1f1b-splits", "--pipe-sp-splits", dest="seq1f1b_splits", type=int,
                    default=1, help="splits per microbatch; 1 is plain 1F1B")
     g.add_argument("--seq1f1b-balance-method", "--pipe-sp-strategy",
-                   dest="seq1f1b_balance_method", choices=["average", "uniform_comp"],
+                   dest="seq1f1b_balance_method", choices=list(schedule_registry.BALANCE_METHODS),
                    default="average")
     g.add_argument("--seq1f1b-split-alignment", type=int, default=1,
                    help="split lengths are multiples of this (and of the TP size under "
@@ -208,11 +209,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "or 'chunked' (per-split chunks merged by log-sum-exp: no prefix "
                         "concatenation, no saved mask; plain-PyTorch kernel, no attention "
                         "dropout)")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "seq1f1b", "slimpipe"],
+    g.add_argument("--pipeline-schedule", choices=list(schedule_registry.NAMES),
                    default=None,
-                   help="1f1b (interleaved with virtual stages), seq1f1b, or slimpipe (uniform "
-                        "slices over virtual stages); default: slimpipe when a --slimpipe-* "
-                        "flag is given, seq1f1b when --seq1f1b-splits > 1, else 1f1b")
+                   help="; ".join(f"{s.name}: {s.summary}"
+                                  for s in schedule_registry.SCHEDULES.values())
+                        + ". Default: slimpipe when a --slimpipe-* flag is given, seq1f1b "
+                          "when --seq1f1b-splits > 1, else 1f1b")
     g.add_argument("--slimpipe-slices", type=int, default=None,
                    help="SlimPipe: equal slices per microbatch, a multiple of the pp size")
     g.add_argument("--slimpipe-slice-length", type=int, default=None,
@@ -816,22 +818,18 @@ def _check_exit_flags(args):
 
 
 def _resolve_pipeline_schedule(args):
-    """--pipeline-schedule from the flags given; reject contradictions."""
-    slim_flags = [flag for flag, value in (("--slimpipe-slices", args.slimpipe_slices),
-                                           ("--slimpipe-slice-length",
-                                            args.slimpipe_slice_length))
-                  if value is not None]
-    schedule = args.pipeline_schedule
-    if schedule is None:
-        schedule = ("slimpipe" if slim_flags
-                    else "seq1f1b" if args.seq1f1b_splits > 1 else "1f1b")
-    _require(not slim_flags or schedule == "slimpipe",
-             f"{slim_flags[0] if slim_flags else ''} belongs to --pipeline-schedule slimpipe, "
-             f"not --pipeline-schedule {schedule}; drop it or use --pipeline-schedule slimpipe")
-    _require(args.pipeline_schedule != "1f1b" or args.seq1f1b_splits == 1,  # as given
-             f"--pipeline-schedule 1f1b runs whole microbatches but --seq1f1b-splits is "
-             f"{args.seq1f1b_splits}; drop --seq1f1b-splits or use --pipeline-schedule seq1f1b")
-    args.pipeline_schedule = schedule
+    """--pipeline-schedule from the flags given; contradictions refused by the schedule
+    registry's rules, the library's too (``megatron.schedules.registry.resolve``)."""
+    slices_flag = next((flag for flag, value in (
+        ("--slimpipe-slices", args.slimpipe_slices),
+        ("--slimpipe-slice-length", args.slimpipe_slice_length)) if value is not None), None)
+    try:
+        args.pipeline_schedule = schedule_registry.resolve(
+            args.pipeline_schedule, seq1f1b_splits=args.seq1f1b_splits,
+            slices_flag=slices_flag, balance_method=args.seq1f1b_balance_method,
+            attention_balance=args.slimpipe_attention_balance)
+    except schedule_registry.ScheduleChoiceError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _validate_virtual_pipeline(args):
@@ -886,8 +884,7 @@ def _check_data(data_path, split, used):
 
 
 def _validate_seq1f1b(args):
-    splits = args.seq1f1b_splits
-    _require(splits >= 1, f"--seq1f1b-splits must be >= 1, got {splits}")
+    splits = args.seq1f1b_splits  # >= 1: checked with the schedule (registry.resolve)
     alignment = args.seq1f1b_split_alignment
     if args.sequence_parallel:
         tp = args.tensor_model_parallel_size
@@ -896,7 +893,7 @@ def _validate_seq1f1b(args):
     _require(args.seq1f1b_kv_cache != "chunked" or args.attention_dropout == 0.0,
              f"--seq1f1b-kv-cache chunked has no attention dropout: add --attention-dropout 0 "
              f"(got {args.attention_dropout}) or use --seq1f1b-kv-cache buffer")
-    if splits == 1:
+    if splits <= 1:
         return
     _require(args.seq_length % alignment == 0,
              f"--seq-length ({args.seq_length}) must be a multiple of the split alignment "
@@ -916,10 +913,7 @@ def _validate_slimpipe(args):
     """SlimPipe: uniform slices, n a multiple of p (or a slice length dividing the
     sequence). Sets ``args.slimpipe_slices`` and ``args.slimpipe_slice_length``."""
     if args.pipeline_schedule != "slimpipe":
-        _require(not args.slimpipe_attention_balance,
-                 f"--slimpipe-attention-balance belongs to --pipeline-schedule slimpipe, not "
-                 f"--pipeline-schedule {args.pipeline_schedule}")
-        return
+        return  # slice flags and attention balance outside SlimPipe: refused by the registry
     seq, pp = args.seq_length, args.pipeline_model_parallel_size
     slices, length = args.slimpipe_slices, args.slimpipe_slice_length
     _require(slices is not None or length is not None,
@@ -928,14 +922,6 @@ def _validate_slimpipe(args):
              f"--seq-length {seq})")
     _require(slices is None or length is None,
              "give --slimpipe-slices or --slimpipe-slice-length, not both")
-    _require(args.seq1f1b_splits == 1,
-             f"--seq1f1b-splits {args.seq1f1b_splits} does not combine with "
-             "--pipeline-schedule slimpipe (its slices replace Seq1F1B's splits); drop "
-             "--seq1f1b-splits or use --pipeline-schedule seq1f1b")
-    _require(args.seq1f1b_balance_method == "average",
-             f"SlimPipe slices are uniform; --seq1f1b-balance-method "
-             f"{args.seq1f1b_balance_method} does not apply: drop it or use "
-             "--pipeline-schedule seq1f1b")
     if length is not None:
         _require(length >= 1, f"--slimpipe-slice-length must be >= 1, got {length}")
         _require(seq % length == 0,

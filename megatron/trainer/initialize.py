@@ -10,13 +10,14 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron.trainer import cpu_support, device
+from megatron import cpu_support
+from megatron.trainer import device
 
 
 def initialize_distributed(args):
     """Create the default process group (torchrun's env) and megatron-core's groups."""
     device.use_device(args)  # the flags' device, before the CPU patches ask for it
-    cpu_support.apply()
+    cpu_support.apply(cuda=device.on_cuda())
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -51,7 +51,7 @@ import torch
 from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
-from megatron.schedules.executor import forward_backward_pipelining_with_splits
+from megatron.schedules.executor import forward_backward_pipelining_seq1f1b
 from megatron.trainer import device
 
 # Megatron-LM's timers, by the level that shows them (timers never started are skipped)
@@ -213,7 +213,7 @@ class _ManualGC:
 def _our_executor(forward_backward_func) -> bool:
     """Whether the schedule is our executor, which, unlike megatron-core's schedules,
     does not start the ``forward-backward`` and ``forward-compute`` timers itself."""
-    return getattr(forward_backward_func, "func", None) is forward_backward_pipelining_with_splits
+    return getattr(forward_backward_func, "func", None) is forward_backward_pipelining_seq1f1b
 
 
 class Monitor:

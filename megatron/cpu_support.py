@@ -2,8 +2,10 @@
 
 megatron-core assumes CUDA in a handful of places on the training path. This
 module neutralises exactly those call sites, each patch named after the
-megatron-core module it answers, and is applied only when CUDA is unavailable:
+megatron-core module it answers, and is applied only for a CPU run:
 ``apply()`` returns at once on a GPU machine, so the GPU path never sees it.
+``undo()`` puts every patched name back (``patched()`` is both as a context), so a
+library user or a test can run megatron-core on CPU and leave it as it found it.
 
 With it, pipeline, tensor and data parallel training runs over gloo on any
 laptop or CI machine, which makes pipeline schedules debuggable without GPUs.
@@ -17,9 +19,15 @@ import types
 import torch
 
 from megatron import mcore_compat
-from megatron.trainer import device
 
 _APPLIED = False
+_ORIGINALS = []  # (owner, attribute name, value before the patch), in patching order
+
+
+def _patch(owner, name: str, value) -> None:
+    """Set ``owner.name`` to ``value``, remembering the original for ``undo``."""
+    _ORIGINALS.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
 
 
 class _CudaOnCpu(types.SimpleNamespace):
@@ -87,7 +95,7 @@ class _TorchOnCpu(types.ModuleType):
 def _redirect_torch(module_name: str):
     """Point a megatron-core module's global ``torch`` at the CPU stand-in."""
     module = importlib.import_module(module_name)
-    module.torch = _TorchOnCpu()
+    _patch(module, "torch", _TorchOnCpu())
 
 
 # --- megatron/core/tensor_parallel/random.py: the model-parallel RNG tracker ---------
@@ -122,10 +130,11 @@ def _patch_tensor_parallel_random():
                 self.states_[name] = torch.get_rng_state()
                 torch.set_rng_state(original)
 
-    mp_random.CudaRNGStatesTracker = CpuRNGStatesTracker
-    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    mp_random.torch = _TorchOnCpu()  # torch.cuda.manual_seed & co. in model_parallel_cuda_manual_seed
+    _patch(mp_random, "CudaRNGStatesTracker", CpuRNGStatesTracker)
+    _patch(mp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(mp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    # torch.cuda.manual_seed & co. in model_parallel_cuda_manual_seed
+    _patch(mp_random, "torch", _TorchOnCpu())
 
 
 # --- megatron/core/optimizer/clip_grads.py: grads asserted to be torch.cuda.FloatTensor -
@@ -146,8 +155,8 @@ def _patch_clip_grads():
             for grad in grads:
                 grad.mul_(clip_coeff)
 
-    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _patch(clip_grads, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+    _patch(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
 
 # --- megatron/core/models/common/language_module/language_module.py: weight.data.cuda() --
@@ -172,7 +181,7 @@ def _patch_language_module():
         with _tensor_cuda_stays_on_cpu():
             return original(self, *args, **kwargs)
 
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    _patch(LanguageModule, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
 
 
 # --- megatron/core/optimizer/distrib_optimizer.py: param.type() == 'torch.cuda.FloatTensor' --
@@ -203,7 +212,7 @@ def _patch_distributed_optimizer():
         with _cpu_tensor_types_read_as_cuda():
             original(self, *args, **kwargs)
 
-    DistributedOptimizer.__init__ = __init__
+    _patch(DistributedOptimizer, "__init__", __init__)
 
 
 # The megatron-core names patched above, each a row of mcore_compat.TABLE, and the
@@ -245,10 +254,15 @@ def _check_patched_names() -> None:
             f"megatron-core{mcore_compat.SUPPORTED_MCORE}") from error
 
 
-def apply() -> bool:
-    """Apply the CPU patches if CUDA is unavailable. Returns whether they are active."""
+def apply(cuda: bool = None) -> bool:
+    """Apply the CPU patches for a CPU run. Returns whether they are active.
+
+    ``cuda``: whether the run computes on CUDA (the trainer passes its flags' choice:
+    gloo on a GPU machine is a CPU run); None: whether CUDA is available."""
     global _APPLIED
-    if device.on_cuda():  # the run's device (gloo on a GPU machine is a CPU run)
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
         return False
     if _APPLIED:
         return True
@@ -261,3 +275,26 @@ def apply() -> bool:
         _redirect_torch("megatron.core." + module_name)
     _APPLIED = True
     return True
+
+
+def undo() -> None:
+    """Put back every megatron-core name ``apply`` replaced (last patched, first
+    restored). Objects made while patched keep what they were made with (e.g. an RNG
+    tracker built over the CPU generator)."""
+    global _APPLIED
+    while _ORIGINALS:
+        owner, name, value = _ORIGINALS.pop()
+        setattr(owner, name, value)
+    _APPLIED = False
+
+
+@contextlib.contextmanager
+def patched(cuda: bool = None):
+    """``apply(cuda)`` for the duration of a block, then ``undo()`` (if it applied)."""
+    already = _APPLIED
+    active = apply(cuda)
+    try:
+        yield active
+    finally:
+        if active and not already:
+            undo()
