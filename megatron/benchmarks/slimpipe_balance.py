@@ -277,7 +277,7 @@ def format_balance_report(summary: Dict) -> str:
     lines += ["", "paired ratio: tokens/s of the balanced run over the plain run of the same "
               "round (> 1: balance is faster); bubble: idle / span per stage in the recorded "
               "timeline (a unit's time includes waiting for its exchange partner); span: "
-              "first unit start to last unit end; replayed span: the planner's simulator "
+              "first unit start to last unit end; replayed span: the simulator "
               "on the measured unit times in the recorded order with free messages "
               "(pipeline.replay); message wait = span - replayed span (time ranks spent "
               "blocked in the lowered programs' point-to-point batches); iteration: "

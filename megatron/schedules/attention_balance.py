@@ -17,7 +17,8 @@ from the SlimPipe unit lists alone (so every rank computes the same plan):
 * unit times come from a relative cost model of uniform slices (``SliceCosts``:
   position-independent work per slice vs attention work per prefix chunk, from the
   model's FLOPs, and the exchange's communication as given by the user or the
-  planner), run through the planner's simulator with paired units starting together;
+  planner), run through the simulator (``megatron.schedules.simulate``) with paired
+  units starting together;
 * greedily, the heaviest unpaired unit with prefix chunks is paired with the lightest
   unpaired unit on another rank that overlaps it in time, moving the number of chunks
   that best evens the two; the pair is kept only if the simulated iteration gets

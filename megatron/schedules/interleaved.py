@@ -29,7 +29,8 @@ rank needs before the last split of the first microbatch reaches its last chunk:
 ``min(2 (p - r - 1) + (v - 1) G s + s - 1, v m s)``. With ``s = 1`` every number
 above is megatron-core's. The executor runs these lists (``s = 1`` included) through
 ``megatron.schedules.lowering``; their completeness and freedom from deadlock are
-checked by the planner's simulator, the rendezvous check and their tests.
+checked by the simulator (``megatron.schedules.simulate``: timing and rendezvous) and
+their tests.
 """
 
 from typing import List, Optional, Tuple
