@@ -3,11 +3,13 @@
 import gzip
 import json
 import os
+import sys
 
 import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron.dataprep import preprocess as preprocess_module
 from megatron.dataprep import writer as writer_module
 from megatron.dataprep.tokenizer import build_tokenizer
 from test_dataprep_fixtures import (  # noqa: F401
@@ -19,6 +21,11 @@ from test_dataprep_fixtures import (  # noqa: F401
     run_preprocess,
     write_jsonl,
 )
+
+
+# Optional packages: the tests that need one skip, with this reason, where it is missing.
+NO_NLTK = "nltk is not installed (pip install nltk): --split-sentences needs it"
+NO_DATASETS = "datasets is not installed (pip install datasets): save_to_disk input needs it"
 
 
 def documents(prefix):
@@ -79,6 +86,7 @@ def test_several_files_glob_and_gzip_keep_order(tmp_path, gpt2, gpt2_args):
 
 
 def test_split_sentences(tmp_path, gpt2, gpt2_args):
+    pytest.importorskip("nltk", reason=NO_NLTK)
     text = "Hello there. Dr. Smith went home. Did he?\nYes!"
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": text}, {"text": "One sentence only"}])
     rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
@@ -94,6 +102,7 @@ def test_split_sentences(tmp_path, gpt2, gpt2_args):
 
 
 def test_split_sentences_keep_newlines_keeps_every_character(tmp_path, gpt2, gpt2_args):
+    pytest.importorskip("nltk", reason=NO_NLTK)
     text = "  First line.\nSecond one!\n\n  Third?  "
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": text}])
     rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
@@ -103,6 +112,47 @@ def test_split_sentences_keep_newlines_keeps_every_character(tmp_path, gpt2, gpt
     assert len(doc) == 3
     assert "".join(gpt2.detokenize(s) for s in doc) == text
     assert gpt2.detokenize(doc[0]) == "  First line.\n"
+
+
+def _hide(monkeypatch, package):
+    """Make `package` (and its loaded submodules) unimportable in this process."""
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)  # import raises ModuleNotFoundError
+
+
+def _no_worker_may_start(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker started before the missing package was reported")
+
+    monkeypatch.setattr(preprocess_module, "_Workers", refuse)
+
+
+def test_split_sentences_without_nltk_is_one_line_before_any_worker(tmp_path, gpt2_args,
+                                                                   monkeypatch, capsys):
+    _hide(monkeypatch, "nltk")
+    _no_worker_may_start(monkeypatch)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "One. Two."}])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--split-sentences", "--workers", 2)
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("preprocess_data.py: error: --split-sentences "
+                                               "needs the nltk package"), err
+    assert "pip install nltk" in err[0] and "worker" not in err[0]
+    assert outputs(tmp_path) == ["in.jsonl"]
+
+
+def test_saved_dataset_without_datasets_is_one_line(tmp_path, gpt2_args, monkeypatch, capsys):
+    _hide(monkeypatch, "datasets")
+    _no_worker_may_start(monkeypatch)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "state.json").write_text("{}")  # what marks a save_to_disk folder
+    rc = run_preprocess("--input", tmp_path / "ds", "--output-prefix", tmp_path / "out",
+                        *gpt2_args)
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs the datasets package: pip install datasets" in err[0], err
 
 
 # ---- bad input ----------------------------------------------------------------------------
@@ -147,6 +197,7 @@ def test_bad_input_strict_is_fatal_and_writes_nothing(tmp_path, gpt2_args, reaso
 
 
 def test_lone_surrogate_and_empty_after_encoding(tmp_path, gpt2_args, capsys):
+    pytest.importorskip("nltk", reason=NO_NLTK)
     lines = [b'{"text": "lone \\ud800 surrogate"}', json.dumps({"text": "fine"}).encode(),
              json.dumps({"text": " \n "}).encode()]
     src = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -232,7 +283,7 @@ def test_interrupt_cleans_up(tmp_path, gpt2_args, monkeypatch, capsys):
 
 
 def test_save_to_disk_input(tmp_path, gpt2, gpt2_args, capsys):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason=NO_DATASETS)
 
     rows = {"content": ["first ✓", "second", None, ""], "n": [1, 2, 3, 4]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
@@ -246,7 +297,7 @@ def test_save_to_disk_input(tmp_path, gpt2, gpt2_args, capsys):
 
 
 def test_save_to_disk_missing_column_is_a_flag_error(tmp_path, gpt2_args, capsys):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason=NO_DATASETS)
 
     datasets.Dataset.from_dict({"content": ["a"]}).save_to_disk(str(tmp_path / "ds"))
     rc = run_preprocess("--input", tmp_path / "ds", "--output-prefix", tmp_path / "out",

@@ -136,7 +136,11 @@ def _arrow_chunks(index: int, path: str, keys: Sequence[str], chunk_size: int) -
 
 
 def _load_dataset(path: str):
-    import datasets
+    try:
+        import datasets
+    except ImportError as exc:
+        raise InputError(f"--input: {path} is a dataset written by save_to_disk; reading it "
+                         f"needs the datasets package: pip install datasets ({exc})") from None
 
     try:
         return datasets.load_from_disk(path)

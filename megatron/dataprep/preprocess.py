@@ -98,6 +98,8 @@ def check_args(args):
     if args.keep_newlines and not args.split_sentences:  # harmless: Megatron-LM ignores it
         print(f"{PROG}: warning: --keep-newlines has no effect without --split-sentences "
               f"(documents keep their newlines anyway)", file=sys.stderr)
+    if args.split_sentences:
+        _check_sentence_splitter()
     if args.tokenizer_type == "GPT2BPETokenizer":
         _need_file(args.vocab_file, "--vocab-file", "GPT-2 vocab.json")
         _need_file(args.merge_file, "--merge-file", "GPT-2 merges.txt")
@@ -115,6 +117,18 @@ def check_args(args):
     sources = resolve_inputs(args.input)
     check_columns(sources, args.json_keys)
     return sources
+
+
+def _check_sentence_splitter():
+    """--split-sentences needs nltk: say so here, in one line, rather than let every worker
+    fail to import it (which reads as "a preprocessing worker died")."""
+    try:
+        from megatron.dataprep.sentences import SentenceSplitter
+
+        SentenceSplitter()
+    except ImportError as exc:
+        raise UsageError(f"--split-sentences needs the nltk package (Punkt sentence "
+                         f"splitting): pip install nltk ({exc})") from None
 
 
 def _need_file(path, flag, what):
