@@ -306,7 +306,8 @@ def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
     """--tokenizer-type SentencePieceTokenizer / Llama2Tokenizer (with the sentencepiece
     package): a .model trained here on the standard library, data preprocessed with it,
     and 2 iterations trained on that data; vocabulary and end-of-document as Megatron-LM."""
-    sentencepiece = pytest.importorskip("sentencepiece")
+    sentencepiece = pytest.importorskip(
+        "sentencepiece", reason="sentencepiece is not installed (pip install sentencepiece)")
     from distributed import TINY_MODEL, pretrain
     from megatron.dataprep.tokenizer import build_tokenizer
 
