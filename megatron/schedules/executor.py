@@ -10,6 +10,14 @@ simulator, and ``PipelineExecutor`` runs it: one method per action kind (a compu
 unit, a batch of sends and receives), every message with its own shape (splits may
 differ in length, so there is no shape handshake).
 
+Messages and failures: ``run_batch`` hands each batch to a transport
+(``megatron.schedules.transport``), which also says which rank of how many the program
+runs as: the pipeline group's ``batch_isend_irecv`` in training, ``SyntheticNeighbours``
+when one process runs one stage alone (the stage benchmark, tests). An exception in
+any action leaves with a note (``failure_note``) naming the rank, the action's index
+and the program around it in the actions' printed form; its type, message and
+traceback are the original's.
+
 Loss: the user's loss function must return megatron's triple ``(loss_sum,
 num_tokens, reported)``. A split's loss sum is normalised at backward time by the
 token count of its whole microbatch (known by then: on the last stage all splits
@@ -38,10 +46,11 @@ from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.mcore_compat import backward_step
-from megatron.schedules.actions import FORWARD, SEND, Unit, producer
+from megatron.schedules.actions import FORWARD, SEND, Unit, format_action, producer
 from megatron.schedules.grad_sync import GradSync
 from megatron.schedules.lowering import checked_programs
 from megatron.schedules import registry
+from megatron.schedules.transport import ProcessGroupTransport, Transport
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.split_context import SplitContext, slice_batch
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets
@@ -206,20 +215,22 @@ class PipelineExecutor:
     action kind."""
 
     def __init__(self, *, settings: ScheduleSettings, forward_step_func, chunks, iterators,
-                 pp_group, num_microbatches: int, seq_length: int, micro_batch_size: int,
-                 forward_only: bool):
+                 num_microbatches: int, seq_length: int, micro_batch_size: int,
+                 forward_only: bool, pp_group=None, transport: Optional[Transport] = None):
+        """``transport`` carries the messages and says which rank of how many this is;
+        by default the pipeline group ``pp_group`` (``ProcessGroupTransport``)."""
         self.settings = settings
         self.forward_step_func = forward_step_func
         self.chunks = chunks
         self.num_chunks = len(chunks)
         self.config = get_model_config(chunks[0])
-        self.pp_group = pp_group
-        self.rank, self.pp_size = pp_group.rank(), pp_group.size()
+        self.transport = (transport if transport is not None
+                          else ProcessGroupTransport(pp_group, self.config))
+        self.rank, self.pp_size = self.transport.rank, self.transport.size
         self.num_microbatches = num_microbatches
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.forward_only = forward_only
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         # megatron-core all-reduces this over NCCL on GPU: keep it on the run's device
         self.device = next(chunks[0].parameters()).device
         self.lengths = plan_splits(seq_length, settings.num_splits, settings.balance_method,
@@ -276,8 +287,8 @@ class PipelineExecutor:
         lengths, offsets = self.lengths, self.offsets
         exchanges = {
             unit: Exchange(
-                role=o.role, peer=torch.distributed.get_global_rank(self.pp_group, o.peer),
-                group=self.pp_group, asker_forward=o.asker.is_forward,
+                role=o.role, peer=self.transport.global_rank(o.peer),
+                group=self.transport.group, asker_forward=o.asker.is_forward,
                 num_chunks=o.num_chunks, query_length=lengths[o.asker.split],
                 query_start=offsets[o.asker.split], chunk_lengths=tuple(lengths[:o.num_chunks]))
             for unit, o in plan.offloads[self.rank].items()}
@@ -288,11 +299,15 @@ class PipelineExecutor:
     def run(self) -> list:
         """Run the program; returns one loss report per microbatch (last stage)."""
         try:
-            for action in self.program:
-                if isinstance(action, Unit):
-                    self.run_unit(action)
-                else:
-                    self.run_batch(action)
+            for index, action in enumerate(self.program):
+                try:
+                    if isinstance(action, Unit):
+                        self.run_unit(action)
+                    else:
+                        self.run_batch(action)
+                except Exception as error:  # same exception, told where in the program
+                    error.add_note(failure_note(self.program, index, self.rank, self.pp_size))
+                    raise
         finally:
             self.grad_sync.close()  # also on an error: no_sync state is left as found
         if not self.forward_only:
@@ -372,14 +387,10 @@ class PipelineExecutor:
             self.input_grads[unit] = grad
 
     def run_batch(self, batch) -> None:
-        """One ``batch_isend_irecv`` of sends and receives, each op with its own shape."""
-        timer = None
-        if self.config.timers is not None:  # megatron-core's p2p timers, by the same names
-            timer = self.config.timers(p2p_timer_name(batch), log_level=2)
-            timer.start()
-        ops, arrivals, sent_outputs = [], [], []
+        """One batch of sends and receives, posted together by the transport, each
+        message with its own shape."""
+        tensors, arrivals, sent_outputs = [], [], []
         for message in batch:
-            peer = torch.distributed.get_global_rank(self.pp_group, message.peer)
             if message.kind == SEND:
                 _, produced = producer(message.unit, message.peer, self.pp_size, self.num_chunks)
                 if produced.is_forward:
@@ -387,20 +398,12 @@ class PipelineExecutor:
                     sent_outputs.append(produced)
                 else:
                     tensor = self.input_grads.pop(produced)
-                ops.append(torch.distributed.P2POp(torch.distributed.isend, tensor, peer,
-                                                   self.pp_group))
             else:
                 tensor = torch.empty(self._hidden_shape(message.unit), requires_grad=True,
                                      device=self.device, dtype=self.config.pipeline_dtype)
-                ops.append(torch.distributed.P2POp(torch.distributed.irecv, tensor, peer,
-                                                   self.pp_group))
                 arrivals.append((message.unit, tensor))
-        for request in torch.distributed.batch_isend_irecv(ops):
-            request.wait()
-        if self.config.batch_p2p_sync and torch.cuda.is_available():
-            torch.cuda.synchronize()  # as megatron-core: guard against batch_isend_irecv races
-        if timer is not None:
-            timer.stop()
+            tensors.append(tensor)
+        self.transport.exchange(batch, tensors)
         for unit, tensor in arrivals:
             (self.received_inputs if unit.is_forward else self.received_grads)[unit] = tensor
         for unit in sent_outputs:
@@ -411,24 +414,21 @@ class PipelineExecutor:
 
     def _hidden_shape(self, unit: Unit):
         length = self.lengths[unit.split]
-        seq = length // self.tp_size if self.config.sequence_parallel else length
-        return (seq, self.micro_batch_size, self.config.hidden_size)
+        if self.config.sequence_parallel:  # each TP rank holds its share of the sequence
+            length //= parallel_state.get_tensor_model_parallel_world_size()
+        return (length, self.micro_batch_size, self.config.hidden_size)
 
 
-def p2p_timer_name(batch) -> str:
-    """megatron-core's timer name for a batch: ``forward-send`` (an activation sent),
-    ``backward-recv`` (a gradient received), ``forward-send-backward-recv``, ...; a batch
-    of more kinds than megatron-core's calls combine is
-    ``forward-backward-send-forward-backward-recv``."""
-    kinds = {("forward" if m.unit.is_forward else "backward", m.kind) for m in batch}
-    if len(kinds) == 1:
-        (direction, kind), = kinds
-        return f"{direction}-{kind}"
-    sends = [d for d, k in kinds if k == SEND]
-    recvs = [d for d, k in kinds if k != SEND]
-    if len(sends) == 1 and len(recvs) == 1:
-        return f"{sends[0]}-send-{recvs[0]}-recv"
-    return "forward-backward-send-forward-backward-recv"
+def failure_note(program, index: int, rank: int, size: int, around: int = 3) -> str:
+    """Where a rank's program failed, in the actions' printed form, the failing action
+    marked: ``pipeline rank 1 of 2 failed at action 7 of 21 (F1.0): ... [R0:F1.0] B0.1
+    [S0:B0.1] >> F1.0 << B0.0 [R0:F1.1 S0:B0.0] F1.1 ...``."""
+    start, stop = max(0, index - around), min(len(program), index + around + 1)
+    shown = [format_action(action) for action in program[start:stop]]
+    shown[index - start] = f">> {shown[index - start]} <<"
+    return (f"pipeline rank {rank} of {size} failed at action {index} of {len(program)} "
+            f"({format_action(program[index])}): {'... ' if start else ''}{' '.join(shown)}"
+            f"{' ...' if stop < len(program) else ''}")
 
 
 def forward_backward_pipelining_seq1f1b(
