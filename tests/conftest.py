@@ -1,4 +1,5 @@
-"""Suite-wide setup: multi-rank tests run over gloo on CPU, also on a GPU machine.
+"""Suite-wide setup: multi-rank tests run over gloo on CPU, also on a GPU machine, and
+every test that starts a process says so.
 
 The distributed tests start real processes (torchrun over tests/dist_runner.py,
 pretrain_gpt.py, torch.multiprocessing) and compare them with single-process CPU
@@ -7,13 +8,30 @@ references. On a GPU machine those processes would see the GPU, default to NCCL,
 see no GPU (CUDA_VISIBLE_DEVICES is empty in the environment they inherit) and run on
 gloo/CPU as on a laptop, while this process, which claimed its GPUs before the change,
 still runs the CUDA tests on the device.
+
+The ``distributed`` marker: every test that starts a process (torchrun,
+torch.multiprocessing, a subprocess running Python, pretrain_gpt.py, a tool or a
+shell script) carries it, so that ``python -m pytest -m "not distributed" tests`` is
+the quick in-process unit run (docs/testing.md). The marking cannot be forgotten: while
+a test without the marker sets up, runs or tears down, starting a process raises
+``UnmarkedProcessStart`` (subprocess.Popen and multiprocessing's Process.start are
+guarded, which is what subprocess.run, torch.multiprocessing.spawn and
+multiprocessing pools go through).
 """
 
+import multiprocessing.process
 import os
+import subprocess
 
+import pytest
 import torch
 
 HIDDEN_FROM_CHILD_PROCESSES = ""  # CUDA_VISIBLE_DEVICES for child processes
+DISTRIBUTED = "distributed"
+
+
+class UnmarkedProcessStart(RuntimeError):
+    """A test without the ``distributed`` marker tried to start a process."""
 
 
 def _claim_gpus_for_this_process():
@@ -26,5 +44,64 @@ def _claim_gpus_for_this_process():
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{DISTRIBUTED}: the test starts processes (torchrun, torch.multiprocessing,"
+        " a Python/pretrain_gpt.py/tool/shell subprocess); deselect with"
+        f" -m 'not {DISTRIBUTED}' for the in-process unit run")
     _claim_gpus_for_this_process()
     os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN_FROM_CHILD_PROCESSES
+
+
+# --- the tripwire: no process from a test without the marker -----------------------------
+
+_unmarked_test = None  # node id of the unmarked test now in setup/call/teardown, if any
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _refuse(what):
+    raise UnmarkedProcessStart(
+        f"{_unmarked_test} starts a process ({what}) but has no @pytest.mark.{DISTRIBUTED}: "
+        f"mark it (or its module: pytestmark = pytest.mark.{DISTRIBUTED}) so that the unit "
+        f"run, pytest -m 'not {DISTRIBUTED}', stays free of processes")
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    if _unmarked_test is not None:
+        _refuse(args if isinstance(args, str) else " ".join(map(str, args))[:200])
+    _popen_init(self, args, *rest, **kwargs)
+
+
+def _guarded_process_start(self):
+    if _unmarked_test is not None:
+        _refuse(f"multiprocessing {self.name}")
+    return _process_start(self)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+multiprocessing.process.BaseProcess.start = _guarded_process_start
+
+
+def _guard(item):
+    global _unmarked_test
+    _unmarked_test = None if item.get_closest_marker(DISTRIBUTED) else item.nodeid
+    try:
+        yield
+    finally:
+        _unmarked_test = None
+
+
+# setup covers module- and session-scoped fixtures, which set up with their first test
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _guard(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _guard(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _guard(item)

@@ -135,6 +135,7 @@ def test_data_flags():
                    world_size=1, cuda_available=False)
 
 
+@pytest.mark.distributed
 def test_bad_flag_exits_nonzero_on_every_rank_with_one_line():
     """Each rank (as torchrun starts them) exits 2; only rank 0 prints, one line."""
     flags = GOOD + ["--pipeline-model-parallel-size", "2", "--num-layers", "3"]

@@ -102,6 +102,7 @@ def _worker(rank, port, queue, with_documents):
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
 def test_asker_and_helper_equal_local_attention_float64(with_documents):
     ctx = mp.get_context("spawn")

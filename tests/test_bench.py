@@ -140,6 +140,7 @@ def _env():
     return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
+@pytest.mark.distributed
 def test_bench_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--num-layers", "2",
@@ -163,6 +164,7 @@ def test_bench_end_to_end(tmp_path):
     assert (tmp_path / "runs" / "timeline_seq1f1b_s2_uniform_comp.png").exists()
 
 
+@pytest.mark.distributed
 def test_stage_emulation_tiny_cpu(tmp_path):
     out = tmp_path / "stage.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_stage_gpu.py"), "--tiny",

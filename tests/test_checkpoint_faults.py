@@ -19,6 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from distributed import (TINY_MODEL, kill_tree, one_error_line, pretrain, run_configs,
                          start_pretrain, wait_for_line)
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 BASE = TINY_MODEL + ["--global-batch-size", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER2 = "iter_0000002"

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from distributed import ROOT, TINY_MODEL, assert_close_series, assert_params_close, run_configs
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 # dropout on: resuming must restore the RNG streams too, not just weights and Adam state
 FLAGS = [f for f in TINY_MODEL] + [

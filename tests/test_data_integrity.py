@@ -17,6 +17,8 @@ from distributed import ROOT, TINY_MODEL
 from megatron.dataprep.gpt_datasets import DataPathError, parse_data_path
 from test_dataprep_fixtures import run_preprocess, write_jsonl
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 VOCAB = 200  # TINY_MODEL's NullTokenizer vocabulary
 DATA_FLAGS = [f for f in TINY_MODEL if f != "--mock-data"] + [
     "--global-batch-size", "2", "--train-iters", "1", "--split", "100,0,0"]

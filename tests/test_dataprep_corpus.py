@@ -109,6 +109,7 @@ def test_build_code_corpus_tool_on_the_real_stdlib(tmp_path):
     assert all("site-packages" not in p for p in list_python_files(os.path.dirname(os.__file__)))
 
 
+@pytest.mark.distributed
 def test_train_tokenizer_tool_then_preprocess(fake_stdlib, tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     load_tool("build_code_corpus").main(["--output", str(corpus), "--root", str(fake_stdlib)])

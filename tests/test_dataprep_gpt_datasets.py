@@ -10,6 +10,8 @@ from megatron.dataprep.gpt_datasets import DataPathError, build_gpt_datasets, pa
 from megatron.dataprep.tokenizer import build_tokenizer
 from test_dataprep_fixtures import gpt2, gpt2_args, gpt2_files, run_preprocess, write_jsonl  # noqa: F401
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 VOCAB = 1000  # NullTokenizer: ids 0..999, eod 1000
 HALF = VOCAB // 2  # prefix "a" uses ids below, prefix "b" ids from here
 

@@ -22,6 +22,7 @@ from test_dataprep_fixtures import (  # noqa: F401
     write_jsonl,
 )
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 # Optional packages: the tests that need one skip, with this reason, where it is missing.
 NO_NLTK = "nltk is not installed (pip install nltk): --split-sentences needs it"

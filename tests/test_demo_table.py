@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "demo_table.py"
 
@@ -53,6 +55,7 @@ def rows(stdout):
     return out
 
 
+@pytest.mark.distributed
 def test_figures_and_ratios_come_from_the_files(tmp_path):
     write_run(tmp_path, "1f1b", [7.0, 6.5, 6.0], 1000.0, 1.0, [4 * 2**20, 2 * 2**20])
     write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0], 1500.0, 0.5, [2 * 2**20, 3 * 2**20])
@@ -71,6 +74,7 @@ def test_figures_and_ratios_come_from_the_files(tmp_path):
     assert got["seq1f1b_s4"][:4] == ["500 (0.50)", "0.0%", "4.0 MiB (1.00)", "8.0 MiB (2.00)"]
 
 
+@pytest.mark.distributed
 def test_differing_losses_fail_with_one_clear_line(tmp_path):
     write_run(tmp_path, "1f1b", [7.0, 6.5, 6.0], 1000.0, 1.0, [4, 2])
     write_run(tmp_path, "slimpipe_n4", [7.0, 6.51, 6.0], 1000.0, 1.0, [4, 2])
@@ -81,6 +85,7 @@ def test_differing_losses_fail_with_one_clear_line(tmp_path):
             "at train iteration 2 (tolerance 1e-05)") in result.stderr
 
 
+@pytest.mark.distributed
 def test_validation_loss_counts_and_tiny_differences_pass(tmp_path):
     write_run(tmp_path, "1f1b", [7.0, 6.5, 6.0], 1000.0, 1.0, [4, 2])
     write_run(tmp_path, "seq1f1b_s4", [7.00001, 6.5, 6.0], 1000.0, 1.0, [4, 2])  # 1.4e-6
@@ -90,6 +95,7 @@ def test_validation_loss_counts_and_tiny_differences_pass(tmp_path):
     assert result.returncode == 1 and "at valid iteration 3" in result.stderr
 
 
+@pytest.mark.distributed
 def test_a_run_that_did_not_finish_is_named(tmp_path):
     write_run(tmp_path, "1f1b", [7.0, 6.5, 6.0], 1000.0, 1.0, [4, 2])
     write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0], 1000.0, 1.0, [4, 2])

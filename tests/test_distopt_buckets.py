@@ -23,6 +23,8 @@ import pytest
 
 from distributed import ROOT, TINY_MODEL, _free_port, assert_params_close
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 FLAGS = TINY_MODEL + ["--micro-batch-size", "1", "--global-batch-size", "8",
                       "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "4",
                       "--use-distributed-optimizer", "--train-iters", "4"]

@@ -5,8 +5,12 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from distributed import ROOT, assert_close_series, run_configs
 from packed_documents import document_cases
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 
 def tool(*argv):

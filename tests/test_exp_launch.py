@@ -14,6 +14,8 @@ import pytest
 
 from megatron.trainer.arguments import parse_args
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from distributed import TINY_MODEL, kill_tree, one_error_line, start_pretrain, wait_for_line
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 PP2_SEQ1F1B = TINY_MODEL + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
                             "--seq1f1b-splits", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -29,6 +29,8 @@ from packed_documents import (
 )
 from split_checks import check_reports, check_split_units
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 # 8 layers so that pp=4 x 2 chunks and pp=2 x 4 chunks both have a layer per chunk.
 MODEL_A = TINY_MODEL + ["--num-layers", "8"]  # MHA, learned positions, LayerNorm, GeLU, tied
 MODEL_B = MODEL_A + GQA_ROPE_SWIGLU

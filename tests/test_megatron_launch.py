@@ -66,6 +66,7 @@ def assert_trained(proc, output, iterations=2):
     assert all(math.isfinite(float(loss)) for _, _, loss in lines)
 
 
+@pytest.mark.distributed
 def test_original_seq1f1b_run_sh(gpt2_data):
     env = dict(GPUS_PER_NODE="2", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", TP_SIZE="1",
                PP_SIZE="2", PP_SP="2", PP_SP_STR="uniform_comp", NUM_LAYERS="4", HIDDEN="64",
@@ -81,6 +82,7 @@ def test_original_seq1f1b_run_sh(gpt2_data):
     assert "note: --save-interval without --save: no checkpoints are written" in output
 
 
+@pytest.mark.distributed
 def test_megatron_gpt3_example(gpt2_data, tmp_path):
     data = gpt2_data / "data"
     ckpt = tmp_path / "ckpt"
@@ -92,6 +94,7 @@ def test_megatron_gpt3_example(gpt2_data, tmp_path):
     assert os.listdir(tmp_path / "tb")
 
 
+@pytest.mark.distributed
 def test_megatron_llama3_example(tmp_path):
     # the script runs ./pretrain_gpt.py and writes its data cache under $PWD: run it in
     # a scratch directory holding a link to ours
@@ -105,6 +108,7 @@ def test_megatron_llama3_example(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
+@pytest.mark.distributed
 def test_megatron_classic_mp_example(gpt2_data, tmp_path):
     data = gpt2_data / "data"
     ckpt = tmp_path / "ckpt"
@@ -149,6 +153,7 @@ def test_refused_flag_gives_reason_and_alternative(flag):
     assert error.value.problems == [f"{given} is refused: {REFUSED_FLAGS[flag]}"]
 
 
+@pytest.mark.distributed
 def test_every_problem_is_reported_at_once():
     """Unknown flags, bad choices, refused features and failed checks together, one line
     each, from the real entry point; exit 2 before any work."""
@@ -204,6 +209,7 @@ def test_megatron_lm_defaults():
     assert args.save is None
 
 
+@pytest.mark.distributed
 def test_checkpoint_flags_finetune_and_checkpoint_args(tmp_path):
     """--no-save-optim/--no-save-rng leave those out (and a plain resume says so);
     --finetune loads the weights only and starts at iteration 0; --use-checkpoint-args
@@ -248,6 +254,7 @@ def _without(argv, *flags):
     return out
 
 
+@pytest.mark.distributed
 def test_rampup_decoupled_lr_and_workers_in_training(tmp_path):
     """--rampup-batch-size grows the batch as megatron-core's calculator says (consumed
     samples 2 4 6 10 14 20 28 36), --decoupled-lr 0 freezes exactly the embedding and
@@ -277,6 +284,7 @@ def test_rampup_decoupled_lr_and_workers_in_training(tmp_path):
         assert not torch.equal(initial[name], ramped[name]), name
 
 
+@pytest.mark.distributed
 def test_rampup_log_shows_the_growing_batch():
     from distributed import TINY_MODEL, pretrain
 
@@ -302,6 +310,7 @@ def test_transformer_engine_default_only_where_it_runs(monkeypatch):
     assert "does not run with --seq1f1b-splits > 1 here" in args.transformer_impl_note
 
 
+@pytest.mark.distributed
 def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
     """--tokenizer-type SentencePieceTokenizer / Llama2Tokenizer (with the sentencepiece
     package): a .model trained here on the standard library, data preprocessed with it,

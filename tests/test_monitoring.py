@@ -21,6 +21,8 @@ import pytest
 from distributed import (ROOT, TINY_MODEL, _single_process_env, kill_tree, one_error_line,
                          start_pretrain)
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 # 4 iterations, a log line every 2, validation at 3
 SHORT = TINY_MODEL + ["--train-iters", "4", "--log-interval", "2", "--eval-interval", "3",
                       "--eval-iters", "1", "--micro-batch-size", "1", "--num-workers", "0"]

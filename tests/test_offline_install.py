@@ -6,8 +6,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.tags import Tag
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 sys.path.insert(0, TOOLS)

@@ -19,6 +19,8 @@ import pytest
 import distributed
 from distributed import TINY_MODEL, assert_close_series, assert_params_close, run_configs
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 FLAGS = TINY_MODEL + ["--micro-batch-size", "1", "--global-batch-size", "8",
                       "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1",
                       "--pipeline-model-parallel-size", "2"]

@@ -21,6 +21,8 @@ from distributed import run_configs
 from megatron.planner.cli import config_from_args, parse
 from megatron.planner.predict import boundary_activation_peaks, predict
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "256", "--max-position-embeddings", "256", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "2048", "--train-iters", "1",

@@ -16,6 +16,8 @@ from megatron.dataprep import preprocess
 from megatron.dataprep.code_corpus import build_corpus
 from test_dataprep_fixtures import gpt2_files, run_preprocess, write_jsonl  # noqa: F401
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
 

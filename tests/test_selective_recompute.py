@@ -14,6 +14,8 @@ import pytest
 
 from distributed import ROOT
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 HEADS, HIDDEN, L = 4, 32, 64
 HEAD_DIM = HIDDEN // HEADS
 FP32 = 4

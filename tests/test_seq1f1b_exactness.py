@@ -30,6 +30,8 @@ from packed_documents import (
 )
 from split_checks import check_reports, check_split_units
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 # A: MHA, learned absolute positions, LayerNorm, GeLU, tied embeddings.
 MODEL_A = TINY_MODEL
 # B: GQA (4 heads, 2 groups), RoPE, SwiGLU, RMSNorm, untied embeddings.

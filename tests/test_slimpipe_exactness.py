@@ -146,6 +146,7 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_slimpipe_run_equals_single_process(results, name):
     world, model, batch, lay, schedule, extra = CASES[name]

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from distributed import TINY_MODEL, assert_close_series, run_configs
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 FLAGS = TINY_MODEL + ["--global-batch-size", "3", "--micro-batch-size", "1",
                       "--train-iters", "2", "--pipeline-model-parallel-size", "2"]

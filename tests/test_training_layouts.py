@@ -16,6 +16,8 @@ from distributed import (
     run_configs,
 )
 
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
 FLAGS = TINY_MODEL + ["--global-batch-size", "8", "--micro-batch-size", "2",
                       "--train-iters", "3", "--clip-grad", "1.0", "--weight-decay", "0.01"]
 
