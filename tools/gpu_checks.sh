@@ -14,9 +14,10 @@
 # then `kv` if time is left, all inside GPU_CHECKS_BUDGET_S (default 480 s = 8 minutes).
 # Every run is bounded by `timeout` to what is left of the budget; a run that would not
 # fit is skipped, with the reason in its summary row. Later device calls run one phase
-# each, with the budget set below what the session has left (timeout_s = budget + 60):
+# each (kv if `first` skipped it, stage16, stage32, stage64; docs/gpu_readiness.md), with
+# timeout_s at most 540 and under the session's budget_left_s, and the budget 60 s less:
 #
-#   GPU_CHECKS_BUDGET_S=420 bash tools/gpu_checks.sh stage16      # then stage32, stage64
+#   GPU_CHECKS_BUDGET_S=480 bash tools/gpu_checks.sh stage16      # timeout_s 540
 #
 # Every call leaves exactly two files in the output folder: gpu_checks_logs.tar.gz (every
 # log, JSON result and the summary) and summary.md, and prints that summary to paste into
@@ -38,9 +39,11 @@
 #            grad norms must agree within 1e-5: the verdict), then bf16 (printed side by
 #            side), then packed documents with GQA in bf16 (--reset-attention-mask, "auto")
 #   kv       tools/bench_kv_cache.py in bf16: buffer vs chunked cache, 16k and 32k tokens
+#            (KV_LENGTHS="32768": only that length, e.g. the one `first` skipped)
 #   stage16  tools/bench_stage_gpu.py, 7B-shaped layers (TP-8 shard), one stage of pp = 4,
 #            8 microbatches, 16k tokens, s in {1, 2, 4, 8} (#6 point 3)
 #   stage32  the same at 32k, and one stage of pp = 8 (16 microbatches) at 32k
+#   stage32pp8  only the pp = 8 run of stage32 (if stage32 skipped it for time)
 #   stage64  the same at 64k (pp = 4)
 #   smoke    `first` at toy sizes on CPU, plus a tiny stage: checks this script, not the
 #            GPU (budget 900 s by default: the CPU is slower)
@@ -338,12 +341,14 @@ phase_train() {
         --reset-attention-mask --group-query-attention --num-query-groups 4
 }
 
-phase_kv() {
-    local lengths=(16384 32768) needs=(60 120) extra=(--dtype bf16)
-    [ "$SMOKE" = 1 ] && lengths=(256) needs=(60) extra=()
-    for i in "${!lengths[@]}"; do
-        local length=${lengths[$i]}
-        run "kv_cache_$length" "${needs[$i]}" 300 "$PY" tools/bench_kv_cache.py \
+phase_kv() {  # KV_LENGTHS="32768" runs only what an earlier call skipped
+    local lengths extra=(--dtype bf16)
+    read -ra lengths <<< "${KV_LENGTHS:-16384 32768}"
+    [ "$SMOKE" = 1 ] && lengths=(256) extra=()
+    for length in "${lengths[@]}"; do
+        local need=60
+        [ "$length" -gt 16384 ] && need=120
+        run "kv_cache_$length" "$need" 300 "$PY" tools/bench_kv_cache.py \
             --seq-length "$length" --heads 32 --groups 8 --head-dim 128 --splits 2 4 8 \
             --repeats 5 "${extra[@]}" --json "$LOG_DIR/kv_cache_$length.json"
     done
@@ -365,6 +370,7 @@ phase_first() {
 
 phase_stage16() { stage 7B_16k_pp4 4 8 16384; }
 phase_stage32() { stage 7B_32k_pp4 4 8 32768; stage 7B_32k_pp8 8 16 32768; }
+phase_stage32pp8() { stage 7B_32k_pp8 8 16 32768; }  # when stage32 had no time left for it
 phase_stage64() { stage 7B_64k_pp4 4 8 65536; }
 
 phase_smoke() {
@@ -373,11 +379,11 @@ phase_smoke() {
     stage tiny_pp4 4 8 256
 }
 
-[ $# -gt 0 ] || { sed -n '2,58p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"; exit 2; }  # the header
 for phase in "$@"; do
     if ! declare -F "phase_$phase" >/dev/null; then
         echo "unknown phase '$phase' (first, tests, multirank, train, kv, stage16, stage32," \
-             "stage64, smoke)"
+             "stage32pp8, stage64, smoke)"
         exit 2
     fi
 done
