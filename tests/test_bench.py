@@ -176,6 +176,7 @@ def test_stage_emulation_tiny_cpu(tmp_path):
     assert proc.stdout.count("Seq1F1B s=4 average vs 1F1B (self ms") == 2
     assert proc.stdout.count("\n| `") == 6
     data = json.loads(out.read_text())
+    assert data["runtime"].startswith("executor")  # 1F1B too: the training executor
     runs = {(r["rank"], r["splits"]): r for r in data["stage_runs"]}
     assert set(runs) == {(0, 1), (0, 4), (1, 1), (1, 4)}
     for r in runs.values():

@@ -6,12 +6,14 @@
     # tiny fp32 smoke run on CPU (what the tests run)
     python tools/bench_stage_gpu.py --tiny
 
-For every split count (1 = megatron's 1F1B) and balance method, and for each stage
+For every split count (1 = 1F1B) and balance method, and for each stage
 role (rank 0 with the embedding, a middle rank, rank p-1 with the LM head and loss),
-the stage's unit list from ``megatron.schedules.seq1f1b.seq1f1b_rank_units`` runs on one
-device with the project's model (megatron-core layers, split-aware local spec, KV-prefix
-cache, Float16Module + DDP gradient buffers); point-to-point messages are replaced by
-locally produced tensors of the right shape (see ``megatron/benchmarks/stage.py``).
+the training executor runs the stage's program on one device with the project's model
+(megatron-core layers, split-aware local spec, KV-prefix cache, Float16Module + DDP
+gradient buffers) as that rank of a ``--pp``-stage pipeline; its transport stands in for
+the other stages (received activations and gradients made up with the right shape,
+sends dropped: see ``megatron/benchmarks/stage.py``). 1F1B is the executor's one-split
+program, so every schedule here runs the same runtime.
 Reported: activation peak (CUDA ``max_memory_allocated`` minus weights and gradient
 buffers) and its ratio to 1F1B, per-unit forward/backward times, the split overhead
 (s units of L/s against one unit of L) and the whole pipeline's span, bubble and
@@ -38,6 +40,8 @@ import torch  # noqa: E402
 
 from megatron.seqsplit.attention_backends import BACKEND_NAMES  # noqa: E402
 
+# what runs every schedule, 1F1B included (tools/bench.py times megatron-core's 1F1B)
+RUNTIME = "executor (1F1B = its one-split program; other stages synthetic)"
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=256,
             vocab_size=512, pp=2, microbatches=4)
 
@@ -283,7 +287,6 @@ def main(argv=None):
         measure,
         predict_pipeline,
         profile_ops,
-        split_lengths_for,
     )
 
     targs, config = setup(args)
@@ -299,17 +302,17 @@ def main(argv=None):
     runs = {}  # (splits, method) -> {rank: StageRun}
     op_times = {}  # (rank, splits, method) -> {operator: self seconds}
     for rank in args.ranks:
-        emulator = StageEmulator(targs, config, rank, args.pp, args.device)
+        emulator = StageEmulator(targs, config, rank, args.pp, args.device, model_shape=shape)
         for splits, method in configs:
-            lengths = split_lengths_for(targs, splits, method, shape)
-            run = measure(emulator, args.microbatches, splits, method or "average", lengths,
+            run = measure(emulator, args.microbatches, splits, method or "average",
                           warmup_iters=args.warmup_iters, iters=args.iters, seed=args.seed,
                           clock=time.process_time if args.clock == "cpu" else time.perf_counter)
             runs.setdefault((splits, method), {})[rank] = run
             results.append(run.to_dict())
             if args.profile_ops and not run.oom:
                 op_times[rank, splits, method] = profile_ops(
-                    emulator, args.microbatches, splits, lengths, seed=args.seed)
+                    emulator, args.microbatches, splits, method or "average",
+                    seed=args.seed)
             status = "OOM" if run.oom else (f"act. peak {_gib(run.activation_peak_bytes)} GiB, "
                                             f"busy {_ms(run.busy_s)} ms")
             print(f"[stage] rank {rank} s={splits} {method or ''}: {status}", flush=True)
@@ -340,7 +343,7 @@ def main(argv=None):
           f" x {args.kv_channels}, FFN {args.ffn_hidden_size // args.tp_shard}"
           f"{', TP shard 1/' + str(args.tp_shard) if args.tp_shard > 1 else ''}), "
           f"m={args.microbatches} x {args.micro_batch_size} x {args.seq_length} tokens; "
-          f"{args.clock} clock; "
+          f"{args.clock} clock; runtime {RUNTIME}; "
           f"{time.time() - started:.0f} s")
     print()
     print(report(args, results, predictions))
@@ -351,6 +354,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
             json.dump({"command": command.strip(), "device": device, "dtype": args.dtype,
+                       "runtime": RUNTIME,
                        "args": {k: v for k, v in vars(args).items()},
                        "stage_runs": results, "predictions": predictions}, handle, indent=1)
         print(f"json: {args.json}")

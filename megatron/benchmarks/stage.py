@@ -1,46 +1,47 @@
 """One pipeline stage of 1F1B / Seq1F1B, emulated on one device.
 
-A stage's share of an iteration is its unit list from the shared generator
-(``megatron.schedules.seq1f1b.seq1f1b_rank_units(rank, p, m, s)``). This module runs
-that list on one device with the project's real model (``pretrain_gpt``'s model
-provider: megatron-core layers with the split-aware local spec, the KV-prefix cache,
-Float16Module for bf16, megatron-core DDP gradient buffers) and replaces every
-point-to-point message by a tensor produced locally with the shape and dtype the
-neighbour would send:
+A stage's share of an iteration is its rank's program, run by the training executor
+itself (``megatron.schedules.executor.PipelineExecutor``, schedule ``seq1f1b``; one
+split is 1F1B) as rank ``r`` of a ``p``-stage pipeline in one process: its
+``SyntheticNeighbours`` transport stands in for the other stages. Everything else is
+what training runs, with the project's real model (``pretrain_gpt``'s model provider:
+megatron-core layers with the split-aware local spec, the KV-prefix cache,
+Float16Module for bf16, megatron-core DDP gradient buffers):
 
-* forward input of a non-first stage: ``[l_j, b, h]`` with ``requires_grad`` (what
-  the executor's receive returns), kept until the unit's backward;
-* after a non-last stage's forward the output is "sent": megatron's
-  ``deallocate_output_tensor`` drops its data, as the executor does;
-* backward of a non-last stage receives a ``[l_j, b, h]`` output gradient;
+* a non-first stage's forward input is a received ``[l_j, b, h]`` buffer with
+  ``requires_grad`` (filled with made-up values), kept until the unit's backward;
+* a non-last stage's output is "sent" (dropped), then megatron's
+  ``deallocate_output_tensor`` frees its data, as after a real send;
+* a non-last stage's backward receives a made-up ``[l_j, b, h]`` output gradient;
 * the first stage reads tokens / position ids, the last stage labels / loss mask
-  (random tokens), through ``pretrain_gpt.forward_step`` and, with splits,
-  ``megatron.schedules.executor.SplitDataIterator`` (the executor's own slicing).
+  (random tokens), through ``pretrain_gpt.forward_step`` and the executor's split
+  slicing; the loss is normalised as in training (the executor's).
 
-Backward is megatron-core's ``backward_step``. Measured per run: every unit's wall
-time (device synchronised around each unit, ``TimelineRecorder``), the activation
-peak (CUDA: ``torch.cuda.max_memory_allocated`` minus what was allocated before the
-iteration, i.e. weights and gradient buffers; CPU: the project's saved-tensor
-``ActivationMemoryProbe`` in a separate iteration, since CPU has no allocator
-counter), and from the unit times the split overhead and, through the planner's
-simulator, the whole pipeline's span, bubble and tokens/s.
+Measured per run: every unit's wall time (device synchronised around each unit,
+``TimelineRecorder``), the activation peak (CUDA: ``torch.cuda.max_memory_allocated``
+minus what was allocated before the iteration, i.e. weights and gradient buffers; CPU:
+the project's saved-tensor ``ActivationMemoryProbe`` in a separate iteration, since CPU
+has no allocator counter), and from the unit times the split overhead and, through the
+planner's simulator, the whole pipeline's span, bubble and tokens/s. Nothing
+communicates, so no message time enters the unit times.
 """
 
+import functools
 import gc
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 
-from megatron.schedules.simulate import simulate
-from megatron.schedules.memory_probe import ActivationMemoryProbe
 from megatron.schedules.actions import Unit
-from megatron.schedules.seq1f1b import seq1f1b_rank_units, seq1f1b_schedule
-from megatron.seqsplit.kv_cache import KVCacheStore
-from megatron.seqsplit.split_lengths import plan_splits, split_offsets
-from megatron.seqsplit.split_context import SplitContext
+from megatron.schedules.executor import PipelineExecutor, ScheduleSettings
+from megatron.schedules.memory_probe import ActivationMemoryProbe
+from megatron.schedules.seq1f1b import seq1f1b_schedule
+from megatron.schedules.simulate import simulate
+from megatron.schedules.transport import SyntheticNeighbours
+from megatron.seqsplit.split_lengths import plan_splits
 
 FIRST, MIDDLE, LAST = "first", "middle", "last"
 
@@ -91,29 +92,17 @@ class StageRun:
         return out
 
 
-class _Sequence:
-    """A one-shot iterator over fixed microbatches (1F1B reads one per forward)."""
-
-    def __init__(self, batches):
-        self._it = iter(batches)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._it)
-
-
 class StageEmulator:
-    """Builds one stage's model (its role decides embedding / LM head) and runs unit lists."""
+    """Builds one stage's model (its role decides embedding / LM head) and runs its
+    program with the training executor, the other stages synthetic."""
 
-    def __init__(self, args, config, rank: int, pp: int, device):
+    def __init__(self, args, config, rank: int, pp: int, device, model_shape=None):
         from megatron.trainer import gpt as pretrain_gpt  # pretrain_gpt.py's providers
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
-        from megatron.core.utils import get_attr_wrapped_model
 
         self.args, self.config, self.rank, self.pp = args, config, rank, pp
+        self.model_shape = model_shape  # for uniform_comp split lengths
         self.device = torch.device(device)
         self.role = role_of(rank, pp)
         self.first, self.last = rank == 0, rank == pp - 1
@@ -128,9 +117,7 @@ class StageEmulator:
                                                    overlap_grad_reduce=False)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         self.model.train()
-        self.forward_step = pretrain_gpt.forward_step
-        self.set_input_tensor = get_attr_wrapped_model(self.model, "set_input_tensor")
-        self.dtype = config.params_dtype
+        self.forward_step = functools.partial(pretrain_gpt.forward_step, args=args)
 
     def make_batches(self, microbatches: int, generator: torch.Generator) -> List[Dict]:
         b, L, vocab = self.args.micro_batch_size, self.args.seq_length, self.args.padded_vocab_size
@@ -143,61 +130,29 @@ class StageEmulator:
             })
         return batches
 
-    def run_iteration(self, microbatches: int, splits: int, lengths: Sequence[int],
-                      batches: List[Dict], observers=()) -> None:
-        """Run this rank's unit list once (one iteration of this stage)."""
-        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+    def settings(self, splits: int, balance_method: str, observers=()) -> ScheduleSettings:
+        return ScheduleSettings(schedule="seq1f1b", num_splits=splits,
+                                balance_method=balance_method, model_shape=self.model_shape,
+                                observers=list(observers))
 
-        from megatron.schedules.executor import (KVStoreObserver, MicrobatchSlicer,
-                                                 SplitDataIterator)
-        from megatron.mcore_compat import backward_step
+    def split_lengths(self, splits: int, balance_method: str) -> List[int]:
+        """The lengths the executor plans for these settings (its own call)."""
+        settings = self.settings(splits, balance_method)
+        return plan_splits(self.args.seq_length, splits, balance_method,
+                           alignment=settings.alignment, model=settings.model_shape)
 
-        args, config = self.args, self.config
-        b, h, L = args.micro_batch_size, args.hidden_size, args.seq_length
-        offsets = split_offsets(list(lengths))
-        kv_store = KVCacheStore(forward_only=False)
-        for observer in observers:  # as the executor does: the probe counts the cache's
-            if isinstance(observer, KVStoreObserver):  # buffers and gradient accumulators
-                observer.attach_kv_store(kv_store)
-        iterator = _Sequence(batches)
-        slicer = MicrobatchSlicer(iterator)
-        generator = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
-        inputs, outputs = {}, {}
+    def run_iteration(self, microbatches: int, splits: int, balance_method: str,
+                      batches: List[Dict], observers=()) -> list:
+        """One iteration of this stage: the executor runs rank ``rank``'s program of a
+        ``pp``-stage pipeline; returns its loss reports (last stage)."""
+        executor = PipelineExecutor(
+            settings=self.settings(splits, balance_method, observers),
+            forward_step_func=self.forward_step, chunks=[self.model], iterators=[iter(batches)],
+            num_microbatches=microbatches, seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=False,
+            transport=SyntheticNeighbours(self.rank, self.pp))
         self.model.zero_grad_buffer()
-        for unit in seq1f1b_rank_units(self.rank, self.pp, microbatches, splits):
-            for observer in observers:
-                observer.on_unit_start(self.rank, unit)
-            length = lengths[unit.split]
-            key = (unit.microbatch, unit.split)
-            if unit.is_forward:
-                received = None
-                if not self.first:  # what recv_forward would return
-                    received = torch.randn(length, b, h, dtype=self.dtype, device=self.device,
-                                           generator=generator).requires_grad_()
-                self.set_input_tensor([received])
-                if splits > 1:  # as the executor: an iterator made for the unit
-                    iterator = SplitDataIterator(slicer, SplitContext(
-                        microbatch_id=unit.microbatch, split_index=unit.split, num_splits=splits,
-                        offset=offsets[unit.split], length=length, seq_length=L,
-                        kv_store=kv_store))
-                output, loss_func = self.forward_step(iterator, self.model, args=args)
-                if self.last:
-                    loss_sum, _, _ = loss_func(output)
-                    output = loss_sum / (b * L) / microbatches
-                else:
-                    deallocate_output_tensor(output, config.deallocate_pipeline_outputs)  # "sent"
-                inputs[key], outputs[key] = received, output
-            else:
-                grad = None
-                if not self.last:  # what recv_backward would return
-                    grad = torch.randn(length, b, h, dtype=self.dtype, device=self.device,
-                                       generator=generator) * 1e-3
-                backward_step(inputs.pop(key), outputs.pop(key), grad, config)
-                # the input gradient would be sent upstream here: drop it
-            for observer in observers:
-                observer.on_unit_end(self.rank, unit)
-        if kv_store.num_entries():
-            raise AssertionError(f"{kv_store.num_entries()} KV-cache entries outlived the iteration")
+        return executor.run()
 
 
 def _sync(device):
@@ -206,19 +161,19 @@ def _sync(device):
 
 
 def profile_ops(emulator: StageEmulator, microbatches: int, splits: int,
-                lengths: Sequence[int], seed: int = 1234) -> Dict[str, float]:
+                balance_method: str, seed: int = 1234) -> Dict[str, float]:
     """Self time (s) per operator of one iteration of the stage under torch.profiler
     (CPU activity, plus CUDA kernels on a GPU), for comparing schedules op by op."""
     from torch.profiler import ProfilerActivity, profile
 
     batches = emulator.make_batches(microbatches, torch.Generator().manual_seed(seed))
-    emulator.run_iteration(microbatches, splits, lengths, batches)  # warm
+    emulator.run_iteration(microbatches, splits, balance_method, batches)  # warm
     activities = [ProfilerActivity.CPU]
     if emulator.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     _sync(emulator.device)
     with profile(activities=activities) as prof:
-        emulator.run_iteration(microbatches, splits, lengths, batches)
+        emulator.run_iteration(microbatches, splits, balance_method, batches)
         _sync(emulator.device)
     times = {}
     for event in prof.key_averages():
@@ -235,7 +190,7 @@ def op_differences(base: Dict[str, float], other: Dict[str, float], top: int):
 
 
 def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_method: str,
-            lengths: Sequence[int], warmup_iters: int = 1, iters: int = 2,
+            warmup_iters: int = 1, iters: int = 2,
             seed: int = 1234, clock=time.perf_counter) -> StageRun:
     """Warm up, then time ``iters`` iterations of the stage and measure its activation peak.
 
@@ -245,12 +200,12 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
 
     device = emulator.device
     run = StageRun(emulator.rank, emulator.role, splits, balance_method if splits > 1 else None,
-                   list(lengths))
+                   emulator.split_lengths(splits, balance_method))
     batches = emulator.make_batches(microbatches, torch.Generator().manual_seed(seed))
     failure = None
     try:
         for _ in range(warmup_iters):
-            emulator.run_iteration(microbatches, splits, lengths, batches)
+            emulator.run_iteration(microbatches, splits, balance_method, batches)
         _sync(device)
         gc.collect()
         records = []
@@ -262,7 +217,8 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
             recorder = TimelineRecorder(rank=emulator.rank,
                                         sync=(lambda: _sync(device)) if device.type == "cuda" else None,
                                         clock=clock)
-            emulator.run_iteration(microbatches, splits, lengths, batches, observers=[recorder])
+            emulator.run_iteration(microbatches, splits, balance_method, batches,
+                                   observers=[recorder])
             records.append(recorder.events)
         _sync(device)
         if device.type == "cuda":
@@ -271,7 +227,8 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
         else:
             probe = ActivationMemoryProbe(emulator.model)
             probe.reset()
-            emulator.run_iteration(microbatches, splits, lengths, batches, observers=[probe])
+            emulator.run_iteration(microbatches, splits, balance_method, batches,
+                                   observers=[probe])
             run.activation_peak_bytes = probe.peak_bytes
     except torch.OutOfMemoryError as err:  # the stage does not fit: that is a result
         failure = str(err).splitlines()[0]
@@ -326,9 +283,3 @@ def predict_pipeline(runs_by_rank: Dict[int, StageRun], pp: int, microbatches: i
             "tokens_per_s": tokens_per_iteration / sim.makespan,
             "ranks_measured": emulated,
             "busy_per_rank_s": [sim.busy(r) for r in range(pp)]}
-
-
-def split_lengths_for(args, splits: int, balance_method: str, model_shape) -> List[int]:
-    if splits == 1:
-        return [args.seq_length]
-    return plan_splits(args.seq_length, splits, balance_method, alignment=1, model=model_shape)
