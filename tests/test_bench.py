@@ -79,19 +79,21 @@ def test_summarize_and_json(tmp_path):
     p, m = 2, 4
     configs = [BenchConfig(), BenchConfig(4, "average")]
     records = []
+    timed_runtime = {configs[0].name: "megatron-core", configs[1].name: "executor"}
     for config, seconds, peak in ((configs[0], 1.0, 1000), (configs[1], 0.8, 600)):
         for round_index in range(3):
             records.append({"config": config.name, "kind": TIMED,
+                            "runtime": timed_runtime[config.name],
                             "iteration_seconds": [[9.0, seconds + 0.01 * round_index, seconds]] * 2,
                             "losses": [5.0, 4.0, 3.0]})
         splits = config.splits
         write_timeline(timeline_path(str(tmp_path), config), _timeline(p, m, splits, 0.1, 0.3))
-        records.append({"config": config.name, "kind": TIMELINE,
+        records.append({"config": config.name, "kind": TIMELINE, "runtime": "executor",
                         "iteration_seconds": [[9.0, 2.0]] * 2, "losses": [5.0, 4.0]})
         with open(memory_path(str(tmp_path), config), "w") as handle:
             json.dump({"stages": [{"activation_peak_bytes": peak},
                                   {"activation_peak_bytes": peak // 2}]}, handle)
-        records.append({"config": config.name, "kind": MEMORY,
+        records.append({"config": config.name, "kind": MEMORY, "runtime": "executor",
                         "iteration_seconds": [[9.0, 2.0]] * 2, "losses": [5.0, 4.0]})
     summary = summarize(configs, records, out_dir=str(tmp_path), tokens_per_iteration=1000,
                         warmup_iters=1, microbatches=m)
@@ -120,8 +122,17 @@ def test_summarize_and_json(tmp_path):
     json.dumps(report)
     table = format_report(summary)
     assert "Seq1F1B s=4 average" in table and "Final losses equal" in table
+    # every 1F1B figure names its runtime: tokens/s megatron-core's, bubble and memory ours
+    assert (base["runtime"], base["timeline_runtime"], base["memory_runtime"]) == (
+        "megatron-core", "executor", "executor")
+    assert report["runs"][0]["runtime"] == "megatron-core"
+    assert "| 1F1B | megatron-core; executor |" in table
+    assert "| Seq1F1B s=4 average | executor |" in table
+    assert "1F1B's tokens/s come from megatron-core, its bubble, timelines and memory " \
+           "from executor" in table
     (target,) = check_targets(summary)
     assert target["speed_met"] and target["memory_met"]
+    assert (target["runtime"], target["baseline_runtime"]) == ("executor", "megatron-core")
     # a differing loss is reported
     records[0]["losses"] = [5.0, 4.0, 3.1]
     bad = summarize(configs, records, out_dir=str(tmp_path), tokens_per_iteration=1000,
@@ -154,6 +165,10 @@ def test_bench_end_to_end(tmp_path):
     assert "| Seq1F1B s=2 uniform_comp |" in proc.stdout
     data = json.loads(out.read_text())
     assert [(r["schedule"], r["splits"]) for r in data["runs"]] == [("1f1b", 1), ("seq1f1b", 2)]
+    # the runner records the runtime: observers move 1F1B's instrumented runs to ours
+    assert [(r["runtime"], r["timeline_runtime"], r["memory_runtime"]) for r in data["runs"]] \
+        == [("megatron-core", "executor", "executor"), ("executor",) * 3]
+    assert "| 1F1B | megatron-core; executor |" in proc.stdout
     for run in data["runs"]:
         assert ISSUE_KEYS <= set(run)
         assert run["tokens_per_s"] > 0 and 0 <= run["bubble_fraction"] < 1

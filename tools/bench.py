@@ -22,6 +22,12 @@ method (``megatron.benchmarks.runner``, in-process ``pretrain`` calls):
 2. One memory run per configuration (``--activation-memory-file``): activation peak
    per stage (the probe's hooks slow forwards, so nothing is timed from it).
 
+Observers attach to the executor only, so 1F1B's timeline and memory runs run the
+executor's one-split program (megatron-core's 1F1B unit order) while its timed runs
+run megatron-core's: every row names its runtimes (column ``runtime: tokens/s;
+bubble, memory``, e.g. ``megatron-core; executor``; JSON ``runtime``,
+``timeline_runtime``, ``memory_runtime``).
+
 Between runs the runner destroys the process groups a run leaves behind (their gloo
 threads would otherwise pile up and compete for the cores) and records the CPU used
 by other processes during each run; ``--quiet-threshold`` waits for, and retries
@@ -31,7 +37,8 @@ Prints a Markdown table (tokens/s median and ratio to 1F1B, bubble per stage,
 stage-0 and worst-stage activation peak and ratio, final loss), checks that the
 losses agree across schedules (exit 1 if not), writes the timeline pictures and,
 with ``--json``, ``{"runs": [{"schedule", "splits", "balance_method",
-"tokens_per_s", "bubble_fraction", "stage0_activation_peak_bytes", "loss", ...}]}``.
+"tokens_per_s", "bubble_fraction", "stage0_activation_peak_bytes", "loss", "runtime",
+...}]}``.
 """
 
 import argparse
@@ -228,8 +235,8 @@ def draw_pictures(summary, out_dir, picture, meta):
         if "timeline_file" not in row:
             continue
         timeline = read_timeline(row["timeline_file"])
-        title = (f"{row['label']} (recorded, pp={meta['pp']}, m={meta['microbatches']}, "
-                 f"seq {meta['seq_length']})")
+        title = (f"{row['label']} (recorded, {row.get('timeline_runtime') or 'runtime n/a'}, "
+                 f"pp={meta['pp']}, m={meta['microbatches']}, seq {meta['seq_length']})")
         path = os.path.join(out_dir, f"timeline_{row['name']}.png")
         draw.draw_timeline(timeline, path, title)
         drawn.append(path)
@@ -326,8 +333,9 @@ def report(args, configs, records, meta, out_dir):
         for t in targets:
             ratio = t["stage0_activation_ratio"]
             paired = t["paired_ratio_undisturbed"]
-            print(f"target {t['label']}: tokens/s paired x"
-                  f"{'n/a' if paired is None else f'{paired:.3f}'} (undisturbed rounds; ratio "
+            print(f"target {t['label']} ({t['runtime']}): tokens/s paired x"
+                  f"{'n/a' if paired is None else f'{paired:.3f}'} against 1F1B on "
+                  f"{t['baseline_runtime']} (undisturbed rounds; ratio "
                   f"of medians x{t['tokens_per_s_ratio']:.3f}) "
                   f"(>= {t['speed_target']}: {'met' if t['speed_met'] else 'MISSED'}), "
                   f"stage-0 activation x{'n/a' if ratio is None else f'{ratio:.3f}'} "

@@ -10,8 +10,11 @@ can exercise it without processes:
   (no observer attached: 1F1B is megatron-core's own schedule function and Seq1F1B
   our executor, exactly what a user gets), then one *timeline* run
   (``--timeline-file``) and one *memory* run (``--activation-memory-file``) per
-  configuration. The memory probe's saved-tensor hooks slow forwards down, so
-  neither throughput nor bubble is ever taken from a memory run;
+  configuration. Observers attach to our executor only, so 1F1B's timeline and memory
+  runs run the executor's one-split program (megatron-core's unit order): every row
+  says which runtime produced its tokens/s and which its bubble and memory
+  (``runtime_of``, recorded by the runner). The memory probe's saved-tensor hooks slow
+  forwards down, so neither throughput nor bubble is ever taken from a memory run;
 * ``summarize``: tokens/s (median over the timed runs), bubble per stage from the
   recorded timeline, stage activation peaks, final losses and their agreement, and
   where the time goes (per-unit times, communication/wait, split overhead, the
@@ -31,6 +34,35 @@ from megatron.schedules.actions import Unit
 from megatron.schedules.seq1f1b import seq1f1b_schedule
 
 TIMED, TIMELINE, MEMORY, UNIT_CPU = "timed", "timeline", "memory", "unit_cpu"
+MCORE_RUNTIME, EXECUTOR_RUNTIME = "megatron-core", "executor"
+
+
+def runtime_of(forward_backward_func) -> str:
+    """Which runtime a schedule function from ``get_forward_backward_func`` runs:
+    megatron-core's own schedules, or this project's executor (any other function)."""
+    target = getattr(forward_backward_func, "func", forward_backward_func)  # a partial
+    module = getattr(target, "__module__", None) or ""
+    return MCORE_RUNTIME if module.startswith("megatron.core.") else EXECUTOR_RUNTIME
+
+
+def records_runtime(records: Sequence[Dict]) -> Optional[str]:
+    """The runtime of a set of runs (``, ``-joined if they differ); None when the
+    records predate the runner's ``runtime`` field."""
+    names = sorted({r["runtime"] for r in records if r.get("runtime")})
+    return ", ".join(names) or None
+
+
+def instrumented_runtime(row: Dict) -> Optional[str]:
+    """The runtime of a row's timeline and memory runs (bubble, unit times, memory)."""
+    names = sorted({row[k] for k in ("timeline_runtime", "memory_runtime") if row.get(k)})
+    return ", ".join(names) or None
+
+
+def runtime_label(row: Dict) -> str:
+    """``megatron-core; executor`` when a row's tokens/s and its bubble and memory come
+    from different runtimes, else the one runtime."""
+    timed, instrumented = row.get("runtime") or "n/a", instrumented_runtime(row)
+    return timed if instrumented in (None, timed) else f"{timed}; {instrumented}"
 
 
 @dataclass(frozen=True)
@@ -337,6 +369,10 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
             "schedule": config.schedule, "splits": config.splits,
             "balance_method": config.balance_method, "name": config.name,
             "label": config.label,
+            # which runtime produced the tokens/s, and which the bubble and the memory
+            "runtime": records_runtime(recs[TIMED]),
+            "timeline_runtime": records_runtime(recs[TIMELINE]),
+            "memory_runtime": records_runtime(recs[MEMORY]),
             "tokens_per_s": statistics.median(throughputs),
             "tokens_per_s_runs": throughputs,
             "ms_per_iteration_runs": timed_ms,
@@ -448,6 +484,8 @@ def check_targets(summary: Dict, splits: int = 4, speed: float = 1.05,
         paired = row.get("paired_ratio_undisturbed")
         judged = paired if paired is not None else row["tokens_per_s_ratio"]
         out.append({"label": row["label"], "tokens_per_s_ratio": row["tokens_per_s_ratio"],
+                    "runtime": row.get("runtime"),
+                    "baseline_runtime": summary["runs"][0].get("runtime"),  # 1F1B's
                     "paired_ratio_median": row.get("paired_ratio_median"),
                     "paired_ratio_undisturbed": paired,
                     "speed_target": speed, "speed_met": judged >= speed,
@@ -461,7 +499,7 @@ def check_targets(summary: Dict, splits: int = 4, speed: float = 1.05,
 def json_report(summary: Dict, meta: Optional[Dict] = None) -> Dict:
     """The ``--json`` object: ``runs`` with the issue's keys first, then the details."""
     keys = ("schedule", "splits", "balance_method", "tokens_per_s", "bubble_fraction",
-            "stage0_activation_peak_bytes", "loss")
+            "stage0_activation_peak_bytes", "loss", "runtime")
     runs = []
     for row in summary["runs"]:
         entry = {k: row.get(k) for k in keys}
@@ -526,12 +564,12 @@ def format_report(summary: Dict) -> str:
     rows = summary["runs"]
     p = max((len(r.get("bubble_fraction_per_stage", [])) for r in rows), default=0)
     lines = [
-        "| schedule | tokens/s (median) | runs | ratio to 1F1B | paired ratio: median "
-        "(undisturbed rounds) | "
+        "| schedule | runtime: tokens/s; bubble, memory | tokens/s (median) | runs | "
+        "ratio to 1F1B | paired ratio: median (undisturbed rounds) | "
         "bubble (stages "
         + ", ".join(str(i) for i in range(p)) + ") | stage-0 act. peak MiB | ratio | "
         "worst-stage act. peak MiB | ratio | final loss | other processes (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         runs = " ".join(f"{t:.0f}" for t in r["tokens_per_s_runs"])
@@ -539,7 +577,8 @@ def format_report(summary: Dict) -> str:
         bubble = ("n/a" if bubbles is None else
                   f"{fmt_pct(r['bubble_fraction'])} ({', '.join(fmt_pct(b) for b in bubbles)})")
         lines.append(
-            f"| {r['label']} | {r['tokens_per_s']:.1f} | {runs} | {r['tokens_per_s_ratio']:.3f} | "
+            f"| {r['label']} | {runtime_label(r)} | {r['tokens_per_s']:.1f} | {runs} | "
+            f"{r['tokens_per_s_ratio']:.3f} | "
             f"{fmt_ratio(r.get('paired_ratio_median'))} ({fmt_ratio(r.get('paired_ratio_undisturbed'))}"
             f", {r.get('undisturbed_rounds', 0)}) | "
             f"{bubble} | {_mib(r.get('stage0_activation_peak_bytes'))} | "
@@ -553,9 +592,20 @@ def format_report(summary: Dict) -> str:
               "the same round), then over the undisturbed rounds and their number; bubble: idle / span per stage in the recorded timelines "
               "(median over the timeline runs); other processes: CPU cores used by other "
               "processes on the host during each timed run."]
+    for r in rows:
+        if runtime_label(r) != (r.get("runtime") or "n/a"):
+            lines += ["", f"runtime: {r['label']}'s tokens/s come from {r['runtime']}, its "
+                      f"bubble, timelines and memory from {instrumented_runtime(r)}: without "
+                      "observers one split runs megatron-core's own schedule (what a user "
+                      "gets), while --timeline-file and --activation-memory-file attach "
+                      "observers, which only the executor takes (its one-split program has "
+                      "megatron-core's 1F1B unit order)."]
     if any("stages" in r for r in rows):
+        timeline_runtimes = sorted({r["timeline_runtime"] for r in rows
+                                    if r.get("timeline_runtime")})
         lines += ["", "Where the time goes (timeline runs, last iteration of each; medians over "
-                  "the runs; milliseconds):", "",
+                  "the runs; milliseconds; runtime: "
+                  f"{', '.join(timeline_runtimes) or 'n/a'}):", "",
                   "| schedule | stage | F per mb | B per mb | compute vs 1F1B | mean F unit | "
                   "mean B unit | span | replayed span | comm./wait | outside pipeline |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

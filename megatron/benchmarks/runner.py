@@ -7,8 +7,10 @@ SPEC is a JSON list of runs ``{"name": str, "config": str, "kind": str, "argv": 
 ``megatron.trainer.training.pretrain`` with ``pretrain_gpt``'s providers, so every
 configuration trains the same model on the same data from the same seed. OUT
 (written by the last rank) lists, per run, its name, config, kind, the wall time of
-every ``train_step`` on every rank, the per-iteration losses and the CPU load of
-other processes on the host during the run (``foreign_cores``). A run with
+every ``train_step`` on every rank, the per-iteration losses, the runtime that ran the
+pipeline schedule (``runtime``: ``megatron-core`` or ``executor``, from the function
+``get_forward_backward_func`` returned) and the CPU load of other processes on the
+host during the run (``foreign_cores``). A run with
 ``"quiet": {"threshold": C, "max_wait": S, "retries": N}`` first waits (up to S
 seconds) until other processes use fewer than C cores, and is repeated (up to N
 times) when they used C or more during it; the last attempt is kept.
@@ -31,6 +33,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
+from megatron.benchmarks.pipeline import runtime_of  # noqa: E402
 from megatron.trainer import gpt as pretrain_gpt  # noqa: E402 - pretrain_gpt.py's providers
 from megatron.trainer import training  # noqa: E402
 from megatron.trainer.initialize import destroy_groups_except  # noqa: E402
@@ -59,6 +62,25 @@ def timed_train_steps(durations):
         yield
     finally:
         training.train_step = original
+
+
+@contextlib.contextmanager
+def recorded_runtimes(runtimes):
+    """Append the runtime of every schedule function the trainer gets (``runtime_of``):
+    with observers (``--timeline-file``, ``--activation-memory-file``) 1F1B runs our
+    executor instead of megatron-core's schedule, and the records must say so."""
+    original = training.get_forward_backward_func
+
+    def recording(*args, **kwargs):
+        func = original(*args, **kwargs)
+        runtimes.append(runtime_of(func))
+        return func
+
+    training.get_forward_backward_func = recording
+    try:
+        yield
+    finally:
+        training.get_forward_backward_func = original
 
 
 def system_busy_seconds():
@@ -160,14 +182,16 @@ def thread_clock_timelines(enabled):
 
 
 def run_one(run):
-    """Train one configuration; returns (per-iteration seconds on this rank, losses)."""
-    durations = []
+    """Train one configuration; returns (per-iteration seconds on this rank, losses,
+    the schedule's runtimes)."""
+    durations, runtimes = [], []
     thread_clock = run.get("meta", {}).get("clock") == "thread"
-    with timed_train_steps(durations), thread_clock_timelines(thread_clock):
+    with timed_train_steps(durations), thread_clock_timelines(thread_clock), \
+            recorded_runtimes(runtimes):
         result = training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                                    pretrain_gpt.forward_step, argv=run["argv"])
     destroy_leftover_groups()
-    return durations, list(result.losses)
+    return durations, list(result.losses), runtimes
 
 
 _GROUP = None  # a gloo group for the runner's own (CPU tensor) collectives
@@ -200,24 +224,27 @@ def main(spec_path, out_path):
                 waited, _ = wait_for_quiet(quiet["threshold"], quiet.get("max_wait", 300))
             meter = ForeignLoad()
             meter.start()
-            durations, losses = run_one(run)
+            durations, losses, runtimes = run_one(run)
             foreign = meter.stop()
             attempts.append({"foreign_cores": foreign, "waited_s": waited})
             if not quiet or foreign is None or foreign < quiet["threshold"]:
                 break
         gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, (durations, losses), group=_GROUP)
+        torch.distributed.all_gather_object(gathered, (durations, losses, runtimes),
+                                            group=_GROUP)
         if torch.distributed.get_rank() == world - 1:
-            all_losses = next((l for _, l in reversed(gathered) if l), [])
+            all_losses = next((l for _, l, _ in reversed(gathered) if l), [])
+            runtime = ", ".join(sorted({name for _, _, names in gathered for name in names}))
             entry = {"name": run["name"], "config": run.get("config", run["name"]),
                      "kind": run.get("kind", "timed"), "meta": run.get("meta", {}),
-                     "iteration_seconds": [d for d, _ in gathered], "losses": all_losses,
+                     "iteration_seconds": [d for d, _, _ in gathered], "losses": all_losses,
+                     "runtime": runtime or None,
                      "foreign_cores": attempts[-1]["foreign_cores"], "attempts": attempts,
                      "threads_after": thread_count()}
             results.append(entry)
             per_iter = [max(step) for step in zip(*entry["iteration_seconds"])]
             load = entry["foreign_cores"]
-            print(f"[bench] {index + 1}/{len(runs)} {run['name']}: ms/iteration "
+            print(f"[bench] {index + 1}/{len(runs)} {run['name']} ({runtime}): ms/iteration "
                   f"{' '.join(f'{1000 * t:.0f}' for t in per_iter)} | final loss "
                   f"{all_losses[-1] if all_losses else float('nan'):.6f} | other processes "
                   f"{'n/a' if load is None else f'{load:.2f}'} cores | threads {entry['threads_after']}"
