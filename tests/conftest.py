@@ -105,3 +105,30 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
     yield from _guard(item)
+
+
+# --- the exactness suites' runs, shared ------------------------------------------------
+
+@pytest.fixture(scope="session")
+def exactness_runs(request, tmp_path_factory):
+    """{module name: {run name: results}} for every selected test module that defines
+    `plan(tmp, corpus)` (a `distributed.Plan`) and whose tests use this fixture: their
+    runs train in one launch per world size (`distributed.run_plans`), started when the
+    first of those tests sets up. Only the modules with a selected test take part, so
+    `pytest tests/test_x.py` trains test_x's runs alone."""
+    from distributed import run_plans
+    from packed_documents import write_document_corpus
+
+    modules = {}
+    for item in request.session.items:
+        if "exactness_runs" in item.fixturenames and hasattr(item.module, "plan"):
+            modules.setdefault(item.module.__name__, item.module)
+    tmp = tmp_path_factory.mktemp("exactness")
+    corpus = str(tmp / "documents")  # the packed-document corpus every suite trains on
+    write_document_corpus(corpus, vocab_size=200)
+    plans = {}
+    for name, module in modules.items():
+        directory = tmp / name
+        directory.mkdir()
+        plans[name] = module.plan(directory, corpus)
+    return run_plans(tmp, plans)

@@ -3,7 +3,9 @@
     torchrun --nproc-per-node W tests/dist_runner.py SPEC.json OUT.json
     python tests/dist_runner.py SPEC.json OUT.json            # one process
 
-SPEC is a JSON list of {"name": str, "argv": [pretrain_gpt flags], "params": bool}.
+SPEC is a JSON list of {"name": str, "argv": [pretrain_gpt flags], "params": bool,
+"after": [paths]}: a run with "after" waits until those files exist (what another launch
+running at the same time writes, such as the tracker file of a checkpoint it loads).
 OUT (written by the last rank) maps each name to its per-iteration losses and grad
 norms and, with "params", a path to the final parameters gathered into the unsplit
 (tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor. It also
@@ -16,10 +18,12 @@ loss reports it returned on the last rank, so a test can compare Seq1F1B's retur
 value with megatron-core's (the runner wraps `training.get_forward_backward_func`).
 """
 
+import gc
 import json
 import os
 import re
 import sys
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -124,10 +128,24 @@ def recording_schedules(reports, choose=training.get_forward_backward_func):
     return get_forward_backward_func
 
 
+def wait_for_files(paths, timeout=1200):
+    deadline = time.time() + timeout
+    for path in paths:
+        while not os.path.exists(path):
+            if time.time() > deadline:
+                raise TimeoutError(f"{path} did not appear within {timeout}s")
+            time.sleep(0.2)
+
+
 def main(spec_path, out_path):
     runs = json.load(open(spec_path))
+    # torch and megatron-core are tens of thousands of long-lived objects: without the
+    # freeze each configuration's full collection (destroy_groups_except) scans them
+    # all again, a third of a small configuration's time
+    gc.freeze()
     results = {}
     for run in runs:
+        wait_for_files(run.get("after", ()))
         captured, units, reports = {}, [], []
         training.get_forward_backward_func = recording_schedules(reports)
 
@@ -147,6 +165,7 @@ def main(spec_path, out_path):
             entry["params"] = path
         results[run["name"]] = entry
         destroy_groups_except()  # the next configuration builds its own groups
+        gc.freeze()  # what survived that full collection: the next one skips it
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         with open(out_path, "w") as handle:
             json.dump(results, handle)

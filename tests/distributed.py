@@ -34,25 +34,91 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+class Launch:
+    """One launch of `world_size` processes training `runs` in turn (tests/dist_runner.py),
+    started in the background; `result()` waits for it."""
+
+    def __init__(self, tmp_path, world_size, runs, timeout=900):
+        tag = abs(hash(json.dumps(runs))) % 10**8
+        self.spec = tmp_path / f"spec_{world_size}_{tag}.json"
+        self.out = self.spec.with_suffix(".out.json")
+        self.log = self.spec.with_suffix(".log")
+        self.spec.write_text(json.dumps(runs))
+        self.timeout, self.names = timeout, [run["name"] for run in runs]
+        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+        if world_size == 1:
+            self.cmd = [sys.executable, RUNNER, str(self.spec), str(self.out)]
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(_free_port()))
+        else:
+            self.cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                        str(world_size), "--master-port", str(_free_port()), RUNNER,
+                        str(self.spec), str(self.out)]
+        # output to a file, not a pipe: a launch may print more than a pipe holds while
+        # nobody reads it (several launches run at once)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, text=True)
+
+    def result(self):
+        try:
+            returncode = self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"{' '.join(self.cmd)} ran past {self.timeout}s:\n"
+                                 f"{self.log.read_text()[-6000:]}") from None
+        if returncode != 0:
+            raise AssertionError(f"{' '.join(self.cmd)} failed ({returncode}):\n"
+                                 f"{self.log.read_text()[-9000:]}")
+        return json.loads(self.out.read_text())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            kill_tree(self.proc)
+
+
 def run_configs(tmp_path, world_size, runs, timeout=900):
-    """Train each {"name", "argv", "params"} run in one launch of `world_size` processes."""
-    spec = tmp_path / f"spec_{world_size}_{abs(hash(json.dumps(runs))) % 10**8}.json"
-    out = spec.with_suffix(".out.json")
-    spec.write_text(json.dumps(runs))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    if world_size == 1:
-        cmd = [sys.executable, RUNNER, str(spec), str(out)]
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(world_size), "--master-port", str(_free_port()), RUNNER, str(spec), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    """Train each {"name", "argv", "params"} run in one launch of `world_size` processes.
+    A run with "after": [paths] starts once those files exist (another launch writes them)."""
+    return Launch(tmp_path, world_size, runs, timeout).result()
+
+
+def run_lanes(tmp_path, lanes, timeout=1800):
+    """Several launches at once: `lanes` is a list of lanes, each a list of
+    (world_size, runs) launched in turn; the lanes run side by side. On two cores one
+    launch leaves a core idle much of the time (a single process, or pipeline ranks
+    waiting for each other); two lanes keep both busy. Returns every run's results; the
+    first failure stops the other launches and is raised."""
+    import threading
+
+    results, failures, launches, lock = {}, [], [], threading.Lock()
+
+    def lane(steps):
+        for world_size, runs in steps:
+            with lock:
+                if failures:
+                    return
+                launch = Launch(tmp_path, world_size, runs, timeout)
+                launches.append(launch)
+            try:
+                out = launch.result()
+            except AssertionError as error:
+                with lock:
+                    failures.append(error)
+                    for other in launches:
+                        other.stop()
+                return
+            with lock:
+                results.update(out)
+
+    threads = [threading.Thread(target=lane, args=(steps,)) for steps in lanes if steps]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return results
 
 
 def init_checkpoint(tmp_path, model_flags):
@@ -64,6 +130,81 @@ def init_checkpoint(tmp_path, model_flags):
             "argv": model_flags + ["--train-iters", "0", "--save", str(directory), "--save-interval", "1000"],
         }])
     return ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
+
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def init_run(name, directory, model_flags):
+    """A run saving an iteration-0 checkpoint, and the flags that start from it; with
+    `Plan` the runs loading it wait for its tracker file (see `run_plans`)."""
+    run = {"name": name, "writes": str(directory / TRACKER), "argv": model_flags + [
+        "--train-iters", "0", "--save", str(directory), "--save-interval", "1000"]}
+    return run, ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
+
+
+class Plan:
+    """What one test module trains, to be run with other modules' plans (`run_plans`):
+    `inits`: runs of `init_run` (one process, before any run loading them); `runs`:
+    {world size: [runs]}, a run possibly with "after": [files another run writes]."""
+
+    def __init__(self, inits=(), runs=None):
+        self.inits, self.runs = list(inits), runs or {}
+
+
+def run_plans(tmp_path, plans):
+    """Train the runs of several modules' `Plan`s ({module name: plan}) in one launch per
+    world size, two lanes side by side (`run_lanes`); returns {module name: its results}.
+
+    Every launch imports torch and megatron-core in each of its processes (seconds of
+    CPU each): sharing the launches between the exactness suites saves a few dozen of
+    those. A run's name is prefixed with its module's, so names may repeat across
+    modules. The single-process launch starts with every init run; the other launches
+    start at once and wait for the checkpoints they load."""
+    by_world, writes = {}, []
+    for module, plan in plans.items():
+        for run in plan.inits:
+            by_world.setdefault(1, []).append(dict(run, name=f"{module}:{run['name']}"))
+            writes.append(run["writes"])
+    for module, plan in plans.items():
+        for world, runs in plan.runs.items():
+            by_world.setdefault(world, []).extend(
+                dict(run, name=f"{module}:{run['name']}",
+                     after=writes + list(run.get("after", ()))) for run in runs)
+    for runs in by_world.values():  # runs waiting for another launch go last in theirs
+        runs.sort(key=lambda run: bool(set(run.get("after", ())) - set(writes)))
+    results = run_lanes(tmp_path, _lanes(by_world))
+    split = {module: {} for module in plans}
+    for name, result in results.items():
+        module, _, run = name.partition(":")
+        split[module][run] = result
+    return split
+
+
+def _lanes(by_world):
+    """Two lanes of launches with about equal CPU (each process: ~5 s of imports, each
+    run ~0.4 s per process), each in increasing world size: the single-process launch
+    (the init runs) first. A launch never follows, in its lane, one it waits for."""
+    def cost(world):
+        return world * (5 + 0.4 * len(by_world[world]))
+
+    producer = {run["writes"]: world for world, runs in by_world.items() for run in runs
+                if "writes" in run}
+    waits = {world: {producer[path] for run in runs for path in run.get("after", ())
+                     if path in producer} - {world} for world, runs in by_world.items()}
+    worlds = sorted(by_world)
+    first, rest = worlds[0], worlds[1:]
+    best = None
+    for mask in range(2 ** len(rest)):
+        lanes = [[first], []]
+        for i, world in enumerate(rest):
+            lanes[(mask >> i) & 1].append(world)
+        if any(waits[lane[i]] & set(lane[i + 1:]) for lane in lanes for i in range(len(lane))):
+            continue
+        load = max(sum(cost(w) for w in lane) for lane in lanes)
+        if best is None or load < best[0]:
+            best = load, lanes
+    return [[(world, by_world[world]) for world in lane] for lane in best[1]]
 
 
 def assert_close_series(actual, expected, rtol, what):

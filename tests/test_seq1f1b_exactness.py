@@ -15,10 +15,10 @@ import pytest
 from distributed import (
     GQA_ROPE_SWIGLU,
     TINY_MODEL,
+    Plan,
     assert_close_series,
     assert_params_close,
-    init_checkpoint,
-    run_configs,
+    init_run,
 )
 from packed_documents import (
     CASES as DOCUMENT_CASES,
@@ -26,7 +26,6 @@ from packed_documents import (
     DOCUMENT_FLAGS,
     document_cases,
     with_corpus,
-    write_document_corpus,
 )
 from split_checks import check_reports, check_split_units
 
@@ -166,17 +165,14 @@ def _argv(model, batch, start, flags, corpus):
 UNMASKED = [flag for flag in DOCS if flag != "--reset-attention-mask"]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("seq1f1b")
-    corpus = str(tmp / "documents")
-    write_document_corpus(corpus, vocab_size=200)
-    starts = {}
+def plan(tmp, corpus):
+    """The runs (tests/conftest.py's `exactness_runs` trains them with the other
+    exactness suites'): every case, and the single-process references."""
+    inits, starts = [], {}
     for model, flags in MODELS.items():
-        sub = tmp / model
-        sub.mkdir()
-        base = flags + BATCHES["mbs1"]
-        starts[model] = init_checkpoint(sub, base)
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}",
+                                      flags + BATCHES["mbs1"])
+        inits.append(run)
     by_world = {1: [], 2: [], 4: [], 8: []}
     references = {"ref_A_mbs2_docs_unmasked": _argv("A", "mbs2", starts["A"], UNMASKED, corpus)}
     for name, (world, model, batch, layout, split_flags, extra) in CASES.items():
@@ -187,10 +183,12 @@ def results(tmp_path_factory):
             model, batch, starts[model], ref_extra, corpus)
     for ref, argv in references.items():
         by_world[1].append({"name": ref, "argv": argv, "params": True})
-    out = {}
-    for world, runs in by_world.items():
-        out.update(run_configs(tmp, world, runs))
-    return out
+    return Plan(inits, by_world)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
 
 
 def _unsplit_name(name):
