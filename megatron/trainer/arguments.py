@@ -55,6 +55,18 @@ class _Parser(argparse.ArgumentParser):
             return action.default
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help lines never broken inside a hyphenated word (flag names, megatron-core)."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(indent + line for line in self._split_lines(text, width - len(indent)))
+
+
 def _str2bool(value):
     return str(value).lower() in ("1", "true", "yes", "y", "on")
 
@@ -62,7 +74,7 @@ def _str2bool(value):
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(prog=os.path.basename(sys.argv[0]) or "pretrain_gpt.py",
                      description="GPT pretraining on megatron-core with Seq1F1B",
-                     allow_abbrev=False)
+                     allow_abbrev=False, formatter_class=_HelpFormatter)
 
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=False)
@@ -92,7 +104,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
+                   default=1e-5)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -170,6 +183,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's spelling of --recompute-granularity selective")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -177,7 +192,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved schedule: layers per model chunk (virtual stage)")
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+    g.add_argument("--virtual-pipeline-model-parallel-size",
+                   "--num-virtual-stages-per-pipeline-rank",
+                   dest="virtual_pipeline_model_parallel_size", type=int, default=None,
                    help="interleaved schedule: model chunks per pipeline rank")
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    default=None, help="interleaved schedule: microbatches each chunk runs "
@@ -278,7 +295,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="disable Python's automatic garbage collection; collect every "
                         "--manual-gc-interval iterations")
     g.add_argument("--manual-gc-interval", type=int, default=0)
-    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
                    help="with --manual-gc, do not collect around evaluation")
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
                    help="empty the CUDA cache after forward/backward (1) and after the "
@@ -628,11 +646,19 @@ def _check_model_shape(args):
         _require(args.max_position_embeddings >= args.seq_length,
                  f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
                  f"--seq-length ({args.seq_length}) with learned absolute positions")
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False  # as Megatron-LM: meaningless without TP
+    if args.sequence_parallel and tp == 1:  # as Megatron-LM, which says so too
+        args.sequence_parallel = False
+        args.flag_notes.append("note: disabling sequence parallelism (--sequence-parallel) "
+                               "because tensor model parallelism is disabled")
 
 
 def _check_recompute(args):
+    if args.recompute_activations:  # as Megatron-LM: it overrides --recompute-granularity
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity is None and args.recompute_num_layers is not None:
+        args.no_op_flags.append(("--recompute-num-layers", "only used with "
+                                 "--recompute-granularity full (as in Megatron-LM)"))
+        args.recompute_num_layers = None
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method {uniform,block}")
@@ -1014,7 +1040,8 @@ def _unknown_flag(parser, token):
     flag = token.split("=", 1)[0]
     known = [s for action in parser._actions for s in action.option_strings
              if s.startswith("--")]
-    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+    # only a near miss (a typo): a loose match proposes a flag of another meaning
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
     hint = f"; did you mean {close[0]}?" if close else f" (see `{parser.prog} --help`)"
     return f"unknown flag {flag}: neither this trainer nor its Megatron-LM lists know it{hint}"
 

@@ -6,7 +6,8 @@ script either runs (no-ops, shown in ``--help`` and noted once at start-up) or s
 with the reason and the alternative, never with "unrecognized arguments".
 """
 
-# flag -> (takes a value, reason shown in --help and in the start-up note)
+# flag -> (takes a value: False, True or "+" for one or more as in Megatron-LM; reason
+# shown in --help and in the start-up note)
 NO_OP_FLAGS = {
     "--use-mcore-models": (False, "models are always megatron-core's"),
     "--no-async-tensor-model-parallel-allreduce": (
@@ -54,6 +55,114 @@ NO_OP_FLAGS = {
     "--tensorboard-queue-size": (True, "TensorBoard's default queue is used"),
     "--log-world-size-to-tensorboard": (False, "the world size is printed at start-up"),
 }
+
+
+def _table(reason, flags):
+    """{flag: (takes a value, reason)} from 'flag' (no value), 'flag=V' (one value) and
+    'flag=V+' (one or more) words: a no-op flag consumes what Megatron-LM's consumes."""
+    table = {}
+    for word in flags.split():
+        flag, _, value = word.partition("=")
+        table[flag] = ("+" if value.endswith("+") else bool(value), reason)
+    return table
+
+
+for _reason, _flags in (
+    ("pure logging this trainer does not do (its iteration line and TensorBoard scalars "
+     "are listed in docs/megatron_lm.md)",
+     "--log-params-norm --log-num-zeros-in-grad --log-memory-to-tensorboard "
+     "--log-memory-interval=N --log-device-memory-used --log-max-attention-logit "
+     "--log-energy --logging-level=N --log-progress --config-logger-dir=DIR "
+     "--log-straggler --straggler-ctrlr-port=N --straggler-minmax-count=N "
+     "--disable-straggler-on-startup --run-workload-inspector-server "
+     "--one-logger-project=V --one-logger-run-name=V --one-logger-async "
+     "--app-tag-run-name=V --app-tag-run-version=V --wandb-entity=V"),
+    ("the loss scale is always written to TensorBoard here",
+     "--no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard"),
+    ("a profiler option this trainer's --profile trace does not record (use "
+     "--activation-memory-file for memory)",
+     "--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack "
+     "--pytorch-profiler-collect-chakra --record-memory-history --memory-snapshot-path=PATH "
+     "--record-shapes --nvtx-ranges"),
+    ("NCCL flight-recorder debugging dumps are not configured here",
+     "--flight-recorder-dump-path=PATH --flight-recorder-trace-buffer-size=N "
+     "--no-flight-recorder-dump-on-timeout --disable-flight-recorder-dump-on-timeout "
+     "--flight-recorder-include-stack-trace --no-flight-recorder-include-only-active "
+     "--disable-flight-recorder-include-only-active --no-flight-recorder-extra-dump-on-exec "
+     "--disable-flight-recorder-extra-dump-on-exec"),
+    ("TP communication overlap (--tp-comm-overlap, Transformer Engine userbuffers) is "
+     "never on here, and Megatron-LM ignores this flag without it",
+     "--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad --no-tp-comm-bulk-dgrad "
+     "--disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag "
+     "--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --no-tp-comm-split-ag "
+     "--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs"),
+    ("a kernel or fusion choice of Transformer Engine / megatron-core that is not used "
+     "here: the layers run in PyTorch with the same math",
+     "--cross-entropy-fusion-impl=V --fused-residual-rmsnorm "
+     "--use-transformer-engine-op-fuser --use-te-activation-func --flash-attention-version=N "
+     "--disable-jit-fuser --no-clone-scatter-output-in-embedding "
+     "--disable-clone-scatter-output-in-embedding --onnx-safe=V"),
+    ("a communication performance setting; megatron-core's defaults are used here",
+     "--pipeline-model-parallel-comm-backend=V --nccl-communicator-config-path=PATH "
+     "--use-sharp --sharp-enabled-group=V --high-priority-stream-groups=V+ "
+     "--disable-gloo-process-groups --use-nccl-ub --disable-symmetric-registration "
+     "--create-all-gather-group --symmetric-ar-type=V --ddp-num-buckets=N "
+     "--ddp-bucket-size=N --ddp-pad-buckets-for-high-nccl-busbw "
+     "--overlap-p2p-communication-warmup-flush --defer-embedding-wgrad-compute "
+     "--wgrad-deferral-limit=N --overlap-param-gather-with-optimizer-step "
+     "--no-align-param-gather --train-sync-interval=N"),
+    ("with --overlap-grad-reduce each pipeline stage here starts its reductions when its "
+     "own backward ends (Megatron-LM's --no-align-grad-reduce behaviour)",
+     "--no-align-grad-reduce --disable-align-grad-reduce"),
+    ("the local rank is read from LOCAL_RANK (set by torchrun)", "--local-rank=N"),
+    ("every process group keeps --distributed-timeout-minutes",
+     "--distributed-timeout-seconds-after-init=N"),
+    ("a debugging check that is not run here", "--check-weight-hash-across-dp-replicas-interval=N "
+     "--gpu-sniff-test-interval=N"),
+    ("only used by --optimizer sgd/muon/lion, which are not supported here (--optimizer "
+     "adam); Megatron-LM ignores it with adam too",
+     "--sgd-momentum=X --muon-momentum=X --muon-no-split-qkv --muon-nesterov "
+     "--muon-scale-mode=V --muon-fp32-matmul-prec=V --muon-coefficient-type=V "
+     "--muon-num-ns-steps=N --muon-tp-mode=V --muon-extra-scale-factor=X "
+     "--muon-scalar-optimizer=V --lion-beta1=X --lion-beta2=X --no-use-layer-wise-param-layout"),
+    ("only used by BERT/T5 datasets; Megatron-LM's GPT dataset ignores it too",
+     "--mask-prob=X --short-seq-prob=X"),
+    ("a dataset-building performance setting; megatron-core's builder defaults are used",
+     "--dataloader-fast-cache-load --dataloader-defer-npy-index-mmap "
+     "--num-dataset-builder-threads=N"),
+    ("a distributed-checkpoint performance setting; megatron-core's defaults are used",
+     "--ckpt-fully-parallel-load-exchange-algo=V --ckpt-fully-parallel-save-process-group=V "
+     "--ckpt-fully-parallel-load-process-group=V --ckpt-assume-constant-structure "
+     "--distrib-optim-fully-reshardable-mem-efficient"),
+    ("the sharding-integrity check of a distributed-checkpoint load stays on here",
+     "--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity"),
+    ("the distributed optimizer's state is always saved fully reshardable here",
+     "--dist-ckpt-optim-fully-reshardable"),
+    ("saves always carry checksums.json (size and sha256 of every file), verified at load",
+     "--verify-integrity"),
+    ("only for asynchronous saves, FSDP DTensor checkpoints or quantized (fp8/fp4) "
+     "parameters, none of which exist here",
+     "--dist-ckpt-workers=N --no-strict-fsdp-dtensor-load --disable-strict-fsdp-dtensor-load "
+     "--no-stream-ckpt-dequant --disable-stream-ckpt-dequant"),
+    ("--use-checkpoint-args takes the model shape only, never the tokenizer",
+     "--no-use-tokenizer-model-from-checkpoint-args "
+     "--disable-use-tokenizer-model-from-checkpoint-args"),
+    ("the Multi-Storage Client is never used (Megatron-LM: deprecated, no effect)",
+     "--disable-msc"),
+    # the original Seq1F1B fork's (Megatron-LM of 2023) flags that Megatron-LM dropped
+    ("gradients are reduced by megatron-core's DistributedDataParallel, with contiguous "
+     "buffers", "--DDP-impl=V --no-contiguous-buffers-in-local-ddp"),
+    ("the .bin/.idx files are read by megatron-core's indexed dataset (memory-mapped "
+     "unless --no-mmap-bin-files)", "--data-impl=V --mmap-warmup"),
+    ("the learning rate and the batch size are always written to TensorBoard here",
+     "--no-log-learnig-rate-to-tensorboard --log-batch-size-to-tensorboard"),
+    ("query-key layer scaling is never applied here (as with this flag)",
+     "--no-query-key-layer-scaling"),
+    ("p2p overlap is chosen by the schedule (interleaved stages overlap it)",
+     "--overlap-p2p-communication"),
+    ("the local rank is read from LOCAL_RANK (set by torchrun)", "--local_rank=N"),
+):
+    NO_OP_FLAGS.update(_table(_reason, _flags))
 
 # flag that takes a number, value that is accepted, reason and alternative otherwise
 SIZE_ONE_FLAGS = {
@@ -125,6 +234,159 @@ REFUSED_FLAGS = {
     "--use-ring-exchange-p2p": "ring-exchange p2p is not supported; drop it",
 }
 
+_NOT_YET = ("changes the model's math and is not implemented yet (a later change will add "
+            "it); drop it only if the model does not need it, else train this model with "
+            "Megatron-LM for now")
+_UNEVEN = ("uneven pipeline stages are not supported: --num-layers is divided evenly over "
+           "--pipeline-model-parallel-size; drop it")
+_MLA = ("multi-latent attention is not built here yet (issue #29); use "
+        "--group-query-attention")
+_CHANGES = ("not supported here, and ignoring it would change the model, the data, the "
+            "learning rate or what is saved; drop it")
+_FSDP = REFUSED_FLAGS["--use-torch-fsdp2"]
+_INFERENCE = REFUSED_FLAGS["--inference-"]
+_FP8 = REFUSED_FLAGS["--fp8-"]
+
+# flag (or prefix, ending in '-') words -> reason; each flag changes what a run computes,
+# reads or saves, so it is refused rather than ignored
+for _reason, _flags in (
+    (_NOT_YET, "--qk-layernorm --add-qkv-bias --squared-relu --rotary-interleaved "
+               "--use-rope-scaling --rope-scaling-factor --padded-vocab-size "
+               "--apply-residual-connection-post-layernorm --fp32-residual-connection "
+               "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
+               "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
+               "--apply-query-key-layer-scaling --window-size --window-attn-skip-freq "
+               "--no-rope-freq --rope-type --softmax-type --qk-l2-norm --attention-output-gate "
+               "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "
+               "--disable-pad-vocab-size --init-method-xavier-uniform "
+               "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
+               "--embedding-weights-in-fp32 "
+               "--disable-bf16-reduced-precision-matmul --yarn- --no-yarn- "
+               "--relative-attention-"),
+    (_MLA, "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor "
+           "--mscale --mscale-all-dim --cache-mla-latents --mla-down-proj-fusion --qk-clip "
+           "--qk-clip-"),
+    (_MOE, "--overlap-moe-expert-parallel-comm --delay-wgrad-compute "
+           "--overlap-dispatch-backward-with-experts-wgrad --ep-overlap-early-attn-memory-release "
+           "--use-fused-weighted-squared-relu --high-priority-a2a-comm-stream "
+           "--use-grouped-gemm-for-shared-expert --expert-tensor-parallel-num-weight-shards"),
+    ("multi-token prediction is not built here (it adds layers and a loss); drop it or "
+     "use Megatron-LM", "--mtp-"),
+    ("this attention or layer variant is not built here (standard softmax attention "
+     "only); use Megatron-LM", "--experimental-attention-variant --dsa- --no-dsa- "
+     "--disable-dsa- --linear- --use-kitchen-attention --kitchen-attention-backend "
+     "--mrope-section --is-hybrid-model --disable-mamba-mem-eff-path "
+     "--heterogeneous-"),
+    ("MuP parameterisation is not implemented (it changes initialisation, learning rates "
+     "and the attention scale); drop it", "--use-mup --mup-"),
+    (_UNEVEN, "--standalone-embedding-stage --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers "
+              "--pipeline-model-parallel-layout --account-for-embedding-in-pipeline-split "
+              "--account-for-loss-in-pipeline-split"),
+    (_FP8, "--fp4- --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
+           "--num-layers-at-end-in-bf16 --use-grouped-gemm-for-dense-mlp "
+           "--reuse-grad-buf-for-mxfp8-param-ag --keep-fp8-transpose-cache "
+           "--te-precision-config-file"),
+    (_FSDP, "--fsdp- --megatron-fsdp- --torch-fsdp2-no-reshard-after-forward "
+            "--enable-full-sharding-in-hsdp --data-parallel-sharding-strategy "
+            "--outer-dp-sharding-strategy --suggested-communication-unit-size "
+            "--init-model-with-meta-device"),
+    (_INFERENCE, "--flash-decode --nccl-all-reduce-for-prefill --mlp-chunks-for-prefill "
+                 "--max-tokens-to-oom --output-bert-embeddings --use-legacy-static-engine "
+                 "--decode-only-cuda-graphs --enable-chunked-prefill --num-speculative-tokens "
+                 "--no-inference- --use-same-sampling-seed-across-dp-ranks"),
+    (REFUSED_FLAGS["--enable-cuda-graph"], "--cuda-graph- --external-cuda-graph "
+                                           "--optimizer-cuda-graph"),
+    ("activation and optimizer CPU offloading are not supported here; use "
+     "--recompute-granularity to save memory", "--cpu-offloading- "
+     "--fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size "
+     "--delay-offload-until-cuda-graph --delta-offload-bytes-across-pp-ranks "
+     "--activation-offload-fraction --fine-grained-offloading-max-inflight-offloads "
+     "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
+     "--overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params"),
+    ("RL training is not part of this trainer (GPT pretraining only); use Megatron-LM",
+     "--rl- --no-rl- --grpo- --langrl-env-config --perform-rl-step --refit-method"),
+    ("supervised fine-tuning datasets are not built here; use Megatron-LM", "--sft"
+     " --sft-tokenizer-prompt-format"),
+    ("knowledge distillation from saved logits is not supported here", "--logits-"),
+    ("fill-in-the-middle datasets are not built here; preprocess FIM samples offline",
+     "--fim-"),
+    ("fault-tolerance and restart packages (nvidia-resiliency-ext, ADLR autoresume) are "
+     "not used here; use --exit-signal-handler and --exit-duration-in-mins with a "
+     "restarting launcher", "--inprocess- --enable-ft-package --calc-ft-timeouts "
+     "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector- --exit-signal "
+     "--exit-signal-handler-for-training"),
+    ("Megatron-LM's rerun engine (result validation, error injection, spiky-loss and "
+     "large-gradient checks) is not implemented; the NaN/inf check is "
+     "(--check-for-nan-in-loss-and-grad)", "--rerun-mode --error-injection-rate "
+     "--error-injection-type --check-for-spiky-loss --check-for-large-grads "
+     "--result-rejected-tracker-filename"),
+    (_OTHER_MODEL, "--titles-data-path --query-in-block-prob --use-one-sent-docs "
+                   "--evidence-data-path --block-data-path --embedding-path --indexer- "
+                   "--num-classes --img-h --img-w --num-channels --patch-dim "
+                   "--classes-fraction --data-per-class-fraction --no-data-sharding "
+                   "--head-lr-mult --swin-backbone-type --mask-type --mask-factor "
+                   "--iter-per-epoch"),
+    ("non-persistent, local and replicated checkpoints are not supported: checkpoints "
+     "here are torch_dist saves in --save every --save-interval",
+     "--non-persistent- --persistent-save-interval --replication --replication-jump "
+     "--replication-factor --save-retain-interval"),
+    ("asynchronous saves are not supported: checkpoints are written synchronously; drop "
+     "it", "--async-strategy --use-persistent-ckpt-worker --async-ckpt-"),
+    ("this trainer's datasets come from --data-path and --split only; give the blend "
+     "there", "--train-data-path --valid-data-path --test-data-path --data-args-path "
+     "--per-split-data-args-path --per-dataset-sequences-path --phase-transition-iterations "
+     "--mid-level-dataset-surplus --sample-rate --object-storage-cache-path --enable-msc "
+     "--dataloader-type"),
+    ("documents are separated in attention by --reset-attention-mask here",
+     "--dataloader-inter-document-masking"),
+    ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
+     "--tokenizer-model only; this option would change the token ids",
+     "--vocab-extra-ids --tokenizer-metadata --tokenizer-special-tokens "
+     "--tiktoken-num-special-tokens --tokenizer-sentencepiece-legacy "
+     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
+     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast "
+     "--tokenizer-hf-no-include-special-tokens --trust-remote-code "
+     "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template "
+     "--allow-ambiguous-pad-tokens"),
+    ("not implemented yet: a resumed run keeps the scheduler values of the command line "
+     "and megatron-core checks them against the checkpoint's (Megatron-LM's default); "
+     "pass the same learning-rate flags as the saved run",
+     "--override-opt_param-scheduler --override-opt-param-scheduler "
+     "--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler"),
+    ("evaluation here runs --eval-iters batches of the training batch shape every "
+     "--eval-interval iterations; this evaluation option is not implemented",
+     "--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size --skip-train "
+     "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
+    ("activation recomputation here recomputes core attention (selective, Megatron-LM's "
+     "default module) or whole layers (full); other modules are not supported",
+     "--recompute-modules --mlp-chunks-for-training"),
+    ("deprecated in Megatron-LM, which stops on it: use --micro-batch-size",
+     "--batch-size"),
+    ("deprecated in Megatron-LM, which stops on it: use --lr-warmup-fraction or "
+     "--lr-warmup-iters", "--warmup"),
+    ("deprecated in Megatron-LM, which stops on it: use --tensor-model-parallel-size",
+     "--model-parallel-size"),
+    ("deprecated in Megatron-LM, which stops on it: use --recompute-activations or "
+     "--recompute-granularity with --recompute-method", "--checkpoint-activations"),
+    ("deprecated in Megatron-LM: use --ckpt-format torch_dist", "--dist-ckpt-format"),
+    (_CHANGES, "--no-initialization --deterministic-mode --batch-invariant-mode "
+               "--decrease-batch-size-if-needed --iterations-to-skip --freeze-all-layers "
+               "--dump-param-to-param-group-map --save-params-interval "
+               "--save-activations-interval --save-tokens-per-expert-interval "
+               "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "
+               "--pretrained-checkpoint --ckpt-step --use-mp-args-from-checkpoint-args "
+               "--ckpt-convert- --dist-ckpt-strictness --dist-ckpt-save-pre-mcore-014 "
+               "--override-ckpt-iteration --lazy-mpu-init --use-tp-pp-dp-mapping "
+               "--ddp-reduce-scatter-with-fp32-accumulation "
+               "--ddp-param-name-patterns-for-fp32-local-accumulation "
+               "--ddp-average-in-collective --no-gradient-reduce-div-fusion "
+               "--num-distributed-optimizer-instances --fake-process-group "
+               "--tensor-parallel-num-weight-shards --max-seqlen-per-dp-cp-rank "
+               "--enable-experimental --use-precision-aware-optimizer --main-grads-dtype "
+               "--main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype"),
+):
+    REFUSED_FLAGS.update(dict.fromkeys(_flags.split(), _reason))
+
 
 def refusal_for(flag: str):
     """The reason a Megatron-LM flag is refused here, or None."""
@@ -150,8 +412,9 @@ def take_refused(argv):
             continue
         refused.append((flag, reason))
         index += 1
-        # a value follows unless the next token is another flag (numbers may be negative)
-        if "=" not in token and index < len(argv) and not _is_flag(argv[index]):
+        # its values (the tokens up to the next flag: numbers may be negative; this
+        # command line has no positional arguments)
+        while "=" not in token and index < len(argv) and not _is_flag(argv[index]):
             index += 1
     return rest, refused
 
@@ -174,7 +437,8 @@ def add_no_op_flags(parser):
     for flag, (takes_value, reason) in NO_OP_FLAGS.items():
         dest = "noop_" + flag.lstrip("-").replace("-", "_")
         if takes_value:
-            group.add_argument(flag, dest=dest, default=None, metavar="VALUE", help=reason)
+            group.add_argument(flag, dest=dest, default=None, metavar="VALUE", help=reason,
+                               nargs=None if takes_value is True else takes_value)
         else:
             group.add_argument(flag, dest=dest, action="store_true", help=reason)
     group = parser.add_argument_group(
