@@ -41,6 +41,10 @@ OUR_FLAGS = {flag for action in build_parser()._actions for flag in action.optio
              if not action.dest.startswith("noop_")}
 
 
+def parse(*flags, world_size=1):
+    return parse_args(GOOD + list(flags), world_size=world_size, cuda_available=False)
+
+
 @functools.lru_cache(maxsize=None)
 def megatron_lm_actions():
     """{option string: argparse action} of Megatron-LM's own pretrain_gpt.py parser."""
@@ -153,10 +157,6 @@ def test_did_you_mean_proposes_only_near_misses():
     # a loose match proposed --no-persist-layer-norm for --log-params-norm once
     far = problems("--log-weight-norm")[0]
     assert "did you mean" not in far and "unknown flag --log-weight-norm" in far
-
-
-def parse(*flags, world_size=1):
-    return parse_args(GOOD + list(flags), world_size=world_size, cuda_available=False)
 
 
 def test_megatron_lm_spellings_and_ignored_values():

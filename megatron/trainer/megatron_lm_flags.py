@@ -3,7 +3,10 @@
 A Megatron-LM launch script carries flags for fusions, deprecated switches and
 features this trainer does not build. Each one is listed here with the reason, so the
 script either runs (no-ops, shown in ``--help`` and noted once at start-up) or stops
-with the reason and the alternative, never with "unrecognized arguments".
+with the reason and the alternative, never with "unrecognized arguments". A flag that
+would change the model's math, the data, the learning rate or what is saved is never a
+no-op. tests/test_megatron_lm_flag_coverage.py checks every flag of Megatron-LM's own
+parser (and of the original Seq1F1B fork's) against these tables.
 """
 
 # flag -> (takes a value: False, True or "+" for one or more as in Megatron-LM; reason
@@ -76,7 +79,9 @@ for _reason, _flags in (
      "--log-straggler --straggler-ctrlr-port=N --straggler-minmax-count=N "
      "--disable-straggler-on-startup --run-workload-inspector-server "
      "--one-logger-project=V --one-logger-run-name=V --one-logger-async "
-     "--app-tag-run-name=V --app-tag-run-version=V --wandb-entity=V"),
+     "--app-tag-run-name=V --app-tag-run-version=V"),
+    ("not passed to wandb here: runs go to the entity of WANDB_ENTITY, else your default",
+     "--wandb-entity=V"),
     ("the loss scale is always written to TensorBoard here",
      "--no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard"),
     ("a profiler option this trainer's --profile trace does not record (use "
@@ -99,10 +104,14 @@ for _reason, _flags in (
     ("a kernel or fusion choice of Transformer Engine / megatron-core that is not used "
      "here: the layers run in PyTorch with the same math",
      "--cross-entropy-fusion-impl=V --fused-residual-rmsnorm "
-     "--use-transformer-engine-op-fuser --use-te-activation-func --flash-attention-version=N "
-     "--disable-jit-fuser --no-clone-scatter-output-in-embedding "
-     "--disable-clone-scatter-output-in-embedding --onnx-safe=V"),
-    ("a communication performance setting; megatron-core's defaults are used here",
+     "--use-transformer-engine-op-fuser --use-te-activation-func --disable-jit-fuser"),
+    ("the installed flash-attn is used (--attention-backend flash)",
+     "--flash-attention-version=N"),
+    ("a memory detail of megatron-core's embedding under sequence parallelism; its default "
+     "(clone the output) is kept", "--no-clone-scatter-output-in-embedding "
+     "--disable-clone-scatter-output-in-embedding"),
+    ("models are not exported to ONNX here", "--onnx-safe=V"),
+    ("a communication or overlap performance setting; megatron-core's default is used here",
      "--pipeline-model-parallel-comm-backend=V --nccl-communicator-config-path=PATH "
      "--use-sharp --sharp-enabled-group=V --high-priority-stream-groups=V+ "
      "--disable-gloo-process-groups --use-nccl-ub --disable-symmetric-registration "
@@ -132,12 +141,12 @@ for _reason, _flags in (
      "--num-dataset-builder-threads=N"),
     ("a distributed-checkpoint performance setting; megatron-core's defaults are used",
      "--ckpt-fully-parallel-load-exchange-algo=V --ckpt-fully-parallel-save-process-group=V "
-     "--ckpt-fully-parallel-load-process-group=V --ckpt-assume-constant-structure "
-     "--distrib-optim-fully-reshardable-mem-efficient"),
+     "--ckpt-fully-parallel-load-process-group=V --ckpt-assume-constant-structure"),
     ("the sharding-integrity check of a distributed-checkpoint load stays on here",
      "--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity"),
-    ("the distributed optimizer's state is always saved fully reshardable here",
-     "--dist-ckpt-optim-fully-reshardable"),
+    ("the distributed optimizer's state is always saved fully reshardable (by the "
+     "memory-efficient gloo path) here", "--dist-ckpt-optim-fully-reshardable "
+     "--distrib-optim-fully-reshardable-mem-efficient"),
     ("saves always carry checksums.json (size and sha256 of every file), verified at load",
      "--verify-integrity"),
     ("only for asynchronous saves, FSDP DTensor checkpoints or quantized (fp8/fp4) "
@@ -178,8 +187,10 @@ SIZE_ONE_FLAGS = {
         "models with Megatron-LM"),
 }
 
-_MOE = ("mixture-of-experts layers are not built by this trainer (dense GPT only); drop "
-        "the MoE flags or train MoE models with Megatron-LM")
+_MOE = ("mixture-of-experts layers are not built by this trainer yet (dense GPT only; "
+        "issue #29 adds them); drop the MoE flags or train MoE models with Megatron-LM")
+_MLA = ("multi-latent attention is not built here yet (issue #29); use "
+        "--group-query-attention")
 _ENCODER = ("encoder-decoder and encoder models are not built here (decoder-only GPT); "
             "drop the flag or use Megatron-LM")
 _OTHER_MODEL = ("this model family is not built here (decoder-only GPT only); "
@@ -198,10 +209,9 @@ REFUSED_FLAGS = {
     "--decoder-num-layers": _ENCODER,
     "--decoder-seq-length": _ENCODER,
     "--pipeline-model-parallel-split-rank": _ENCODER,
-    "--multi-latent-attention": ("multi-latent attention is not built here; use "
-                                 "--group-query-attention"),
-    "--q-lora-rank": "multi-latent attention is not built here; use --group-query-attention",
-    "--kv-lora-rank": "multi-latent attention is not built here; use --group-query-attention",
+    "--multi-latent-attention": _MLA,
+    "--q-lora-rank": _MLA,
+    "--kv-lora-rank": _MLA,
     "--hybrid-": "Mamba/hybrid models are not built here (transformer GPT only)",
     "--mamba-": "Mamba/hybrid models are not built here (transformer GPT only)",
     "--spec": "custom layer specs are not loaded from the command line here",
@@ -239,8 +249,6 @@ _NOT_YET = ("changes the model's math and is not implemented yet (a later change
             "Megatron-LM for now")
 _UNEVEN = ("uneven pipeline stages are not supported: --num-layers is divided evenly over "
            "--pipeline-model-parallel-size; drop it")
-_MLA = ("multi-latent attention is not built here yet (issue #29); use "
-        "--group-query-attention")
 _CHANGES = ("not supported here, and ignoring it would change the model, the data, the "
             "learning rate or what is saved; drop it")
 _FSDP = REFUSED_FLAGS["--use-torch-fsdp2"]
