@@ -121,17 +121,6 @@ def run_lanes(tmp_path, lanes, timeout=1800):
     return results
 
 
-def init_checkpoint(tmp_path, model_flags):
-    """A shared iteration-0 checkpoint so every layout starts from the same weights."""
-    directory = tmp_path / "init_ckpt"
-    if not (directory / "latest_checkpointed_iteration.txt").exists():
-        run_configs(tmp_path, 1, [{
-            "name": "init",
-            "argv": model_flags + ["--train-iters", "0", "--save", str(directory), "--save-interval", "1000"],
-        }])
-    return ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
-
-
 TRACKER = "latest_checkpointed_iteration.txt"
 
 

@@ -15,17 +15,17 @@ import pytest
 from distributed import (
     GQA_ROPE_SWIGLU,
     TINY_MODEL,
+    TRACKER,
+    Plan,
     assert_close_series,
     assert_params_close,
-    init_checkpoint,
-    run_configs,
+    init_run,
 )
 from packed_documents import (
     CASES as DOCUMENT_CASES,
     DOCUMENT_FLAGS,
     document_cases,
     with_corpus,
-    write_document_corpus,
 )
 from split_checks import check_reports, check_split_units
 
@@ -96,38 +96,41 @@ def reference_name(model, batch, extra):
     return f"ref_{model}_{batch}{'' if extra in ('_sp', '_chunked') else extra}"
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("interleaved")
-    corpus = str(tmp / "documents")
-    write_document_corpus(corpus, vocab_size=200)
-    starts = {}
+def plan(tmp, corpus):
+    """The runs (tests/conftest.py's `exactness_runs` trains them with the other
+    exactness suites'): every case, the single-process references, and the saved
+    interleaved checkpoint reloaded into one process (once it is written)."""
+    inits, starts = [], {}
     for model, flags in MODELS.items():
-        sub = tmp / model
-        sub.mkdir()
-        starts[model] = init_checkpoint(sub, flags + BATCHES["mbs1"])
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}",
+                                      flags + BATCHES["mbs1"])
+        inits.append(run)
     by_world = {1: [], 2: [], 4: [], 8: []}
     references = {}
     saved_dir = tmp / "saved_interleaved"
     for name, (world, model, batch, lay, split_flags, extra) in CASES.items():
         argv = with_corpus(MODELS[model] + BATCHES[batch] + starts[model] + lay + split_flags
                            + EXTRAS[extra], corpus)
-        if name == SAVED:
+        if name == SAVED:  # first in its launch: the reload below waits for it
             argv += ["--save", str(saved_dir), "--save-interval", "1000"]
-        by_world[world].append({"name": name, "argv": argv, "params": True})
+            by_world[world].insert(0, {"name": name, "argv": argv, "params": True,
+                                       "writes": str(saved_dir / TRACKER)})
+        else:
+            by_world[world].append({"name": name, "argv": argv, "params": True})
         ref_extra = "" if extra in ("_sp", "_chunked") else extra
         references[reference_name(model, batch, extra)] = with_corpus(
             MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[ref_extra], corpus)
     for ref, argv in references.items():
         by_world[1].append({"name": ref, "argv": argv, "params": True})
-    out = {}
-    for world in (2, 4, 8, 1):
-        out.update(run_configs(tmp, world, by_world[world]))
     # the interleaved checkpoint (model0/model1 per rank) into one process: no more steps
-    out.update(run_configs(tmp, 1, [{
-        "name": "reloaded", "params": True,
-        "argv": MODEL_A + BATCHES["mbs1"] + ["--load", str(saved_dir)]}]))
-    return out
+    by_world[1].append({"name": "reloaded", "params": True, "after": [str(saved_dir / TRACKER)],
+                        "argv": MODEL_A + BATCHES["mbs1"] + ["--load", str(saved_dir)]})
+    return Plan(inits, by_world)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
 
 
 @pytest.mark.parametrize("name", list(CASES))

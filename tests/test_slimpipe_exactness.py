@@ -8,9 +8,9 @@ steps within 1e-5, and the per-microbatch loss reports the schedule returns. The
 stage's recorded units show every microbatch ran as n slices in each of its model
 chunks; the packed-document cases run on a corpus holding every split case.
 
-Three launches in all (the CI budget is tight): one process for the initial
-checkpoints and the references, then every pp=2 case in one 2-process launch and every
-4-process case in one 4-process launch. Which grid cell each case covers:
+The runs share their launches with the other exactness suites (tests/conftest.py's
+`exactness_runs`: one launch per world size, the CI budget is tight). Which grid cell
+each case covers:
 
 ======================  ====  ===  ======  ==  ====  ==============================
 case                    pp    v    n       tp  mbs   also
@@ -44,16 +44,16 @@ import pytest
 from distributed import (
     GQA_ROPE_SWIGLU,
     TINY_MODEL,
+    Plan,
     assert_close_series,
     assert_params_close,
-    run_configs,
+    init_run,
 )
 from packed_documents import (
     CASES as DOCUMENT_CASES,
     DOCUMENT_FLAGS,
     document_cases,
     with_corpus,
-    write_document_corpus,
 )
 from split_checks import check_reports, check_split_units
 
@@ -118,18 +118,15 @@ def reference_name(model, batch, extra):
     return f"ref_{model}_{batch}{reference_extra(extra)}"
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("slimpipe")
-    corpus = str(tmp / "documents")
-    write_document_corpus(corpus, vocab_size=200)
-    single, starts = [], {}
+def plan(tmp, corpus):
+    """The runs (tests/conftest.py's `exactness_runs` trains them with the other
+    exactness suites'): every case and the single-process references."""
+    inits, starts = [], {}
     for model, flags in MODELS.items():
-        directory = tmp / f"init_{model}"
-        single.append({"name": f"init_{model}", "argv": flags + BATCHES["m1"][:4] + [
-            "--train-iters", "0", "--save", str(directory), "--save-interval", "1000"]})
-        starts[model] = ["--load", str(directory), "--no-load-optim", "--no-load-rng"]
-    by_world = {2: [], 4: []}
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}",
+                                      flags + BATCHES["m1"][:4])
+        inits.append(run)
+    by_world = {1: [], 2: [], 4: []}
     references = {}
     for name, (world, model, batch, lay, schedule, extra) in CASES.items():
         argv = with_corpus(MODELS[model] + BATCHES[batch] + starts[model] + lay + schedule
@@ -139,11 +136,13 @@ def results(tmp_path_factory):
             MODELS[model] + BATCHES[batch] + starts[model] + EXTRAS[reference_extra(extra)],
             corpus)
     for ref, argv in references.items():
-        single.append({"name": ref, "argv": argv, "params": True})
-    out = run_configs(tmp, 1, single)  # the checkpoints first, then the references
-    for world in (2, 4):
-        out.update(run_configs(tmp, world, by_world[world]))
-    return out
+        by_world[1].append({"name": ref, "argv": argv, "params": True})
+    return Plan(inits, by_world)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
 
 
 @pytest.mark.distributed

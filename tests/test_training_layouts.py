@@ -10,10 +10,10 @@ import pytest
 
 from distributed import (
     TINY_MODEL,
+    Plan,
     assert_close_series,
     assert_params_close,
-    init_checkpoint,
-    run_configs,
+    init_run,
 )
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
@@ -22,27 +22,30 @@ FLAGS = TINY_MODEL + ["--global-batch-size", "8", "--micro-batch-size", "2",
                       "--train-iters", "3", "--clip-grad", "1.0", "--weight-decay", "0.01"]
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("layouts")
-    start = FLAGS + init_checkpoint(tmp, FLAGS)
+def plan(tmp, corpus):
+    """The runs (tests/conftest.py's `exactness_runs` trains them with the other
+    exactness suites')."""
+    init, load = init_run("init", tmp / "init_ckpt", FLAGS)
+    start = FLAGS + load
 
     def run(name, extra):
         return {"name": name, "argv": start + extra, "params": True}
 
-    results = run_configs(tmp, 1, [run("pp1", [])])
-    results.update(run_configs(tmp, 2, [
-        run("pp2", ["--pipeline-model-parallel-size", "2"]),
-        run("tp2", ["--tensor-model-parallel-size", "2"]),
-        run("dp2", []),
-        run("dp2_distopt", ["--use-distributed-optimizer"]),
-    ]))
-    results.update(run_configs(tmp, 4, [
-        run("pp4", ["--pipeline-model-parallel-size", "4"]),
-        run("tp2pp2", ["--tensor-model-parallel-size", "2",
-                       "--pipeline-model-parallel-size", "2"]),
-    ]))
-    return results
+    return Plan([init], {
+        1: [run("pp1", [])],
+        2: [run("pp2", ["--pipeline-model-parallel-size", "2"]),
+            run("tp2", ["--tensor-model-parallel-size", "2"]),
+            run("dp2", []),
+            run("dp2_distopt", ["--use-distributed-optimizer"])],
+        4: [run("pp4", ["--pipeline-model-parallel-size", "4"]),
+            run("tp2pp2", ["--tensor-model-parallel-size", "2",
+                           "--pipeline-model-parallel-size", "2"])],
+    })
+
+
+@pytest.fixture(scope="module")
+def layouts(exactness_runs):
+    return exactness_runs[__name__]
 
 
 @pytest.mark.parametrize("layout", ["pp2", "tp2", "dp2", "dp2_distopt", "pp4", "tp2pp2"])
