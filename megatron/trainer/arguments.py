@@ -182,7 +182,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recompute unit with --recompute-granularity full; "
+                        "without a granularity it has no effect (as in Megatron-LM; noted)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron-LM's spelling of --recompute-granularity selective")
 
