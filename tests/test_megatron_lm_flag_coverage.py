@@ -38,7 +38,7 @@ SEQ1F1B_FORK_FLAGS = {
     "--standalone-embedding-stage": 0,
 }
 OUR_FLAGS = {flag for action in build_parser()._actions for flag in action.option_strings
-             if not action.dest.startswith("noop_")}
+             if not action.dest.startswith("noop")}
 
 
 def parse(*flags, world_size=1):
@@ -94,9 +94,10 @@ def outcome(flag, values):
         if flag in OUR_FLAGS:  # implemented: a check refused this value (or this layout)
             return "implemented"
         return "broken: " + "; ".join(problems)
-    if flag in {given for given, _ in args.no_op_flags}:
-        return "no-op"
-    return "implemented"
+    noted = {given for given, _ in args.no_op_flags}
+    if noted - {flag}:
+        return f"broken: the start-up note names {sorted(noted - {flag})} too"
+    return "no-op" if flag in noted else "implemented"
 
 
 def _takes(nargs):

@@ -443,7 +443,7 @@ def add_no_op_flags(parser):
         "Each is accepted so that Megatron-LM launch scripts run unchanged; the reason "
         "says why it changes nothing here. A note at start-up lists the ones given.")
     for flag, (takes_value, reason) in NO_OP_FLAGS.items():
-        dest = "noop_" + flag.lstrip("-").replace("-", "_")
+        dest = _no_op_dest(flag)
         if takes_value:
             group.add_argument(flag, dest=dest, default=None, metavar="VALUE", help=reason,
                                nargs=None if takes_value is True else takes_value)
@@ -460,11 +460,15 @@ def add_no_op_flags(parser):
                            help=f"only 1 is accepted: {reason}")
 
 
+def _no_op_dest(flag):
+    return "noop" + flag  # the flag itself: --local-rank and --local_rank stay apart
+
+
 def no_op_flags_given(args):
     """(flag, reason) for every no-op flag on the command line."""
     given = []
     for flag, (takes_value, reason) in NO_OP_FLAGS.items():
-        value = getattr(args, "noop_" + flag.lstrip("-").replace("-", "_"), None)
+        value = getattr(args, _no_op_dest(flag), None)
         if (value is not None) if takes_value else value:
             given.append((flag, reason))
     return given
