@@ -104,7 +104,7 @@ for _reason, _flags in (
     ("a kernel or fusion choice of Transformer Engine / megatron-core that is not used "
      "here: the layers run in PyTorch with the same math",
      "--cross-entropy-fusion-impl=V --fused-residual-rmsnorm "
-     "--use-transformer-engine-op-fuser --use-te-activation-func --disable-jit-fuser"),
+     "--use-transformer-engine-op-fuser --disable-jit-fuser"),
     ("the installed flash-attn is used (--attention-backend flash)",
      "--flash-attention-version=N"),
     ("a memory detail of megatron-core's embedding under sequence parallelism; its default "
@@ -304,6 +304,8 @@ for _reason, _flags in (
                  "--no-inference- --use-same-sampling-seed-across-dp-ranks"),
     (REFUSED_FLAGS["--enable-cuda-graph"], "--cuda-graph- --external-cuda-graph "
                                            "--optimizer-cuda-graph"),
+    ("Transformer Engine's activation kernels are not used here (PyTorch's run, whose "
+     "values may differ); drop it", "--use-te-activation-func"),
     ("activation and optimizer CPU offloading are not supported here; use "
      "--recompute-granularity to save memory", "--cpu-offloading- "
      "--fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size "
