@@ -287,8 +287,8 @@ for _reason, _flags in (
      "--heterogeneous-"),
     ("MuP parameterisation is not implemented (it changes initialisation, learning rates "
      "and the attention scale); drop it", "--use-mup --mup-"),
-    (_UNEVEN, "--standalone-embedding-stage --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers "
-              "--pipeline-model-parallel-layout --account-for-embedding-in-pipeline-split "
+    (_UNEVEN, "--standalone-embedding-stage --decoder-first-pipeline-num-layers "
+              "--decoder-last-pipeline-num-layers --pipeline-model-parallel-layout --account-for-embedding-in-pipeline-split "
               "--account-for-loss-in-pipeline-split"),
     (_FP8, "--fp4- --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
            "--num-layers-at-end-in-bf16 --use-grouped-gemm-for-dense-mlp "
@@ -323,8 +323,8 @@ for _reason, _flags in (
     ("fault-tolerance and restart packages (nvidia-resiliency-ext, ADLR autoresume) are "
      "not used here; use --exit-signal-handler and --exit-duration-in-mins with a "
      "restarting launcher", "--inprocess- --enable-ft-package --calc-ft-timeouts "
-     "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector- --exit-signal "
-     "--exit-signal-handler-for-training"),
+     "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector- "
+     "--exit-signal --exit-signal-handler-for-training"),
     ("Megatron-LM's rerun engine (result validation, error injection, spiky-loss and "
      "large-gradient checks) is not implemented; the NaN/inf check is "
      "(--check-for-nan-in-loss-and-grad)", "--rerun-mode --error-injection-rate "
