@@ -77,23 +77,26 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 
 
 def _swap_torch_norms(submodules):
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
+    for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
         if getattr(submodules, name, None) is WrappedTorchNorm:
             setattr(submodules, name, SequenceParallelTorchNorm)
 
 
 def split_aware_local_spec(config, normalization: str = "LayerNorm",
                            attention_backend: str = "auto", vp_stage=None,
-                           kv_cache: str = "buffer"):
+                           kv_cache: str = "buffer", qk_layernorm: bool = False):
     """megatron-core's local GPT spec with split-aware core attention, as a block spec
     for this pipeline stage (its final norm, too, must support sequence parallel).
-    `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked"."""
-    spec = get_gpt_layer_local_spec(normalization=normalization)
+    `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked".
+    `qk_layernorm` (--qk-layernorm): per-head query and key norms, applied to each
+    split's own tokens before RoPE and the KV cache (a norm is per token)."""
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.module = SplitSelfAttention
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SplitCausalAttention,
         params={"backend_name": attention_backend, "kv_cache": kv_cache})
     _swap_torch_norms(spec.submodules)
+    _swap_torch_norms(spec.submodules.self_attention.submodules)
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=SequenceParallelTorchNorm)

@@ -102,7 +102,22 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="LayerNorm weights centred on zero (gamma = 1 + weight)")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... instead of the "
+                        "two halves of each head (as in Megatron-LM)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.x RoPE frequency scaling (megatron-core's rope_scaling)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the Llama-3.x RoPE scaling factor of --use-rope-scaling")
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="squared ReLU activation in the MLP instead of GeLU (not with --swiglu)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys per head (--normalization's norm) before "
+                        "RoPE, as Qwen3")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="bias in the QKV projection only, also with --disable-bias-linear "
+                        "(Qwen2.5); implied by biased linear layers, as in Megatron-LM")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float,
                    default=1e-5)
@@ -638,6 +653,12 @@ def _check_model_shape(args):
                  f"--tensor-model-parallel-size ({tp})")
     else:
         args.num_query_groups = args.num_attention_heads
+    _require(not (args.squared_relu and args.swiglu),
+             "--squared-relu and --swiglu are two MLP activations; keep one")
+    _require(not args.use_rope_scaling or args.position_embedding_type == "rope",
+             "--use-rope-scaling scales RoPE: it needs --position-embedding-type rope")
+    if not args.disable_bias_linear:  # as Megatron-LM: biased linear layers bias QKV too
+        args.add_qkv_bias = True
     if args.ffn_hidden_size is None:
         # Megatron-LM's defaults: 4h, or the SwiGLU-adjusted 8h/3 rounded to 64
         args.ffn_hidden_size = (int(args.hidden_size * 4 * 2 / 3 / 64) * 64 if args.swiglu

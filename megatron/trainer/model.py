@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.trainer import device
@@ -16,6 +17,16 @@ def params_dtype(args):
     if args.fp16:
         return torch.float16
     return torch.float32
+
+
+def activation_func(args):
+    """The MLP activation as Megatron-LM picks it: SiLU (gated) with --swiglu, squared
+    ReLU with --squared-relu, else GeLU."""
+    if args.swiglu:
+        return F.silu
+    if getattr(args, "squared_relu", False):
+        return squared_relu
+    return F.gelu
 
 
 def transformer_config_from_args(args) -> TransformerConfig:
@@ -34,8 +45,12 @@ def transformer_config_from_args(args) -> TransformerConfig:
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=activation_func(args),
         add_bias_linear=not args.disable_bias_linear,
+        # Megatron-LM's meaning: QKV bias also without biased linear layers (Qwen2.5)
+        add_qkv_bias=getattr(args, "add_qkv_bias", False) or not args.disable_bias_linear,
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        rotary_interleaved=getattr(args, "rotary_interleaved", False),
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -76,10 +91,11 @@ def layer_spec(args, config, vp_stage=None):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     return split_aware_local_spec(config, normalization=args.normalization,
                                   attention_backend=args.attention_backend, vp_stage=vp_stage,
-                                  kv_cache=args.seq1f1b_kv_cache)
+                                  kv_cache=args.seq1f1b_kv_cache,
+                                  qk_layernorm=getattr(args, "qk_layernorm", False))
 
 
 def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
@@ -95,6 +111,8 @@ def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_sta
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         vp_stage=vp_stage,
     )
 

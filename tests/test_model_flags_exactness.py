@@ -1,0 +1,103 @@
+"""Megatron-LM's model flags (issue #28 point 2) are exact under Seq1F1B: pp=2 with
+sequence splits reproduces pp=2 unsplit and a single process, as tests/test_seq1f1b_exactness.py
+asserts (loss, grad norm and validation loss per iteration within 1e-5, every parameter
+after the steps within 1e-5, every microbatch run in splits that tile the sequence).
+
+Two tiny models cover every flag (the unit checks are in tests/test_model_flags.py):
+
+* Q ("Qwen-like"): GQA, RoPE interleaved, SwiGLU, RMSNorm, --qk-layernorm,
+  --add-qkv-bias without other biases (--disable-bias-linear), with the chunked KV cache;
+* S: MHA, LayerNorm, tied embeddings, --squared-relu, RoPE with Llama-3 scaling
+  (--use-rope-scaling --rope-scaling-factor 4), biased linear layers, buffer KV cache.
+"""
+
+import pytest
+
+from distributed import (
+    GQA_ROPE_SWIGLU,
+    TINY_MODEL,
+    Plan,
+    assert_close_series,
+    assert_params_close,
+    init_run,
+)
+from split_checks import check_split_units
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
+MODELS = {
+    "Q": TINY_MODEL + GQA_ROPE_SWIGLU + ["--qk-layernorm", "--disable-bias-linear",
+                                         "--add-qkv-bias", "--rotary-interleaved"],
+    "S": TINY_MODEL + ["--squared-relu", "--position-embedding-type", "rope",
+                       "--use-rope-scaling", "--rope-scaling-factor", "4"],
+}
+ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
+         "--eval-interval", "3", "--eval-iters", "1"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+# name -> (model, split count, extra flags of the split run)
+CASES = {
+    "Q_pp2_s3": ("Q", 3, ["--seq1f1b-kv-cache", "chunked"]),
+    "S_pp2_s2": ("S", 2, []),
+}
+
+
+def _splits(n):
+    return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", "average"]
+
+
+def plan(tmp, corpus):
+    """The split runs, their s = 1 runs on the same layout and the single-process
+    references, from one iteration-0 checkpoint per model."""
+    inits, starts = [], {}
+    for model, flags in MODELS.items():
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}", flags + BATCH)
+        inits.append(run)
+    runs = {1: [], 2: []}
+    for name, (model, n, extra) in CASES.items():
+        base = MODELS[model] + BATCH + starts[model]
+        runs[2].append({"name": name, "argv": base + PP2 + _splits(n) + extra, "params": True})
+        runs[2].append({"name": f"{model}_pp2_s1", "argv": base + PP2 + _splits(1),
+                        "params": True})
+        runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
+    return Plan(inits, runs)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_split_run_equals_unsplit_runs(results, name):
+    model, n, _ = CASES[name]
+    run = results[name]
+    assert len(run["losses"]) == ITERATIONS
+    check_split_units(name, run["forward_units"], splits=n, method="average", seq_length=48,
+                      calls=ITERATIONS + 1, microbatches=MICROBATCHES)
+    for other, what in ((f"ref_{model}", "pp=1 single process"),
+                        (f"{model}_pp2_s1", "same layout, s=1")):
+        expected = results[other]
+        assert not expected["forward_units"], f"{other} ran splits"
+        assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
+                            f"{name} grad norm vs {what}")
+        assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
+                            f"{name} validation loss vs {what}")
+        assert_params_close(run["params"], expected["params"])
+
+
+def test_the_flags_built_their_parameters(results):
+    """--qk-layernorm and --add-qkv-bias (the other flags add no parameter; their
+    effect on the config and the model is in tests/test_model_flags.py)."""
+    import torch
+
+    for run in ("ref_Q", "Q_pp2_s3", "ref_S", "S_pp2_s2"):
+        names = set(torch.load(results[run]["params"]))
+        qk_norms = {n for n in names if "q_layernorm" in n or "k_layernorm" in n}
+        qkv_bias = {n for n in names if n.endswith("linear_qkv.bias")}
+        other_bias = {n for n in names if n.endswith(("linear_proj.bias", "linear_fc1.bias"))}
+        if run.startswith(("ref_Q", "Q_")):  # 4 layers: a q and a k norm weight each
+            assert len(qk_norms) == 8 and len(qkv_bias) == 4 and not other_bias, run
+        else:
+            assert not qk_norms and len(qkv_bias) == 4 and len(other_bias) == 8, run
