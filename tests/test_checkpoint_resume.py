@@ -98,6 +98,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     assert saved.returncode == 0, saved.stderr[-2000:]
     other = list(base)
     other[other.index("--hidden-size") + 1] = "64"
-    mismatch = _pretrain(tmp_path, other + ["--load", str(ckpt)])
+    mismatch = _pretrain(tmp_path, other + ["--load", str(ckpt), "--squared-relu"])
     assert mismatch.returncode != 0
     assert "--hidden-size saved 32, now 64" in mismatch.stderr, mismatch.stderr[-2000:]
+    assert "--squared-relu saved False, now True" in mismatch.stderr  # math flags too

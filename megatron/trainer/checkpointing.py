@@ -72,6 +72,9 @@ MODEL_SHAPE_FLAGS = (
     "num_query_groups", "kv_channels", "padded_vocab_size", "position_embedding_type",
     "swiglu", "normalization", "untie_embeddings_and_output_weights", "disable_bias_linear",
     "max_position_embeddings", "apply_layernorm_1p",
+    # the math of attention and the MLP: a checkpoint trained with them means other weights
+    "qk_layernorm", "add_qkv_bias", "squared_relu", "rotary_interleaved", "use_rope_scaling",
+    "rope_scaling_factor",
 )
 
 
