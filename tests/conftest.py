@@ -48,8 +48,43 @@ def pytest_configure(config):
         "markers", f"{DISTRIBUTED}: the test starts processes (torchrun, torch.multiprocessing,"
         " a Python/pretrain_gpt.py/tool/shell subprocess); deselect with"
         f" -m 'not {DISTRIBUTED}' for the in-process unit run")
+    if _xdist_controller(config):
+        return  # runs no test: its workers claim the GPUs, then hide them from their children
     _claim_gpus_for_this_process()
     os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN_FROM_CHILD_PROCESSES
+
+
+# --- pytest-xdist: which tests share a worker --------------------------------------------
+
+def _xdist_controller(config):
+    return (getattr(config.option, "dist", "no") != "no"
+            and not hasattr(config, "workerinput"))
+
+
+EXACTNESS_GROUP = "exactness"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (``-n 2 --dist loadgroup``): a module's tests share one worker
+    (their module fixtures are built once) and the exactness suites, whose runs are one
+    session fixture (`exactness_runs`), share one worker. Longest first, so that the two
+    workers finish together: that group, then the modules that start processes, then
+    the in-process ones (xdist hands the groups out in this order with
+    ``--no-loadscope-reorder``)."""
+    if getattr(config.option, "dist", "no") == "no":
+        return
+    starts_processes = {item.nodeid.split("::")[0] for item in items
+                        if item.get_closest_marker(DISTRIBUTED)}
+
+    def group(item):
+        return (EXACTNESS_GROUP if "exactness_runs" in item.fixturenames
+                else item.nodeid.split("::")[0])
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: 0 if group(item) == EXACTNESS_GROUP
+               else 1 if group(item) in starts_processes else 2)  # stable
 
 
 # --- the tripwire: no process from a test without the marker -----------------------------

@@ -84,6 +84,7 @@ class ComparisonLedger:
 
 
 def main(argv):
+    sys.path.insert(0, os.path.dirname(HERE))  # as `python -m pytest` run from the root
     out, pytest_args = None, argv
     if "--" in argv:
         split = argv.index("--")

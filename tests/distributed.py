@@ -149,7 +149,14 @@ def run_plans(tmp_path, plans):
     CPU each): sharing the launches between the exactness suites saves a few dozen of
     those. A run's name is prefixed with its module's, so names may repeat across
     modules. The single-process launch starts with every init run; the other launches
-    start at once and wait for the checkpoints they load."""
+    start at once and wait for the checkpoints they load.
+
+    Each launch keeps the dataset indices in a folder of its own (--data-cache-path: the
+    same samples, an I/O setting): its rank 0 builds them once and every later run and
+    rank loads them (megatron-core's mock dataset rebuilds a shuffle of its 100000
+    documents otherwise, a fifth of a small run), and two launches running side by side
+    never write the same index files (a packed-document corpus keeps them beside the
+    corpus by default)."""
     by_world, writes = {}, []
     for module, plan in plans.items():
         for run in plan.inits:
@@ -160,8 +167,11 @@ def run_plans(tmp_path, plans):
             by_world.setdefault(world, []).extend(
                 dict(run, name=f"{module}:{run['name']}",
                      after=writes + list(run.get("after", ()))) for run in runs)
-    for runs in by_world.values():  # runs waiting for another launch go last in theirs
-        runs.sort(key=lambda run: bool(set(run.get("after", ())) - set(writes)))
+    for world, runs in by_world.items():
+        runs.sort(key=lambda run: bool(set(run.get("after", ())) - set(writes)))  # waiting: last
+        cache = ["--data-cache-path", str(tmp_path / f"data_cache_{world}")]
+        for run in runs:
+            run["argv"] = run["argv"] + cache
     results = run_lanes(tmp_path, _lanes(by_world))
     split = {module: {} for module in plans}
     for name, result in results.items():
