@@ -54,7 +54,7 @@ def pytest_configure(config):
     os.environ["CUDA_VISIBLE_DEVICES"] = HIDDEN_FROM_CHILD_PROCESSES
 
 
-# --- pytest-xdist: which tests share a worker --------------------------------------------
+# --- pytest-xdist (-n 2): which tests share a worker ------------------------------------
 
 def _xdist_controller(config):
     return (getattr(config.option, "dist", "no") != "no"
@@ -62,29 +62,54 @@ def _xdist_controller(config):
 
 
 EXACTNESS_GROUP = "exactness"
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def _shares_exactness_runs(path):
+    """Whether the test file at `path` (relative to the root) uses `exactness_runs`."""
+    with open(os.path.join(os.path.dirname(TESTS), path)) as handle:
+        return "exactness_runs" in handle.read()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist, whole groups go to a worker: a module's tests (their module
+    fixtures are built once), and every module using `exactness_runs` together (one
+    session fixture trains all their runs). Groups are handed out in collection order,
+    which puts the longest first (`pytest_collection_modifyitems`), so that the two
+    workers end together. (xdist's own --dist loadgroup marks do not reach the
+    scheduler with pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = {}
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::")[0]
+            if path not in groups:
+                groups[path] = EXACTNESS_GROUP if _shares_exactness_runs(path) else path
+            return groups[path]
+
+    config.option.loadscopereorder = False  # keep the order below, not by test count
+    return GroupScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (``-n 2 --dist loadgroup``): a module's tests share one worker
-    (their module fixtures are built once) and the exactness suites, whose runs are one
-    session fixture (`exactness_runs`), share one worker. Longest first, so that the two
-    workers finish together: that group, then the modules that start processes, then
-    the in-process ones (xdist hands the groups out in this order with
-    ``--no-loadscope-reorder``)."""
-    if getattr(config.option, "dist", "no") == "no":
+    """In an xdist worker (they collect; the scheduler follows their order): the tests
+    sharing `exactness_runs` first, then the other modules that start processes, then
+    the in-process ones, each module's tests together."""
+    if not hasattr(config, "workerinput"):
         return
     starts_processes = {item.nodeid.split("::")[0] for item in items
                         if item.get_closest_marker(DISTRIBUTED)}
 
-    def group(item):
-        return (EXACTNESS_GROUP if "exactness_runs" in item.fixturenames
-                else item.nodeid.split("::")[0])
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return (0 if "exactness_runs" in item.fixturenames
+                else 1 if path in starts_processes else 2)
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: 0 if group(item) == EXACTNESS_GROUP
-               else 1 if group(item) in starts_processes else 2)  # stable
+    items.sort(key=rank)  # stable: a module's tests stay in their order
 
 
 # --- the tripwire: no process from a test without the marker -----------------------------
