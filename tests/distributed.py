@@ -34,6 +34,14 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def _without_master_port(env):
+    """A single process picks its own free port right before it listens
+    (megatron/trainer/initialize.py), instead of one chosen here seconds earlier, which
+    another process (a gloo connection of a test running beside it) may take meanwhile."""
+    env.pop("MASTER_PORT", None)
+    return env
+
+
 class Launch:
     """One launch of `world_size` processes training `runs` in turn (tests/dist_runner.py),
     started in the background; `result()` waits for it."""
@@ -44,15 +52,18 @@ class Launch:
         self.out = self.spec.with_suffix(".out.json")
         self.log = self.spec.with_suffix(".log")
         self.spec.write_text(json.dumps(runs))
-        self.timeout, self.names = timeout, [run["name"] for run in runs]
+        self.timeout, self.world_size = timeout, world_size
+        self._start()
+
+    def _start(self):
         env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-        if world_size == 1:
+        if self.world_size == 1:
             self.cmd = [sys.executable, RUNNER, str(self.spec), str(self.out)]
-            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(_free_port()))
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            _without_master_port(env)
         else:
             self.cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                        str(world_size), "--master-port", str(_free_port()), RUNNER,
+                        str(self.world_size), "--master-port", str(_free_port()), RUNNER,
                         str(self.spec), str(self.out)]
         # output to a file, not a pipe: a launch may print more than a pipe holds while
         # nobody reads it (several launches run at once)
@@ -60,13 +71,17 @@ class Launch:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT, text=True)
 
-    def result(self):
+    def result(self, retry=True):
         try:
             returncode = self.proc.wait(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             self.stop()
             raise AssertionError(f"{' '.join(self.cmd)} ran past {self.timeout}s:\n"
                                  f"{self.log.read_text()[-6000:]}") from None
+        if returncode != 0 and retry and "EADDRINUSE" in self.log.read_text():
+            # torchrun's port was taken between its choice here and the launcher's listen
+            self._start()
+            return self.result(retry=False)
         if returncode != 0:
             raise AssertionError(f"{' '.join(self.cmd)} failed ({returncode}):\n"
                                  f"{self.log.read_text()[-9000:]}")
@@ -227,8 +242,8 @@ def assert_params_close(path_a, path_b, rtol=1e-5, atol=1e-6):
 # --- runs started as real processes, for the fault tests --------------------------------
 
 def _single_process_env():
-    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", RANK="0",
-                WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return _without_master_port(dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+                                     RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"))
 
 
 def pretrain(argv, timeout=300):
