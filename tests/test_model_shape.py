@@ -177,3 +177,11 @@ def test_slice_costs_are_the_planners_ratio(shape):
         fl = cost.unit_flops(0, unit)  # rank 0 of 2: no LM head
         per_chunk = fl["attention"] * l * l / ModelShape.causal_pairs(l, j * l)
         assert costs.gemm == pytest.approx(fl["gemm"] / per_chunk, rel=1e-12)
+
+
+def test_throughput_field_keeps_three_significant_digits_below_one():
+    # a slow iteration of a tiny CPU model is under 1e-4 TFLOP/s: never printed as 0
+    from megatron.trainer.metrics import format_throughput
+    assert format_throughput(123.456) == " throughput per GPU (TFLOP/s/GPU): 123.5 |"
+    assert format_throughput(0.0123) == " throughput per GPU (TFLOP/s/GPU): 0.0123 |"
+    assert format_throughput(3.21e-5) == " throughput per GPU (TFLOP/s/GPU): 0.0000321 |"

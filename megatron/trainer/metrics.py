@@ -1,5 +1,6 @@
 """Model FLOPs, memory peaks and the Megatron-style iteration line."""
 
+import math
 import resource
 import sys
 
@@ -64,8 +65,15 @@ def stage_peaks_gb(observers=()) -> list:
 
 def format_throughput(tflops) -> str:
     """Megatron-LM's field (--log-throughput), whose log parsers read it as is, also on
-    CPU; below 1 TFLOP/s (CPU, tiny models) with 4 decimals instead of 0.0."""
-    return f" throughput per GPU (TFLOP/s/GPU): {tflops:.{1 if tflops >= 1 else 4}f} |"
+    CPU; below 1 TFLOP/s (CPU, tiny models) with three significant digits in plain
+    decimals instead of 0.0 (a slow iteration of a tiny model is under 1e-4)."""
+    return f" throughput per GPU (TFLOP/s/GPU): {tflops:.{_decimals(tflops)}f} |"
+
+
+def _decimals(value) -> int:
+    if value >= 1 or value <= 0:
+        return 1
+    return min(12, 2 - math.floor(math.log10(value)))
 
 
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
