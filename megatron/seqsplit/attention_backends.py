@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from megatron.seqsplit.documents import (
     PerSplitMemo,
@@ -168,6 +167,9 @@ class SDPABackend(AttentionBackend):
         elif q.device.type == "cpu" and _reversed_queries_save_memory(q, k):
             return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
         else:
+            # imported here: torch.nn.attention.bias imports torch._dynamo (~0.8 s of
+            # every process's start-up), and only this path needs it
+            from torch.nn.attention.bias import causal_lower_right
             causal = {"attn_mask": causal_lower_right(lq, lk)}
         if sdpa_expands_kv_heads(call):
             k, v = _expanded_kv_heads(call, k, v, q.shape[1])
