@@ -34,6 +34,6 @@ setup(
         "megatron.model_shape",
     ],
     install_requires=REQUIREMENTS,
-    extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest", "sentencepiece", "wandb"],
+    extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest", "pytest-xdist", "sentencepiece", "wandb"],
                     "sentencepiece": ["sentencepiece"]},
 )
