@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron.seqsplit.cpu_split_attention import split_causal_attention_cpu
 from megatron.seqsplit.documents import (
     PerSplitMemo,
     document_attention_bias,
@@ -144,9 +145,10 @@ class SDPABackend(AttentionBackend):
     For lq != lk on CUDA the mask is `causal_lower_right`, which torch maps onto the
     flash or memory-efficient kernels. On CPU torch would materialise it as an lq x lk
     float mask that its fused kernel saves for backward (4 MiB for 512 queries over
-    2048 keys, per split and layer); `_bottom_right_causal_cpu` passes a mask that
-    costs lq + lk - 1 elements instead, where that saves memory
-    (`_reversed_queries_save_memory`). Packed documents use an explicit additive
+    2048 keys, per split and layer). Without dropout a CPU split runs as two mask-free
+    kernels merged by log-sum-exp (`cpu_split_attention`); with dropout
+    `_bottom_right_causal_cpu` passes a mask that costs lq + lk - 1 elements instead,
+    where that saves memory (`_reversed_queries_save_memory`). Packed documents use an explicit additive
     mask over the keys from the first document a query is in, shared by the layers of
     a split (`_shared_document_bias`).
     """
@@ -164,6 +166,8 @@ class SDPABackend(AttentionBackend):
             causal = {"attn_mask": bias}
         elif lq == lk:
             causal = {"is_causal": True}
+        elif q.device.type == "cpu" and dropout_p == 0.0 and not sdpa_expands_kv_heads(call):
+            return split_causal_attention_cpu(q, k, v, softmax_scale)
         elif q.device.type == "cpu" and _reversed_queries_save_memory(q, k):
             return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
         else:
