@@ -148,9 +148,9 @@ class SDPABackend(AttentionBackend):
     2048 keys, per split and layer). Without dropout a CPU split runs as two mask-free
     kernels merged by log-sum-exp (`cpu_split_attention`); with dropout
     `_bottom_right_causal_cpu` passes a mask that costs lq + lk - 1 elements instead,
-    where that saves memory (`_reversed_queries_save_memory`). Packed documents use an explicit additive
-    mask over the keys from the first document a query is in, shared by the layers of
-    a split (`_shared_document_bias`).
+    where that saves memory (`_reversed_queries_save_memory`). Packed documents use an
+    explicit additive mask over the keys from the first document a query is in, shared
+    by the layers of a split (`_shared_document_bias`).
     """
 
     name = "sdpa"
