@@ -162,14 +162,19 @@ def test_flex_block_mask_made_once_per_split(monkeypatch):
     assert made == [(2, 6, 14), (2, 6, 14), (None, 6, 14)]
 
 
-def test_sdpa_document_mask_costs_one_host_sync_per_split():
+@pytest.mark.parametrize("dropout, sync", [
+    (0.5, "__int__"),  # the masked kernel over the keys from the first visible one (CUDA's)
+    (0.0, "tolist"),  # CPU without dropout: which rows see which prefix keys
+])
+def test_sdpa_document_mask_costs_one_host_sync_per_split(dropout, sync):
     """Without autograd no layer keeps the mask, so it is remade per layer; the host
-    sync behind its shape (the first visible key) is not: one per split."""
+    sync behind it (the first visible key, or the prefix's rows) is not: one per split."""
     from gpu_readiness import HostSyncCounter
 
     q, k, v, ids = _tensors()
     with torch.no_grad(), HostSyncCounter() as counter:
         for documents in (ids, ids.clone()):  # two splits
             for _layer in range(3):
-                SDPABackend()(q, k, v, softmax_scale=0.3, document_ids=documents)
-    assert counter.calls == ["__int__", "__int__"]
+                SDPABackend()(q, k, v, softmax_scale=0.3, dropout_p=dropout,
+                              document_ids=documents)
+    assert counter.calls == [sync, sync]

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron.seqsplit.cpu_split_attention import split_causal_attention_cpu
+from megatron.seqsplit.cpu_split_attention import (
+    prefix_visibility,
+    split_causal_attention_cpu,
+    split_document_attention_cpu,
+)
 from megatron.seqsplit.documents import (
     PerSplitMemo,
     document_attention_bias,
@@ -150,7 +154,8 @@ class SDPABackend(AttentionBackend):
     `_bottom_right_causal_cpu` passes a mask that costs lq + lk - 1 elements instead,
     where that saves memory (`_reversed_queries_save_memory`). Packed documents use an
     explicit additive mask over the keys from the first document a query is in, shared
-    by the layers of a split (`_shared_document_bias`).
+    by the layers of a split (`_shared_document_bias`); on CPU without dropout a split
+    keeps only its own block's mask (`split_document_attention_cpu`).
     """
 
     name = "sdpa"
@@ -159,6 +164,12 @@ class SDPABackend(AttentionBackend):
         _check_shapes(q, k, v, document_ids)
         lq, lk = q.shape[2], k.shape[2]
         call = AttentionCall.of(q, k, document_ids, dropout_p)
+        cpu_kernels = (q.device.type == "cpu" and dropout_p == 0.0
+                       and not sdpa_expands_kv_heads(call))
+        if document_ids is not None and lq < lk and cpu_kernels:
+            return split_document_attention_cpu(
+                q, k, v, softmax_scale, _shared_own_block_bias(document_ids, lq, q.dtype),
+                _shared_prefix_rows(document_ids, lq))
         if document_ids is not None:
             bias = _shared_document_bias(document_ids, lq, q.dtype)
             first_key = lk - bias.shape[-1]  # keys before it are invisible to every query
@@ -166,7 +177,7 @@ class SDPABackend(AttentionBackend):
             causal = {"attn_mask": bias}
         elif lq == lk:
             causal = {"is_causal": True}
-        elif q.device.type == "cpu" and dropout_p == 0.0 and not sdpa_expands_kv_heads(call):
+        elif cpu_kernels:
             return split_causal_attention_cpu(q, k, v, softmax_scale)
         elif q.device.type == "cpu" and _reversed_queries_save_memory(q, k):
             return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
@@ -190,6 +201,11 @@ _shared_first_key = PerSplitMemo(first_visible_key)
 _shared_document_bias = PerSplitMemo(
     lambda ids, lq, dtype: document_attention_bias(ids, lq, dtype,
                                                    _shared_first_key(ids, lq))[1], weak=True)
+# CPU splits with documents (cpu_split_attention): the own block's mask, shared by the
+# layers like the mask above, and which rows see which prefix keys (one host sync).
+_shared_own_block_bias = PerSplitMemo(
+    lambda ids, lq, dtype: document_attention_bias(ids[:, -lq:], lq, dtype, 0)[1], weak=True)
+_shared_prefix_rows = PerSplitMemo(prefix_visibility)
 # The varlen layout costs two host syncs; a few small integer tensors, kept until the
 # next split's.
 _shared_varlen_layout = PerSplitMemo(lambda ids, lq: varlen_document_layout(ids, lq))

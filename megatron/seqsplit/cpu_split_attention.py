@@ -21,6 +21,12 @@ Backward is the flash recurrence of each part with the merged output and LSE
 computes each part's gradients exactly when given those. Saved for backward: q, k, v
 (views of what the caller keeps anyway), the merged output and its LSE; no mask.
 No dropout: the kernel draws its own mask per call (callers route dropout elsewhere).
+
+With packed documents (contiguous runs of positions), the own block takes the split's
+per-document causal mask, ``lq x lq`` at most; of the prefix, only the queries of the
+document that began before the split see keys, all of that document's earlier keys and
+nothing else: per batch row, an unmasked rectangle (``prefix_visibility``), run as its
+own mask-free call and merged into those rows.
 """
 
 import torch
@@ -36,6 +42,28 @@ def split_causal_attention_cpu(q, k, v, softmax_scale):
     if not q.shape[2] < k.shape[2]:
         raise ValueError(f"a split has a prefix: need lq < lk, got {q.shape[2]} and {k.shape[2]}")
     return _SplitCausal.apply(q, k, v, softmax_scale)
+
+
+def split_document_attention_cpu(q, k, v, softmax_scale, own_bias, prefix_rows):
+    """As ``split_causal_attention_cpu`` with packed documents: ``own_bias`` the additive
+    per-document causal mask of the own block [b, 1, lq, lq]; ``prefix_rows``, per batch
+    row, (rows, first_key) from ``prefix_visibility``."""
+    if not q.shape[2] < k.shape[2]:
+        raise ValueError(f"a split has a prefix: need lq < lk, got {q.shape[2]} and {k.shape[2]}")
+    return _SplitDocuments.apply(q, k, v, softmax_scale, own_bias, tuple(prefix_rows))
+
+
+def prefix_visibility(document_ids, q_length):
+    """Per batch row of ``document_ids`` [b, lk] (contiguous runs), (rows, first_key): the
+    first ``rows`` of the last ``q_length`` positions (the document open at the split's
+    start) see the prefix keys [first_key, lk - q_length); (0, lk - q_length) when the
+    split starts a document. One host sync."""
+    offset = document_ids.shape[1] - q_length
+    in_first = document_ids == document_ids[:, offset:offset + 1]
+    rows = in_first[:, offset:].sum(dim=1)
+    first_key = in_first[:, :offset + 1].int().argmax(dim=1)
+    return tuple((rows_j, first_j) if first_j < offset else (0, offset)
+                 for rows_j, first_j in torch.stack([rows, first_key], dim=1).tolist())
 
 
 def _merge(out_own, lse_own, out_prefix, lse_prefix):
@@ -72,3 +100,43 @@ class _SplitCausal(torch.autograd.Function):
             scale=ctx.softmax_scale)
         return (dq_own + dq_prefix, torch.cat([dk_prefix, dk_own], dim=2),
                 torch.cat([dv_prefix, dv_own], dim=2), None)
+
+
+class _SplitDocuments(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, own_bias, prefix_rows):
+        prefix = k.shape[2] - q.shape[2]
+        out, lse = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, False,
+                                  attn_mask=own_bias, scale=softmax_scale)
+        for j, (rows, first) in enumerate(prefix_rows):
+            if rows:
+                part = (j, slice(None), slice(0, rows))
+                before = _flash_forward(q[j:j + 1, :, :rows], k[j:j + 1, :, first:prefix],
+                                        v[j:j + 1, :, first:prefix], 0.0, False,
+                                        scale=softmax_scale)
+                merged_out, merged_lse = _merge(out[part][None], lse[part][None], *before)
+                out[part], lse[part] = merged_out[0], merged_lse[0]
+        ctx.save_for_backward(q, k, v, out, lse, own_bias)
+        ctx.softmax_scale, ctx.prefix_rows = softmax_scale, prefix_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, own_bias = ctx.saved_tensors
+        prefix = k.shape[2] - q.shape[2]
+        grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
+        dq, dk_own, dv_own = _flash_backward(
+            grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, False,
+            attn_mask=own_bias, scale=ctx.softmax_scale)
+        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
+        dk[:, :, prefix:], dv[:, :, prefix:] = dk_own, dv_own
+        for j, (rows, first) in enumerate(ctx.prefix_rows):
+            if rows:
+                rows_of = lambda t: t[j:j + 1, :, :rows]  # noqa: E731 - the row's queries
+                dq_prefix, dk_prefix, dv_prefix = _flash_backward(
+                    rows_of(grad_out), rows_of(q), k[j:j + 1, :, first:prefix],
+                    v[j:j + 1, :, first:prefix], rows_of(out), lse[j:j + 1, :, :rows], 0.0,
+                    False, scale=ctx.softmax_scale)
+                dq[j:j + 1, :, :rows] += dq_prefix
+                dk[j:j + 1, :, first:prefix], dv[j:j + 1, :, first:prefix] = dk_prefix, dv_prefix
+        return dq, dk, dv, None, None, None
