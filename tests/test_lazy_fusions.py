@@ -24,9 +24,21 @@ class RecordingCompile:
 
 @pytest.fixture
 def recording(monkeypatch):
+    """torch.compile recorded, and every call taken for one on CUDA tensors."""
     fake = RecordingCompile()
     monkeypatch.setattr(torch, "compile", fake)
+    monkeypatch.setattr(lazy_fusions, "on_cuda", lambda args, kwargs: True)
     return fake
+
+
+def test_cpu_tensors_run_eagerly(monkeypatch):
+    fake = RecordingCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    bias_gelu = lazy_fusions.compile_on_first_call(lambda bias, y: torch.nn.functional.gelu(y + bias))
+    y, bias = torch.randn(3, 4), torch.randn(4)
+    assert torch.equal(bias_gelu(bias, y=y), torch.nn.functional.gelu(y + bias))
+    assert fake.calls == []
+    assert not lazy_fusions.on_cuda((bias, 1), {"y": y})
 
 
 def test_function_is_compiled_on_its_first_call_with_the_same_options(recording):

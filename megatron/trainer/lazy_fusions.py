@@ -8,8 +8,11 @@ by runs that never call a fused function (CPU runs: the fusions are off there); 
 router also decorates a method with ``@torch.compile`` (3 s there). With ``install()``, the
 modules in ``DEFERRED`` see ``compile_on_first_call`` as ``torch.compile`` while they
 execute, which calls ``torch.compile`` with the same options when the decorated function
-first runs: what is compiled, and when, is unchanged. ``torch.compile`` itself is restored
-right after each of them, for all other code.
+first runs with CUDA tensors: what is compiled there, and when, is unchanged. With CPU
+tensors the function runs eagerly: inductor's C++ build of each costs seconds per process
+(5-12 s for the MoE router's helpers) for kernels that gain nothing at CPU sizes, and the
+eager operations are the reference the fused ones are checked against. ``torch.compile``
+itself is restored right after each module, for all other code.
 """
 
 import functools
@@ -27,7 +30,8 @@ DEFERRED = (
 
 
 def compile_on_first_call(model=None, **options):
-    """``torch.compile``'s signature; a function is compiled when it is first called."""
+    """``torch.compile``'s signature; a function is compiled when it is first called with
+    CUDA tensors, and runs eagerly on CPU tensors."""
     if model is None:  # the @torch.compile(mode=...) form
         return functools.partial(compile_on_first_call, **options)
     if isinstance(model, torch.nn.Module):
@@ -37,11 +41,19 @@ def compile_on_first_call(model=None, **options):
     @functools.wraps(model)
     def call(*args, **kwargs):
         nonlocal compiled
+        if not on_cuda(args, kwargs):
+            return model(*args, **kwargs)
         if compiled is None:
             compiled = _torch_compile()(model, **options)
         return compiled(*args, **kwargs)
 
     return call
+
+
+def on_cuda(args, kwargs) -> bool:
+    """Whether a call's tensors are on a CUDA device (its compiled form is run then)."""
+    return any(torch.is_tensor(value) and value.is_cuda
+               for value in (*args, *kwargs.values()))
 
 
 def _torch_compile():
