@@ -26,6 +26,8 @@ import subprocess
 import pytest
 import torch
 
+import megatron.trainer  # noqa: F401 - before any test imports megatron-core (lazy_fusions)
+
 HIDDEN_FROM_CHILD_PROCESSES = ""  # CUDA_VISIBLE_DEVICES for child processes
 DISTRIBUTED = "distributed"
 

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import megatron.trainer  # noqa: E402,F401 - before megatron-core, as pretrain_gpt.py (lazy_fusions)
 from megatron.core import parallel_state  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
