@@ -4,14 +4,18 @@
 
 Times, for one microbatch of one layer, forward and forward + backward of:
   unsplit   one causal call over the whole sequence (`is_causal=True`), what 1F1B runs;
-  ours      the splits through the project's SDPA backend (bottom-right causal mask,
-            queries reversed so the mask is a vector; `megatron/seqsplit/attention_backends.py`);
+  ours      the splits through the project's SDPA backend: on CPU without dropout the
+            own block with `is_causal` and the prefix without a mask, two fused kernels
+            merged by log-sum-exp (`megatron/seqsplit/cpu_split_attention.py`);
+  vector mask  the previous kernel (and ours with dropout): one call with the
+            bottom-right causal mask, queries reversed so the mask is a vector;
   dense     the splits with torch's materialised `causal_lower_right` mask;
   no mask   the splits with no mask at all: the same score blocks as `ours`, no
             masking work. Wrong attention, timed only as the floor a mask-free split
             kernel could reach.
 Splits are `average` (equal lengths); split j attends over the keys of splits 0..j.
-Median of `--repeats` alternating rounds, printed as ratios to `unsplit`.
+Median of `--repeats` alternating rounds, printed as ratios to `unsplit`; `--clock cpu`
+times the process's CPU time (other load on the host then barely enters).
 """
 
 import argparse
@@ -25,8 +29,15 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 def variants(backend):
+    from megatron.seqsplit.attention_backends import _bottom_right_causal_cpu
+
     def ours(q, k, v):
-        return backend(q, k, v, softmax_scale=None)
+        return backend(q, k, v, softmax_scale=q.shape[-1] ** -0.5)
+
+    def vector_mask(q, k, v):
+        if q.shape[2] == k.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _bottom_right_causal_cpu(q, k, v, q.shape[-1] ** -0.5, 0.0)
 
     def dense(q, k, v):
         lq, lk = q.shape[2], k.shape[2]
@@ -36,7 +47,7 @@ def variants(backend):
     def no_mask(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2])
 
-    return {"ours": ours, "dense": dense, "no mask": no_mask}
+    return {"ours": ours, "vector mask": vector_mask, "dense": dense, "no mask": no_mask}
 
 
 def run(call, pieces, backward):
@@ -53,7 +64,10 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time (robust to other load on the host)")
     args = parser.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     from megatron.seqsplit.attention_backends import get_backend
 
     L, s, h, d = args.seq_length, args.splits, args.heads, args.head_dim
@@ -75,13 +89,14 @@ def main(argv=None):
     for round_ in range(args.repeats + 1):  # round 0 warms up
         for name, (fn, pieces) in calls.items():
             for backward in (False, True):
-                start = time.perf_counter()
+                start = clock()
                 run(fn, pieces, backward)
                 if round_:
-                    times[name, backward].append(time.perf_counter() - start)
+                    times[name, backward].append(clock() - start)
     print(f"# python tools/bench_attention_masks.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# one layer, {h} heads x {d}, {L} tokens, {s} splits of {l}; fp32 CPU, "
-          f"{torch.get_num_threads()} thread(s); median of {args.repeats} rounds")
+          f"{torch.get_num_threads()} thread(s); median of {args.repeats} rounds, "
+          f"{args.clock} clock")
     print("| attention | forward ms | vs unsplit | forward + backward ms | vs unsplit |")
     print("|---|---|---|---|---|")
     base = {b: statistics.median(times["unsplit", b]) for b in (False, True)}
