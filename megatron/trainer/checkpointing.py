@@ -58,6 +58,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megatron.trainer import save_failure
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checksums.json"
 LOCK_FILE = ".lock"
@@ -493,20 +495,33 @@ def _move_into_place(staging, final):
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
     final = checkpoint_dir(args.save, iteration)
     staging = final + STAGING_SUFFIX
-    if _rank() == 0:
-        _remove(staging)  # what a killed save left behind
-        os.makedirs(staging)
-    torch.distributed.barrier()
-    state = _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed_samples,
-                                with_rng=not args.no_save_rng,
-                                with_optimizer=not args.no_save_optim)
-    dist_checkpointing.save(state, staging)
-    torch.distributed.barrier()
-    _write_manifest(staging)
-    if _rank() == 0:
-        _move_into_place(staging, final)
-        _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
-        print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
+    try:
+        previous = _latest_iteration(args.save)
+    except CheckpointError:
+        previous = None
+    needed = save_failure.checkpoint_bytes(
+        args, model, args.save,
+        checkpoint_dir(args.save, previous) if previous is not None else None)
+    save_failure.warn_if_short(args, iteration, needed, _rank())
+    try:
+        if _rank() == 0:
+            _remove(staging)  # what a killed save left behind
+            os.makedirs(staging)
+        torch.distributed.barrier()
+        state = _sharded_state_dict(args, model, optimizer, scheduler, iteration,
+                                    consumed_samples, with_rng=not args.no_save_rng,
+                                    with_optimizer=not args.no_save_optim)
+        dist_checkpointing.save(state, staging)
+        torch.distributed.barrier()
+        _write_manifest(staging)
+        if _rank() == 0:
+            _move_into_place(staging, final)
+            _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
+            print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # OSError, torch's CheckpointException (a BaseException)
+        save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
     torch.distributed.barrier()
 
 
