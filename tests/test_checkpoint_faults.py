@@ -224,3 +224,53 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_pa
         f"error: --load {ckpt / ITER2} was saved without --use-distributed-optimizer and this "
         f"run is with it: its optimizer state does not load; match the flag, or pass "
         f"--no-load-optim to load the weights only")
+
+
+def _manifest_holds(directory):
+    """Every file of a saved checkpoint still has the size and hash its manifest says."""
+    import hashlib
+
+    files = json.loads((directory / "checksums.json").read_text())["files"]
+    for name, entry in files.items():
+        data = (directory / name).read_bytes()
+        assert len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == \
+            entry["sha256"], name
+    return files
+
+
+def test_failed_save_is_one_line_and_leaves_nothing_partial(tmp_path):
+    """A save that the disk refuses (tests/fault_hooks.py: RLIMIT_FSIZE from the second
+    save on, on pipeline rank 1 only, so the kernel refuses its writes with EFBIG as a
+    full disk refuses them with ENOSPC; the free space reported as 1000 bytes): a warning
+    before each save, then one line naming --save, the iteration, the space needed and
+    free; the partial iter_2.incomplete is gone; iteration 1 and the tracker intact;
+    every rank ends (well within --distributed-timeout-minutes)."""
+    ckpt = tmp_path / "ckpt"
+    run = start_pretrain(TINY_MODEL + ["--global-batch-size", "4", "--pipeline-model-parallel-size",
+                                       "2", "--train-iters", "4", "--save", str(ckpt),
+                                       "--save-interval", "1"],
+                         world_size=2, script="tests/fault_hooks.py",
+                         env={"FAULT_FSIZE_AT_SAVE": "2", "FAULT_FSIZE_RANK": "1",
+                              "FAULT_FREE_BYTES": "1000"})
+    start = time.time()
+    try:
+        out, err = run.communicate(timeout=180)
+    finally:
+        kill_tree(run)
+    assert run.returncode != 0
+    assert time.time() - start < 180
+    assert re.search(rf"warning: --save {ckpt} has 1.0 KB free but the checkpoint of "
+                     rf"iteration 1 needs about [\d.]+ [KM]B: the save will likely fail",
+                     out), out[-3000:]
+    error = one_error_line(err)
+    assert re.match(rf"error: checkpoint save of iteration 2 into --save {ckpt} failed on "
+                    rf"rank 1: .*\[Errno 27\] File too large.* \(the checkpoint needs about "
+                    rf"[\d.]+ MB, 1.0 KB free\); removed {ckpt / 'iter_0000002'}"
+                    rf"\.incomplete; the checkpoint of iteration 1 and {TRACKER} are intact: "
+                    rf"free space or point --save elsewhere, then resume with --load {ckpt}$",
+                    error), error
+    assert "saved checkpoint at iteration 1 " in out and "iteration 2 to" not in out
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "iter_0000001", TRACKER]
+    assert (ckpt / TRACKER).read_text() == "1"
+    assert _manifest_holds(ckpt / "iter_0000001")

@@ -67,6 +67,24 @@ class _HelpFormatter(argparse.HelpFormatter):
         return "\n".join(indent + line for line in self._split_lines(text, width - len(indent)))
 
 
+# the signals --exit-signal takes (Megatron-LM accepts any signal.Signals name; these are
+# the ones a user or scheduler sends to ask for a stop)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
+def _signal_name(value):
+    """SIGINT, sigint, INT or 2 all name SIGINT."""
+    import signal
+
+    text = value.strip().upper()
+    if text.isdigit():
+        try:
+            return signal.Signals(int(text)).name
+        except ValueError:
+            return text
+    return text if text.startswith("SIG") else "SIG" + text
+
+
 def _str2bool(value):
     return str(value).lower() in ("1", "true", "yes", "y", "on")
 
@@ -343,8 +361,18 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="stop (after saving a checkpoint with --save) when the iteration "
                         "is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM (SLURM preemption, torchrun forwarding it), finish the "
-                        "current iteration, save a checkpoint with --save and exit 0")
+                   help="on --exit-signal (SIGTERM: SLURM preemption, torchrun forwarding "
+                        "it), finish the current iteration, save a checkpoint with --save "
+                        "and exit 0")
+    g.add_argument("--exit-signal", type=_signal_name, default="SIGTERM",
+                   choices=EXIT_SIGNALS, metavar="SIGNAL",
+                   help="the signal --exit-signal-handler saves on: one of "
+                        f"{', '.join(EXIT_SIGNALS)} (default SIGTERM; SIGINT is Ctrl-C)")
+    g.add_argument("--exit-signal-handler-for-training", action="store_true",
+                   help="SIGINT or SIGTERM (the one --exit-signal-handler does not take) "
+                        "stops every rank at once with one line and exit 0, without "
+                        "saving (Megatron-LM's orderly shutdown); without it SIGINT stops "
+                        "with one line and exit 130")
     g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
                    help="accepted: DataLoader workers (--num-workers) always ignore "
                         "SIGTERM here; the trainer handles it and ends them after saving")

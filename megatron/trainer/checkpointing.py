@@ -58,7 +58,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megatron.trainer import save_failure
+from megatron.trainer import faults, save_failure
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checksums.json"
@@ -519,8 +519,13 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
             _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
             print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
     except (KeyboardInterrupt, SystemExit):
+        save_failure.remove_partial(staging)  # Ctrl-C: never leave a half-written save
         raise
     except BaseException as error:  # OSError, torch's CheckpointException (a BaseException)
+        signum = faults.stop_signal_received()
+        if signum is not None:  # a peer stopped on Ctrl-C mid-save: not a disk problem
+            save_failure.remove_partial(staging)
+            raise faults.Interrupted(signum) from None
         save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
     torch.distributed.barrier()
 

@@ -38,18 +38,77 @@ class TrainingTimeout(RuntimeError):
     """A collective or p2p step outlived --distributed-timeout-minutes."""
 
 
-class _SigtermFlag:
-    """Records SIGTERM instead of dying at once (--exit-signal-handler)."""
+class _SignalFlag:
+    """Records --exit-signal instead of dying at once (--exit-signal-handler)."""
 
-    def __init__(self):
+    def __init__(self, name):
+        self.name = name
         self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._signum = getattr(signal, name)
+        self._previous = signal.signal(self._signum, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        signal.signal(self._signum, self._previous)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C), or SIGTERM with --exit-signal-handler-for-training: stop at once."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopSignals:
+    """SIGINT, and SIGTERM with --exit-signal-handler-for-training, raise ``Interrupted``
+    (unless --exit-signal-handler records that signal): every rank then stops with one
+    line instead of a KeyboardInterrupt traceback and gloo's errors on each rank."""
+
+    current = None  # the run's instance, for code that cannot be handed it (a save)
+
+    def __init__(self, args):
+        _StopSignals.current = self
+        taken = args.exit_signal if args.exit_signal_handler else None
+        names = ["SIGINT"] + (["SIGTERM"] if args.exit_signal_handler_for_training else [])
+        self.received = None
+        self._previous = {}
+        for name in names:
+            if name != taken:
+                signum = getattr(signal, name)
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        first = self.received is None
+        self.received = self.received or signum
+        if first:  # a second Ctrl-C while stopping must not break the stop
+            raise Interrupted(signum)
+
+    def settle(self):
+        """Let a signal that arrived during a blocking call reach its handler (a peer's
+        exit may surface as a gloo error first); True if one did."""
+        if self.received is None:
+            try:
+                time.sleep(0.3)
+            except Interrupted:
+                pass
+        return self.received is not None
+
+    def restore(self):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+        if _StopSignals.current is self:
+            _StopSignals.current = None
+
+
+def stop_signal_received():
+    """The stop signal (SIGINT, ...) this process received, or None: an error raised
+    while stopping on it (a peer gone from a collective) is its consequence."""
+    current = _StopSignals.current
+    return current.received if current is not None and current.settle() else None
 
 
 # columns of the per-rank row gathered every iteration
@@ -67,7 +126,8 @@ class IterationGuard:
         # the step and lowers the scale (counted as skipped iterations), so only the
         # (unscaled) loss is checked
         self.check_grads = self.check_values and not args.fp16
-        self.sigterm = _SigtermFlag() if args.exit_signal_handler else None
+        self.sigterm = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
+        self.stop_signals = _StopSignals(args)
         self.device = device.compute_device()
 
     @property
@@ -79,6 +139,7 @@ class IterationGuard:
         if self.sigterm is not None:
             self.sigterm.restore()
             self.sigterm = None
+        self.stop_signals.restore()
 
     def check(self, iteration, losses_reduced, model):
         """Gather this iteration's health from every rank. Raises ``NonFiniteError`` on a
@@ -179,18 +240,42 @@ def timeout_error(error, step, args):
         f"(check its log and its node); the job stops. ({detail.strip()[:300]})")
 
 
+def _interrupted(args, progress, signum):
+    """Every rank stops; rank 0 says where and what is saved. Exit 0 with
+    --exit-signal-handler-for-training (Megatron-LM's orderly shutdown), else 128 + the
+    signal number, as a shell reports a process ended by it."""
+    name = signal.Signals(signum).name
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    code = 0 if args.exit_signal_handler_for_training else 128 + signum
+    if rank == 0:
+        advice = ("" if args.exit_signal_handler and args.exit_signal == name else
+                  f" To finish the iteration and save on {name}, pass --exit-signal-handler"
+                  + (f" --exit-signal {name}" if name != "SIGTERM" else ""))
+        print(f"{'error' if code else 'note'}: {name} received during {progress.step}: "
+              f"stopped without saving. {_latest_checkpoint(args)}{advice}",
+              file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 @contextlib.contextmanager
-def stops_cleanly(args, progress):
+def stops_cleanly(args, progress, guard=None):
     """Turn the run's deliberate stops into one line and a non-zero exit: a non-finite
     value (every rank raises alike; rank 0 prints), a timed-out distributed step (each
-    rank that timed out prints its own line: it names the rank and what it was doing)."""
+    rank that timed out prints its own line: it names the rank and what it was doing),
+    SIGINT (Ctrl-C; also SIGTERM with --exit-signal-handler-for-training)."""
+    stop_signals = guard.stop_signals if guard is not None else None
     try:
         yield
     except NonFiniteError as error:
         if torch.distributed.get_rank() == 0:
             print(f"error: {error} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Interrupted as interrupt:
+        _interrupted(args, progress, interrupt.signum)
     except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors
+        if stop_signals is not None and stop_signals.settle():
+            # a peer stopping on the same signal closed its connections first
+            _interrupted(args, progress, stop_signals.received)
         timeout = timeout_error(error, progress.step, args)
         if timeout is None:
             raise

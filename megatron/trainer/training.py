@@ -235,7 +235,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     guard = faults.IterationGuard(args, start)  # SIGTERM is recorded from here on
     progress = Progress()
     try:
-        with faults.stops_cleanly(args, progress):
+        with faults.stops_cleanly(args, progress, guard):
             return _pretrain(args, start, guard, progress, datasets_provider, model_provider,
                              forward_step_func, on_finish)
     finally:  # also after a deliberate stop: the process may train another configuration
@@ -370,7 +370,7 @@ def write_timeline(args, recorder):
 
 _EXIT_REASONS = {
     "interval": "--exit-interval reached",
-    "sigterm": "SIGTERM received (--exit-signal-handler)",
+    "sigterm": "{signal} received (--exit-signal-handler)",
     "duration": "--exit-duration-in-mins reached",
 }
 
@@ -477,7 +477,8 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         if args.exit_interval and iteration % args.exit_interval == 0:
             exit_reason = "interval"
         if exit_reason is not None:
-            print_rank_0(f" exiting at iteration {iteration}: {_EXIT_REASONS[exit_reason]}")
+            print_rank_0(f" exiting at iteration {iteration}: "
+                         f"{_EXIT_REASONS[exit_reason].format(signal=args.exit_signal)}")
             break
     param_gather.stop()  # the last step's parameters, whole, for the save and the caller
     paused = time.time()
