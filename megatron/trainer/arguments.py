@@ -845,8 +845,9 @@ def _check_data_flags(args, check_files):
                  f"--tokenizer-model {args.tokenizer_model}: no such file or directory "
                  "(nothing is downloaded: give a local tokenizer.json or its directory)")
     if args.data_path and check_files:
-        _check_data(args.data_path, args.split,
-                    ["train"] + (["valid"] if args.eval_iters > 0 else []))
+        args.flag_notes = getattr(args, "flag_notes", []) + _check_data(args.data_path, args.split,
+                                       ["train"] + (["valid"] if args.eval_iters > 0 else []),
+                                       args.seq_length)
 
 
 def _sentencepiece_importable() -> bool:
@@ -948,16 +949,18 @@ def _validate_virtual_pipeline(args):
         raise ArgumentError(str(err))
 
 
-def _check_data(data_path, split, used):
+def _check_data(data_path, split, used, seq_length=None):
     """The data files and the split, as the dataset builder will read them, checked
     before any process group exists (its errors name the flag)."""
-    from megatron.dataprep.gpt_datasets import DataPathError, check_splits, parse_data_path
+    from megatron.dataprep.gpt_datasets import (DataPathError, check_splits, parse_data_path,
+                                                smaller_than_a_sample)
 
     try:
         prefixes, _ = parse_data_path(data_path)
         check_splits(prefixes, split, used)
     except DataPathError as error:
         raise ArgumentError(str(error)) from None
+    return smaller_than_a_sample(prefixes, split, seq_length) if seq_length else []
 
 
 def _validate_seq1f1b(args):

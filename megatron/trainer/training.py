@@ -27,7 +27,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.model_shape import ModelShape
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, device, faults, initialize, monitoring
+from megatron.trainer import checkpointing, data_checks, device, faults, initialize, monitoring
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -249,6 +249,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     train_ds, valid_ds, tokenizer = datasets_provider(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
                                             args.make_vocab_size_divisible_by)
+    data_checks.check_token_ids(args, tokenizer.vocab_size, args.padded_vocab_size)
     config = transformer_config_from_args(args)
     model = build_model(args, config, model_provider)
     optimizer, scheduler = build_optimizer(args, model)
