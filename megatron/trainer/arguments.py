@@ -389,6 +389,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--load-unverified-checkpoint", action="store_true",
+                   help="load a checkpoint of this project whose checksums.json is missing "
+                        "(its files cannot be verified; without this flag it is refused). "
+                        "Megatron-LM's checkpoints, which have none, load without it")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load; start at iteration 0 "
                         "without optimizer or RNG state")

@@ -216,13 +216,21 @@ def _raise_on_non_finite(iteration, table):
 
 def _latest_checkpoint(args):
     """Where the last good state is, for the non-finite message."""
-    from megatron.trainer.checkpointing import TRACKER_FILE
+    from megatron.trainer.checkpointing import (MANIFEST_FILE, CheckpointError,
+                                                checkpoint_dir, _latest_iteration)
 
-    tracker = os.path.join(args.save, TRACKER_FILE) if args.save else None
-    if tracker is None or not os.path.isfile(tracker):
+    try:
+        iteration = _latest_iteration(args.save) if args.save else None
+    except CheckpointError:
+        iteration = None
+    if iteration is None:
         return "No checkpoint of this run was saved."
-    with open(tracker) as handle:
-        iteration = handle.read().strip()
+    # only a checkpoint whose files were verified is known good: one loaded without its
+    # checksums.json (--load-unverified-checkpoint) may hold what went wrong
+    if not os.path.isfile(os.path.join(checkpoint_dir(args.save, iteration), MANIFEST_FILE)):
+        return (f"The latest checkpoint, iteration {iteration} in --save {args.save}, is "
+                f"unverified (no {MANIFEST_FILE}): it may hold the bad values; an earlier "
+                f"one may be the last good state.")
     return f"The last good state is the checkpoint of iteration {iteration} in --save {args.save}."
 
 
