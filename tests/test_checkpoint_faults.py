@@ -158,7 +158,7 @@ def test_tracker_not_an_ascii_decimal(pristine, tmp_path):
     """Bytes that are not UTF-8 (in a real run), or a digit that str.isdigit() takes (the
     same reader, in this process): one line naming the file and what to write, no
     traceback."""
-    from megatron.trainer.checkpointing import CheckpointError, _latest_iteration
+    from megatron.trainer.checkpointing import CheckpointError, latest_iteration
 
     ckpt = _copy(pristine, tmp_path)
     garbage = b"\xff\xfe\x00\x80bin"
@@ -170,7 +170,7 @@ def test_tracker_not_an_ascii_decimal(pristine, tmp_path):
         f"iteration: write the iteration to resume from (1, 2 saved) into it")
     (ckpt / TRACKER).write_text("\u00b3")
     with pytest.raises(CheckpointError) as error:
-        _latest_iteration(str(ckpt))
+        latest_iteration(str(ckpt))
     assert str(error.value) == (f"--load {ckpt}: {TRACKER} holds '\u00b3', not an iteration: "
                                 f"write the iteration to resume from (1, 2 saved) into it")
 

@@ -58,7 +58,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megatron.trainer import faults, save_failure
+from megatron.trainer import save_failure, stop_signals
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checksums.json"
@@ -542,10 +542,10 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         save_failure.remove_partial(staging)  # Ctrl-C: never leave a half-written save
         raise
     except BaseException as error:  # OSError, torch's CheckpointException (a BaseException)
-        signum = faults.stop_signal_received()
+        signum = stop_signals.stop_signal_received()
         if signum is not None:  # a peer stopped on Ctrl-C mid-save: not a disk problem
             save_failure.remove_partial(staging)
-            raise faults.Interrupted(signum) from None
+            raise stop_signals.Interrupted(signum) from None
         save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
     torch.distributed.barrier()
 
@@ -561,6 +561,12 @@ def _iteration_dirs(root):
 
 def _same_dir(a, b):
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def latest_iteration(root):
+    """The iteration the tracker in ``root`` names, None without a tracker; raises
+    CheckpointError on a tracker that names none."""
+    return _latest_iteration(root)
 
 
 def _latest_iteration(root):

@@ -28,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.trainer import device
+from megatron.trainer.stop_signals import Interrupted, StopSignals
 
 
 class NonFiniteError(RuntimeError):
@@ -54,63 +55,6 @@ class _SignalFlag:
         signal.signal(self._signum, self._previous)
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C), or SIGTERM with --exit-signal-handler-for-training: stop at once."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _StopSignals:
-    """SIGINT, and SIGTERM with --exit-signal-handler-for-training, raise ``Interrupted``
-    (unless --exit-signal-handler records that signal): every rank then stops with one
-    line instead of a KeyboardInterrupt traceback and gloo's errors on each rank."""
-
-    current = None  # the run's instance, for code that cannot be handed it (a save)
-
-    def __init__(self, args):
-        _StopSignals.current = self
-        taken = args.exit_signal if args.exit_signal_handler else None
-        names = ["SIGINT"] + (["SIGTERM"] if args.exit_signal_handler_for_training else [])
-        self.received = None
-        self._previous = {}
-        for name in names:
-            if name != taken:
-                signum = getattr(signal, name)
-                self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame):
-        first = self.received is None
-        self.received = self.received or signum
-        if first:  # a second Ctrl-C while stopping must not break the stop
-            raise Interrupted(signum)
-
-    def settle(self):
-        """Let a signal that arrived during a blocking call reach its handler (a peer's
-        exit may surface as a gloo error first); True if one did."""
-        if self.received is None:
-            try:
-                time.sleep(0.3)
-            except Interrupted:
-                pass
-        return self.received is not None
-
-    def restore(self):
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
-        if _StopSignals.current is self:
-            _StopSignals.current = None
-
-
-def stop_signal_received():
-    """The stop signal (SIGINT, ...) this process received, or None: an error raised
-    while stopping on it (a peer gone from a collective) is its consequence."""
-    current = _StopSignals.current
-    return current.received if current is not None and current.settle() else None
-
-
 # columns of the per-rank row gathered every iteration
 _LOSS, _GRAD, _SIGTERM, _OVERTIME, _PP, _TP, _DP = range(7)
 
@@ -127,7 +71,7 @@ class IterationGuard:
         # (unscaled) loss is checked
         self.check_grads = self.check_values and not args.fp16
         self.sigterm = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
-        self.stop_signals = _StopSignals(args)
+        self.stop_signals = StopSignals(args)
         self.device = device.compute_device()
 
     @property
@@ -217,10 +161,10 @@ def _raise_on_non_finite(iteration, table):
 def _latest_checkpoint(args):
     """Where the last good state is, for the non-finite message."""
     from megatron.trainer.checkpointing import (MANIFEST_FILE, CheckpointError,
-                                                checkpoint_dir, _latest_iteration)
+                                                checkpoint_dir, latest_iteration)
 
     try:
-        iteration = _latest_iteration(args.save) if args.save else None
+        iteration = latest_iteration(args.save) if args.save else None
     except CheckpointError:
         iteration = None
     if iteration is None:
