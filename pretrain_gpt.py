@@ -11,6 +11,13 @@ NCCL and on CPUs over gloo.
 
 import warnings
 
+if __name__ == "__main__":
+    # flag mistakes first, before torch, megatron-core and the model code load (those
+    # imports take seconds to a minute on every rank of a busy node)
+    from megatron.trainer.arguments import check_flags_early
+
+    check_flags_early()
+
 # megatron-core warns, at import and when building layers, that the optional GPU
 # libraries (Apex, Transformer Engine) are missing; on a CPU machine that is expected,
 # and a flag mistake's one-line error should not sit under a dozen of these lines.

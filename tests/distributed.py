@@ -253,18 +253,22 @@ def pretrain(argv, timeout=300):
                           timeout=timeout)
 
 
-def start_pretrain(argv, world_size=1, launcher_flags=()):
-    """pretrain_gpt.py started in the background: one process, or `world_size` torchrun
-    workers (`launcher_flags` go to torchrun). Stop it with `kill_tree`."""
+def start_pretrain(argv, world_size=1, launcher_flags=(), script="pretrain_gpt.py", env=None,
+                   new_session=False):
+    """pretrain_gpt.py (or `script`, e.g. tests/fault_hooks.py) started in the background:
+    one process, or `world_size` torchrun workers (`launcher_flags` go to torchrun);
+    `env` adds variables; `new_session`: a process group of its own (a terminal's Ctrl-C
+    reaches all of it). Stop it with `kill_tree`."""
     if world_size == 1:
-        cmd, env = [sys.executable, "pretrain_gpt.py"] + argv, _single_process_env()
+        cmd, base = [sys.executable, script] + argv, _single_process_env()
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(world_size), "--master-port", str(_free_port()), *launcher_flags,
-               "pretrain_gpt.py"] + argv
-        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+               script] + argv
+        base = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(base, **(env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
 
 
 def kill_tree(proc):

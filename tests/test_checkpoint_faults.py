@@ -97,14 +97,82 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(pristine, tmp_path, case
     assert error.endswith(f"write another saved iteration (1) into {ckpt / TRACKER}")
 
 
-def test_checkpoint_without_manifest_loads_with_a_warning(pristine, tmp_path):
+def test_checkpoint_of_ours_without_manifest_needs_the_flag(pristine, tmp_path):
+    """checksums.json deleted from a checkpoint this project wrote: refused (one line);
+    --load-unverified-checkpoint loads it with a warning. The tracker is also set back to
+    1 here: the load names iter_0000002, which this run's saves would replace. With
+    --lr 1e4 (and --no-load-optim: a fresh optimizer) the run then meets a NaN: the stop
+    does not call the unverified checkpoint the last good state."""
     ckpt = _copy(pristine, tmp_path)
-    (ckpt / ITER2 / "checksums.json").unlink()
-    loaded = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    iter1 = ckpt / "iter_0000001"
+    (iter1 / "checksums.json").unlink()
+    (ckpt / TRACKER).write_text("1")
+    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --load {ckpt}: checkpoint {iter1} is damaged: checksums.json is missing, "
+        f"but this project wrote the checkpoint and writes one with every save (was it "
+        f"deleted? a file may be damaged too): pass --load-unverified-checkpoint to load it "
+        f"unverified; write another saved iteration (2) into {ckpt / TRACKER}")
+    loaded = pretrain(BASE + ["--train-iters", "30", "--load", str(ckpt), "--save", str(ckpt),
+                              "--save-interval", "1000", "--load-unverified-checkpoint",
+                              "--no-load-optim", "--lr", "1e4"])
+    assert f"warning: {iter1} has no checksums.json (loaded with --load-unverified-checkpoint)" \
+        in loaded.stdout, loaded.stdout[-3000:] + loaded.stderr[-3000:]
+    assert (f"warning: --load {ckpt}: {TRACKER} names iteration 1 but iter_0000002 are newer: "
+            f"saves of this run at those iterations will replace them") in loaded.stdout
+    assert f"loaded the weights of {iter1}" in loaded.stdout or \
+        f"loaded checkpoint from {iter1} at iteration 1" in loaded.stdout, loaded.stdout[-3000:]
+    assert loaded.returncode != 0
+    error = one_error_line(loaded.stderr)
+    assert error.startswith("error: non-finite values at iteration "), error
+    assert error.endswith(f"The latest checkpoint, iteration 1 in --save {ckpt}, is unverified "
+                          f"(no checksums.json): it may hold the bad values; an earlier one may "
+                          f"be the last good state."), error
+    assert "last good state is" not in error
+
+
+def test_megatron_lm_checkpoint_without_manifest_loads(tmp_path):
+    """A checkpoint as Megatron-LM writes it (its common keys, no checksums.json; saved
+    here through tests/fault_hooks.py) loads as before, with a warning."""
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", FAULT_MEGATRON_LM_COMMON="1")
+    env.pop("MASTER_PORT", None)
+    import subprocess
+    import sys
+    saved = subprocess.run([sys.executable, "tests/fault_hooks.py", *BASE, "--train-iters", "1",
+                            "--save", str(ckpt), "--save-interval", "1"],
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    (ckpt / "iter_0000001" / "checksums.json").unlink()
+    loaded = pretrain(BASE + ["--train-iters", "2", "--load", str(ckpt)])
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert f"warning: {ckpt / ITER2} has no checksums.json" in loaded.stdout
-    assert "not verified" in loaded.stdout
-    assert f"loaded checkpoint from {ckpt / ITER2} at iteration 2" in loaded.stdout
+    assert (f"warning: {ckpt / 'iter_0000001'} has no checksums.json (saved by Megatron-LM): "
+            f"its files are not verified") in loaded.stdout
+    assert f"loaded checkpoint from {ckpt / 'iter_0000001'} at iteration 1" in loaded.stdout
+
+
+def test_tracker_not_an_ascii_decimal(pristine, tmp_path):
+    """Bytes that are not UTF-8 (in a real run), or a digit that str.isdigit() takes (the
+    same reader, in this process): one line naming the file and what to write, no
+    traceback."""
+    from megatron.trainer.checkpointing import CheckpointError, latest_iteration
+
+    ckpt = _copy(pristine, tmp_path)
+    garbage = b"\xff\xfe\x00\x80bin"
+    (ckpt / TRACKER).write_bytes(garbage)
+    loaded = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    assert loaded.returncode != 0
+    assert one_error_line(loaded.stderr) == (
+        f"error: --load {ckpt}: {TRACKER} holds {garbage!r}, not an "
+        f"iteration: write the iteration to resume from (1, 2 saved) into it")
+    (ckpt / TRACKER).write_text("\u00b3")
+    with pytest.raises(CheckpointError) as error:
+        latest_iteration(str(ckpt))
+    assert str(error.value) == (f"--load {ckpt}: {TRACKER} holds '\u00b3', not an iteration: "
+                                f"write the iteration to resume from (1, 2 saved) into it")
 
 
 def test_tracker_naming_a_missing_iteration(pristine, tmp_path):
@@ -224,3 +292,53 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_pa
         f"error: --load {ckpt / ITER2} was saved without --use-distributed-optimizer and this "
         f"run is with it: its optimizer state does not load; match the flag, or pass "
         f"--no-load-optim to load the weights only")
+
+
+def _manifest_holds(directory):
+    """Every file of a saved checkpoint still has the size and hash its manifest says."""
+    import hashlib
+
+    files = json.loads((directory / "checksums.json").read_text())["files"]
+    for name, entry in files.items():
+        data = (directory / name).read_bytes()
+        assert len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == \
+            entry["sha256"], name
+    return files
+
+
+def test_failed_save_is_one_line_and_leaves_nothing_partial(tmp_path):
+    """A save that the disk refuses (tests/fault_hooks.py: RLIMIT_FSIZE from the second
+    save on, on pipeline rank 1 only, so the kernel refuses its writes with EFBIG as a
+    full disk refuses them with ENOSPC; the free space reported as 1000 bytes): a warning
+    before each save, then one line naming --save, the iteration, the space needed and
+    free; the partial iter_2.incomplete is gone; iteration 1 and the tracker intact;
+    every rank ends (well within --distributed-timeout-minutes)."""
+    ckpt = tmp_path / "ckpt"
+    run = start_pretrain(TINY_MODEL + ["--global-batch-size", "4", "--pipeline-model-parallel-size",
+                                       "2", "--train-iters", "4", "--save", str(ckpt),
+                                       "--save-interval", "1"],
+                         world_size=2, script="tests/fault_hooks.py",
+                         env={"FAULT_FSIZE_AT_SAVE": "2", "FAULT_FSIZE_RANK": "1",
+                              "FAULT_FREE_BYTES": "1000"})
+    start = time.time()
+    try:
+        out, err = run.communicate(timeout=180)
+    finally:
+        kill_tree(run)
+    assert run.returncode != 0
+    assert time.time() - start < 180
+    assert re.search(rf"warning: --save {ckpt} has 1.0 KB free but the checkpoint of "
+                     rf"iteration 1 needs about [\d.]+ [KM]B: the save will likely fail",
+                     out), out[-3000:]
+    error = one_error_line(err)
+    assert re.match(rf"error: checkpoint save of iteration 2 into --save {ckpt} failed on "
+                    rf"rank 1: .*\[Errno 27\] File too large.* \(the checkpoint needs about "
+                    rf"[\d.]+ MB, 1.0 KB free\); removed {ckpt / 'iter_0000002'}"
+                    rf"\.incomplete; the checkpoint of iteration 1 and {TRACKER} are intact: "
+                    rf"free space or point --save elsewhere, then resume with --load {ckpt}$",
+                    error), error
+    assert "saved checkpoint at iteration 1 " in out and "iteration 2 to" not in out
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "iter_0000001", TRACKER]
+    assert (ckpt / TRACKER).read_text() == "1"
+    assert _manifest_holds(ckpt / "iter_0000001")

@@ -2,6 +2,7 @@
 group exists (issue 16 pt 5): pretrain_gpt.py runs on real preprocess_data.py output and
 on corrupted copies of it."""
 
+import json
 import os
 import shutil
 import struct
@@ -178,3 +179,62 @@ def test_arrays_are_checked_in_blocks(data, tmp_path, monkeypatch, offset, value
     rewrite_idx(prefix, offset, "<q", value)
     with pytest.raises(DataPathError, match=words):
         parse_data_path([str(prefix)])
+
+
+def _builder_pair(prefix, documents):
+    """A .bin/.idx pair written with megatron-core's own builder (preprocess_data.py only
+    writes ids of its tokenizer: other data is what a user brings from elsewhere)."""
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for document in documents:
+        builder.add_document(torch.tensor(document), [len(document)])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def test_token_ids_beyond_the_vocabulary(tmp_path):
+    """TINY_MODEL's NullTokenizer has 201 tokens (--vocab-size 200 + eod), padded to 256.
+    An id of 300 (data of a larger tokenizer) used to die at iteration 1 with a bare
+    IndexError: now one line naming the .bin and the id, before training. An id of 230
+    trains (the padded embedding has the row) with a warning. The largest id is cached
+    next to the index, keyed by the .bin's size and time."""
+    beyond = _builder_pair(str(tmp_path / "beyond"), [[5] * 30, [7] * 20 + [300] + [9] * 9])
+    line = assert_refused(beyond, f"{beyond}.bin", "holds token id 300",
+                          "vocabulary has 256 entries",
+                          "--tokenizer-type NullTokenizer --vocab-size 200: 201 tokens, "
+                          "padded to 256", "another tokenizer")
+    assert line.startswith(f"error: --data-path: {beyond}.bin holds token id 300")
+    assert json.loads(open(f"{beyond}.maxid.json").read())["max_id"] == 300
+
+    padded = _builder_pair(str(tmp_path / "padded"), [[5] * 30, [230] * 30])
+    proc = pretrain(padded)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"warning: --data-path: {padded}.bin holds token id 230, beyond the tokenizer's "
+            f"201 tokens") in proc.stdout
+    assert "iteration        1/" in proc.stdout
+
+
+def test_largest_id_cache_follows_the_bin(tmp_path, monkeypatch):
+    from megatron.dataprep import token_range
+
+    prefix = _builder_pair(str(tmp_path / "cached"), [[5, 6, 7], [40, 8]])
+    scans = []
+    scan = token_range._scan
+    monkeypatch.setattr(token_range, "_scan", lambda *a: scans.append(a) or scan(*a))
+    monkeypatch.setattr(token_range, "_BLOCK", 2)  # the blocks of a long .bin
+    assert token_range.largest_token_id(prefix) == 40 and len(scans) == 1
+    assert token_range.largest_token_id(prefix) == 40 and len(scans) == 1  # the cache
+    with open(f"{prefix}.bin", "r+b") as f:  # same size, new bytes and time
+        f.seek(2)
+        f.write(struct.pack("<H", 999))
+    os.utime(f"{prefix}.bin", ns=(1, 1))
+    assert token_range.largest_token_id(prefix) == 999 and len(scans) == 2
+
+
+def test_dataset_smaller_than_one_sample_is_named(tmp_path):
+    """A 5-token corpus under --seq-length 48: every sample repeats it ~10 times."""
+    tiny = _builder_pair(str(tmp_path / "tiny"), [[5, 6, 7, 8, 9]])
+    proc = pretrain(tiny)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"warning: --data-path: the training split of {tiny} holds 5 token(s), fewer "
+            f"than one sample (--seq-length 48 + 1): every sample repeats them about 10 "
+            f"times") in proc.stdout, proc.stdout[-3000:]

@@ -223,7 +223,11 @@ def test_many_bad_lines_report_only_the_first_few(tmp_path, gpt2_args, capsys):
 def test_nothing_to_write_is_an_error(tmp_path, gpt2_args, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": ""}, {"other": "x"}])
     assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 1
-    assert "no document left to write" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the reasons and the first lines, not only that nothing is left
+    assert (f"error: no document left to write for key 'text': 2 skipped: missing_key 1 "
+            f"(key absent) at {src}:2; empty 1 (empty text) at {src}:1; nothing written") \
+        in err, err
     assert outputs(tmp_path) == ["in.jsonl"]
 
 

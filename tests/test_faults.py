@@ -2,6 +2,7 @@
 to the launcher or to the workers, the wall-clock limit, a stopped peer. Each test asserts
 what the user sees and that no checkpoint was lost or written after the fault."""
 
+import os
 import re
 import signal
 import time
@@ -139,3 +140,67 @@ def test_stopped_peer_ends_the_job_within_the_timeout(tmp_path):
     assert re.match(r"error: rank 0: iteration \d+'s .* did not complete within "
                     r"--distributed-timeout-minutes 0.25: a peer rank is stopped, dead or hung",
                     error), error
+
+
+def test_ctrl_c_is_one_line_and_with_the_handler_saves(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group: torchrun and its
+    workers): one line, no traceback from any worker, nothing half-written. With
+    --exit-signal-handler --exit-signal SIGINT, SIGINT to the workers: the iteration
+    finishes, the checkpoint is saved, every worker exits 0 (so torchrun does)."""
+    ckpt = tmp_path / "ckpt"
+    argv = PP2_SEQ1F1B + ["--train-iters", "100000", "--save", str(ckpt), "--save-interval", "2"]
+    proc = start_pretrain(argv, world_size=2, new_session=True)
+    try:
+        _wait_for_iteration(proc, 3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode != 0
+    worker_lines = [line for line in err.splitlines()
+                    if not line.startswith(("W1", "E1", "I1")) and "torch/distributed/" not in line]
+    error = one_error_line(err)
+    assert re.match(rf"error: SIGINT received during iteration \d+'s .*: stopped without saving\. "
+                    rf"The last good state is the checkpoint of iteration 2 in --save {ckpt}\. "
+                    rf"To finish the iteration and save on SIGINT, pass --exit-signal-handler "
+                    rf"--exit-signal SIGINT$", error), error
+    assert "KeyboardInterrupt" not in err and "[rank" not in err, worker_lines
+    assert (ckpt / TRACKER).read_text() == "2"
+    assert not list(ckpt.glob("*.incomplete")), list(ckpt.iterdir())
+
+    proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "100000", "--load", str(ckpt),
+                                    "--save", str(ckpt), "--save-interval", "100000",
+                                    "--exit-signal-handler", "--exit-signal", "SIGINT"])
+    try:
+        _wait_for_iteration(proc, 4)
+        for worker in _workers(proc):
+            worker.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    match = re.search(r"exiting at iteration (\d+): SIGINT received \(--exit-signal-handler\)",
+                      out)
+    assert match, out[-2000:]
+    assert (ckpt / TRACKER).read_text() == match.group(1)
+
+
+def test_exit_signal_handler_for_training_stops_at_once_with_exit_0(tmp_path):
+    """--exit-signal-handler-for-training: SIGTERM stops the run at once, one note, exit 0
+    (Megatron-LM's orderly shutdown), nothing saved."""
+    ckpt = tmp_path / "ckpt"
+    proc = start_pretrain(TINY_MODEL + ["--train-iters", "100000", "--save", str(ckpt),
+                                        "--save-interval", "100000",
+                                        "--exit-signal-handler-for-training"])
+    try:
+        _wait_for_iteration(proc, 2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    notes = [line for line in err.splitlines() if line.startswith("note: SIGTERM")]
+    assert notes == [f"note: SIGTERM received during {notes[0].split('during ', 1)[1]}"] and \
+        "stopped without saving. No checkpoint of this run was saved." in notes[0], err[-3000:]
+    assert "Traceback" not in err
+    assert not list(ckpt.glob("iter_*"))

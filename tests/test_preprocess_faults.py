@@ -188,3 +188,29 @@ def test_worker_dying_mid_result_is_still_reported(monkeypatch):
             pool.result(pool.executor.submit(_tear_result_pipe_and_die))
     assert time.monotonic() - began < 10
     assert all(p.exitcode is not None for p in pool.processes)
+
+
+def test_full_disk_is_one_line_naming_the_output(tmp_path):
+    """Output the disk refuses: RLIMIT_FSIZE of 20 kB on the tool's processes makes the
+    kernel refuse every write past 20 kB of a file (EFBIG; Python ignores SIGXFSZ), as a
+    full disk refuses it (ENOSPC), without root. One line naming the output, exit 1, no
+    file left behind (neither outputs nor temporaries)."""
+    import resource
+
+    src = write_jsonl(tmp_path / "in.jsonl",
+                      [{"text": " ".join(str((i * 7 + j) % 90) for j in range(12))}
+                       for i in range(3000)])  # ~80 kB of uint16 tokens
+    prefix = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, TOOL, "--input", src, "--output-prefix", str(prefix),
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod"],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE,
+                                              (20_000, resource.RLIM_INFINITY)),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert lines == [f"preprocess_data.py: error: writing {prefix}_text_document.{{bin,idx}} "
+                     f"failed: File too large; temporary files removed, nothing written: "
+                     f"free space or choose another --output-prefix"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

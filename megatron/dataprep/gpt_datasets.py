@@ -183,6 +183,33 @@ def check_splits(prefixes: Sequence[str], split: str,
                     f"{count} sequences); give {part.name} a 0 share or use more data")
 
 
+def smaller_than_a_sample(prefixes: Sequence[str], split: str, seq_length: int) -> List[str]:
+    """Warnings for each prefix whose training split holds fewer tokens than one sample
+    (``seq_length + 1``): megatron-core's GPT dataset then fills every sample by repeating
+    those tokens, which trains without a word otherwise. Call after ``check_splits``."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    bookends = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
+    warnings = []
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix)  # its lengths are a view of its memory map
+        lengths = dataset.sequence_lengths
+        begin, end = (int(round(b * lengths.shape[0])) for b in bookends or (0, 0))
+        tokens = int(lengths[begin:end].astype(numpy.int64).sum())
+        del lengths, dataset
+        if 0 < tokens < seq_length + 1:
+            warnings.append(
+                f"warning: --data-path: the training split of {prefix} holds {tokens} "
+                f"token(s), fewer than one sample (--seq-length {seq_length} + 1): every "
+                f"sample repeats them about {(seq_length + 1) / tokens:.0f} times; use more "
+                f"data or a shorter --seq-length")
+    return warnings
+
+
 def build_gpt_datasets(
     data_path: Optional[Sequence[str]],
     split: str,

@@ -364,7 +364,8 @@ def run(args, sources, tokenizer):
                 _consume(result, sources[result.source], writers, report, args.strict)
         for key, writer in writers.items():
             if writer.documents == 0:
-                raise DataError(f"no document left to write for key {key!r}; nothing written")
+                raise DataError(f"no document left to write for key {key!r}"
+                                f"{report.skip_reasons(key)}; nothing written")
         for writer in writers.values():
             writer.finalize()
         for writer in writers.values():
@@ -444,6 +445,13 @@ def main(argv=None) -> int:
         run(args, sources, tokenizer)
     except (DataError, WorkerDied) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a full disk, a quota, a directory that went away
+        outputs = ", ".join(f"{output_prefix(args, key)}.{{bin,idx}}" for key in args.json_keys)
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"{PROG}: error: writing {outputs} failed: {exc.strerror or exc}{where}; "
+              f"temporary files removed, nothing written: free space or choose another "
+              f"--output-prefix", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         what = "stopped by SIGTERM" if isinstance(exc, _Terminated) else "interrupted"

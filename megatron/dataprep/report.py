@@ -43,6 +43,22 @@ class Report:
             self._next_log = (self.read // self.log_interval + 1) * self.log_interval
             self._print(f"processed {self.read} documents ({self._rates()})")
 
+    def skip_reasons(self, key: str) -> str:
+        """': N lines skipped: reason (what) at file:line, ...' for one line of text;
+        empty when nothing was skipped."""
+        skipped = self.skipped[key]
+        if not skipped:
+            return ""
+        parts = []
+        for reason in SKIP_REASONS:
+            if reason in skipped:
+                count, where = skipped[reason]
+                more = ", ..." if count > len(where) else ""
+                parts.append(f"{reason} {count} ({SKIP_REASONS[reason]}) at "
+                             f"{', '.join(where)}{more}")
+        total = sum(count for count, _ in skipped.values())
+        return f": {total} skipped: {'; '.join(parts)}"
+
     def summary(self, outputs: Dict[str, str]) -> None:
         lines = [f"done in {self.elapsed:.2f} s: {self.read} documents read "
                  f"({self.text_bytes / 1e6:.2f} MB of text; {self._rates()})"]

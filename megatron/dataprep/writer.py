@@ -54,7 +54,10 @@ class AtomicIndexedWriter:
         """Drop everything not yet published; safe to call at any point."""
         data_file = getattr(self._builder, "data_file", None)
         if data_file is not None and not data_file.closed:
-            data_file.close()
+            try:
+                data_file.close()
+            except OSError:  # its buffer does not fit either (a full disk): drop it
+                pass
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)

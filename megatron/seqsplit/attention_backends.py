@@ -40,7 +40,7 @@ from megatron.seqsplit.documents import (
     varlen_document_layout,
 )
 
-BACKEND_NAMES = ("sdpa", "flash", "flex")
+from megatron.seqsplit.names import BACKEND_NAMES  # noqa: E402,F401 - re-exported
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's and PyTorch's CUDA flash kernels
 

@@ -191,7 +191,7 @@ def _to_bhld(x):  # megatron [l, b, h, d] -> kernel [b, h, l, d] (a view)
     return x.permute(1, 2, 0, 3)
 
 
-KV_CACHE_LAYOUTS = ("buffer", "chunked")
+from megatron.seqsplit.names import KV_CACHE_LAYOUTS  # noqa: E402,F401 - re-exported
 
 
 def split_causal_attention(

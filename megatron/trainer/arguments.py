@@ -8,11 +8,10 @@ import argparse
 import os
 import sys
 
-import torch
-
+# no torch or megatron-core here: the command line is checked before they load (seconds
+# to a minute on a busy node), see check_flags_early
 from megatron.schedules import registry as schedule_registry
-from megatron.seqsplit.attention_backends import BACKEND_NAMES
-from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS
+from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
@@ -65,6 +64,24 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _fill_text(self, text, width, indent):
         return "\n".join(indent + line for line in self._split_lines(text, width - len(indent)))
+
+
+# the signals --exit-signal takes (Megatron-LM accepts any signal.Signals name; these are
+# the ones a user or scheduler sends to ask for a stop)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
+def _signal_name(value):
+    """SIGINT, sigint, INT or 2 all name SIGINT."""
+    import signal
+
+    text = value.strip().upper()
+    if text.isdigit():
+        try:
+            return signal.Signals(int(text)).name
+        except ValueError:
+            return text
+    return text if text.startswith("SIG") else "SIG" + text
 
 
 def _str2bool(value):
@@ -343,8 +360,18 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="stop (after saving a checkpoint with --save) when the iteration "
                         "is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM (SLURM preemption, torchrun forwarding it), finish the "
-                        "current iteration, save a checkpoint with --save and exit 0")
+                   help="on --exit-signal (SIGTERM: SLURM preemption, torchrun forwarding "
+                        "it), finish the current iteration, save a checkpoint with --save "
+                        "and exit 0")
+    g.add_argument("--exit-signal", type=_signal_name, default="SIGTERM",
+                   choices=EXIT_SIGNALS, metavar="SIGNAL",
+                   help="the signal --exit-signal-handler saves on: one of "
+                        f"{', '.join(EXIT_SIGNALS)} (default SIGTERM; SIGINT is Ctrl-C)")
+    g.add_argument("--exit-signal-handler-for-training", action="store_true",
+                   help="SIGINT or SIGTERM (the one --exit-signal-handler does not take) "
+                        "stops every rank at once with one line and exit 0, without "
+                        "saving (Megatron-LM's orderly shutdown); without it SIGINT stops "
+                        "with one line and exit 130")
     g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
                    help="accepted: DataLoader workers (--num-workers) always ignore "
                         "SIGTERM here; the trainer handles it and ends them after saving")
@@ -361,6 +388,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--load-unverified-checkpoint", action="store_true",
+                   help="load a checkpoint of this project whose checksums.json is missing "
+                        "(its files cannot be verified; without this flag it is refused). "
+                        "Megatron-LM's checkpoints, which have none, load without it")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load; start at iteration 0 "
                         "without optimizer or RNG state")
@@ -442,6 +473,8 @@ def _apply_checkpoint_args(args, check_files):
 
 
 def _device_problems(args, cuda_available):
+    if cuda_available is None:  # check_flags_early: the device is decided with torch
+        return []
     from megatron.trainer.device import device_problems
 
     return device_problems(args, cuda_available)
@@ -536,7 +569,16 @@ def _check_megatron_compat(args, cuda_available):
         raise ArgumentErrors(problems)
 
 
+def _installed(name) -> bool:
+    """Without importing it (which loads torch): for check_flags_early."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def _flash_attn_importable() -> bool:
+    if _LIGHT:
+        return _installed("flash_attn")
     try:
         import flash_attn  # noqa: F401
         return True
@@ -545,6 +587,8 @@ def _flash_attn_importable() -> bool:
 
 
 def _te_importable() -> bool:
+    if _LIGHT:
+        return _installed("transformer_engine")
     try:
         import transformer_engine  # noqa: F401
         return True
@@ -817,8 +861,9 @@ def _check_data_flags(args, check_files):
                  f"--tokenizer-model {args.tokenizer_model}: no such file or directory "
                  "(nothing is downloaded: give a local tokenizer.json or its directory)")
     if args.data_path and check_files:
-        _check_data(args.data_path, args.split,
-                    ["train"] + (["valid"] if args.eval_iters > 0 else []))
+        args.flag_notes = getattr(args, "flag_notes", []) + _check_data(args.data_path, args.split,
+                                       ["train"] + (["valid"] if args.eval_iters > 0 else []),
+                                       args.seq_length)
 
 
 def _sentencepiece_importable() -> bool:
@@ -920,16 +965,18 @@ def _validate_virtual_pipeline(args):
         raise ArgumentError(str(err))
 
 
-def _check_data(data_path, split, used):
+def _check_data(data_path, split, used, seq_length=None):
     """The data files and the split, as the dataset builder will read them, checked
     before any process group exists (its errors name the flag)."""
-    from megatron.dataprep.gpt_datasets import DataPathError, check_splits, parse_data_path
+    from megatron.dataprep.gpt_datasets import (DataPathError, check_splits, parse_data_path,
+                                                smaller_than_a_sample)
 
     try:
         prefixes, _ = parse_data_path(data_path)
         check_splits(prefixes, split, used)
     except DataPathError as error:
         raise ArgumentError(str(error)) from None
+    return smaller_than_a_sample(prefixes, split, seq_length) if seq_length else []
 
 
 def _validate_seq1f1b(args):
@@ -1032,7 +1079,7 @@ def _gcd(a, b):
 
 
 def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_available=None,
-               check_files=True):
+               check_files=True, _light=False):
     """Parse and validate a command line; every problem (unknown flags, refused
     Megatron-LM features, bad values, failed checks) is raised together."""
     parser = build_parser(extra_args_provider)
@@ -1044,7 +1091,9 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_availa
     problems += [_unknown_flag(parser, token) for token in unknown if token.startswith("-")]
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if cuda_available is None:
+    if cuda_available is None and not _light:
+        import torch
+
         cuda_available = torch.cuda.is_available()
     if not problems:
         return validate_args(args, world_size, cuda_available, check_files)
@@ -1067,6 +1116,54 @@ def _unknown_flag(parser, token):
     close = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
     hint = f"; did you mean {close[0]}?" if close else f" (see `{parser.prog} --help`)"
     return f"unknown flag {flag}: neither this trainer nor its Megatron-LM lists know it{hint}"
+
+
+_LIGHT = False  # True while check_flags_early runs: nothing may import torch
+
+
+def _cuda_known_absent():
+    """False (no CUDA) where torch's own wheel says it is a CPU build, else None: unknown
+    without importing torch (the device checks then wait for the full parse)."""
+    from importlib import metadata
+
+    try:
+        return False if "+cpu" in metadata.version("torch") else None
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def early_problems(argv, extra_args_provider=None):
+    """The flag problems of ``argv`` that need neither torch nor megatron-core nor the
+    files the flags name (empty: none found; the full parse checks the rest). Never
+    imports torch."""
+    global _LIGHT
+    # --use-checkpoint-args takes the model's shape from --load: left to the full parse
+    if any(token.split("=", 1)[0] in ("--use-checkpoint-args", "-h", "--help")
+           for token in argv):
+        return []
+    _LIGHT = True
+    try:
+        parse_args(argv, extra_args_provider, cuda_available=_cuda_known_absent(),
+                   check_files=False, _light=True)
+    except ArgumentError as error:
+        return str(error).splitlines()
+    finally:
+        _LIGHT = False
+    return []
+
+
+def check_flags_early(argv=None, extra_args_provider=None):
+    """Flag problems found before torch and megatron-core load (a flag error used to take
+    as long as importing them on every rank: up to a minute on a busy node): print them
+    (rank 0) and exit 2. The device checks (where torch is not a CPU build) and the file
+    checks come with the full parse (``parse_args_or_exit``) once these pass."""
+    problems = early_problems(list(sys.argv[1:] if argv is None else argv),
+                              extra_args_provider)
+    if problems:
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in problems:
+                print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def parse_args_or_exit(argv=None, extra_args_provider=None):

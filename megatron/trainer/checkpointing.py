@@ -58,6 +58,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megatron.trainer import save_failure, stop_signals
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checksums.json"
 LOCK_FILE = ".lock"
@@ -442,17 +444,37 @@ def _structure_problem(directory):
     return None
 
 
-def _verify(root, path):
+def _written_here(path):
+    """Whether this project saved the checkpoint (its common state holds the model-shape
+    flags, which Megatron-LM's does not); such a save always writes checksums.json."""
+    try:
+        return "model_shape" in dist_checkpointing.load_common_state_dict(path)
+    except Exception:  # unreadable: the load itself will say so
+        return False
+
+
+def _unverified_problem(path, allow):
+    """Rank 0, for a checkpoint without checksums.json: None (it loads, with a warning)
+    or why it is refused."""
+    if _written_here(path) and not allow:
+        return (f"{MANIFEST_FILE} is missing, but this project wrote the checkpoint and "
+                f"writes one with every save (was it deleted? a file may be damaged too): "
+                f"pass --load-unverified-checkpoint to load it unverified")
+    print(f"  warning: {path} has no {MANIFEST_FILE} ("
+          f"{'loaded with --load-unverified-checkpoint' if allow else 'saved by Megatron-LM'}"
+          f"): its files are not verified", flush=True)
+    return None
+
+
+def _verify(root, path, allow_unverified=False):
     """Collective: check the checkpoint's files before any rank reads them; every rank
     stops together on a damaged one."""
     found = [None]
     if _rank() == 0:
         files, problem = _read_manifest(path)
         if problem is None and files is None:
-            problem = _structure_problem(path)
-            if problem is None:
-                print(f"  warning: {path} has no {MANIFEST_FILE} (saved by an older "
-                      f"version): its files are not verified", flush=True)
+            problem = (_structure_problem(path)
+                       or _unverified_problem(path, allow_unverified))
         found[0] = (files or {}, problem)
     torch.distributed.broadcast_object_list(found, src=0)
     files, problem = found[0]
@@ -493,20 +515,38 @@ def _move_into_place(staging, final):
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
     final = checkpoint_dir(args.save, iteration)
     staging = final + STAGING_SUFFIX
-    if _rank() == 0:
-        _remove(staging)  # what a killed save left behind
-        os.makedirs(staging)
-    torch.distributed.barrier()
-    state = _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed_samples,
-                                with_rng=not args.no_save_rng,
-                                with_optimizer=not args.no_save_optim)
-    dist_checkpointing.save(state, staging)
-    torch.distributed.barrier()
-    _write_manifest(staging)
-    if _rank() == 0:
-        _move_into_place(staging, final)
-        _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
-        print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
+    try:
+        previous = _latest_iteration(args.save)
+    except CheckpointError:
+        previous = None
+    needed = save_failure.checkpoint_bytes(
+        args, model, args.save,
+        checkpoint_dir(args.save, previous) if previous is not None else None)
+    save_failure.warn_if_short(args, iteration, needed, _rank())
+    try:
+        if _rank() == 0:
+            _remove(staging)  # what a killed save left behind
+            os.makedirs(staging)
+        torch.distributed.barrier()
+        state = _sharded_state_dict(args, model, optimizer, scheduler, iteration,
+                                    consumed_samples, with_rng=not args.no_save_rng,
+                                    with_optimizer=not args.no_save_optim)
+        dist_checkpointing.save(state, staging)
+        torch.distributed.barrier()
+        _write_manifest(staging)
+        if _rank() == 0:
+            _move_into_place(staging, final)
+            _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
+            print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        save_failure.remove_partial(staging)  # Ctrl-C: never leave a half-written save
+        raise
+    except BaseException as error:  # OSError, torch's CheckpointException (a BaseException)
+        signum = stop_signals.stop_signal_received()
+        if signum is not None:  # a peer stopped on Ctrl-C mid-save: not a disk problem
+            save_failure.remove_partial(staging)
+            raise stop_signals.Interrupted(signum) from None
+        save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
     torch.distributed.barrier()
 
 
@@ -523,14 +563,30 @@ def _same_dir(a, b):
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
+def latest_iteration(root):
+    """The iteration the tracker in ``root`` names, None without a tracker; raises
+    CheckpointError on a tracker that names none."""
+    return _latest_iteration(root)
+
+
 def _latest_iteration(root):
     tracker = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"--load {root}: {TRACKER_FILE} holds {text!r}, not an iteration")
-    return int(text)
+    with open(tracker, "rb") as handle:  # bytes: the file may hold anything
+        raw = handle.read(200)
+    # ASCII digits only: str.isdigit() also takes "³" and other scripts' digits
+    if not re.fullmatch(rb"\s*[0-9]+\s*", raw):
+        try:
+            shown = repr(raw.strip()[:60].decode("utf-8"))
+        except UnicodeDecodeError:  # binary: shown as bytes
+            shown = repr(raw.strip()[:60])
+        saved = [str(int(_ITER_DIR.match(n).group(1))) for n in _iteration_dirs(root)]
+        what = (f"write the iteration to resume from ({', '.join(saved)} saved) into it"
+                if saved else "remove it or write an iteration into it")
+        raise CheckpointError(f"--load {root}: {TRACKER_FILE} holds {shown}, not an "
+                              f"iteration: {what}")
+    return int(raw)
 
 
 def _no_tracker(root):
@@ -540,6 +596,22 @@ def _no_tracker(root):
             f"or the file was deleted): write the iteration to resume from (e.g. "
             f"{int(_ITER_DIR.match(found[-1]).group(1))}) into {os.path.join(root, TRACKER_FILE)}"
             f", or use another --save")
+
+
+def _warn_of_newer(args, iteration):
+    """Rank 0: a tracker set back to an older iteration (deliberately, to leave a bad
+    stretch behind, or by mistake) lets the next saves replace the newer iter_* of the
+    same numbers: name them before anything is replaced."""
+    if _rank() != 0 or not _same_dir(args.load, args.save):
+        return
+    newer = [name for name in _iteration_dirs(args.load)
+             if int(_ITER_DIR.match(name).group(1)) > iteration]
+    if newer:
+        print(f"  warning: --load {args.load}: {TRACKER_FILE} names iteration {iteration} but "
+              f"{', '.join(newer)} are newer: saves of this run at those iterations will "
+              f"replace them; to keep them, move them away or use another --save (to resume "
+              f"from the newest instead, write its iteration into "
+              f"{os.path.join(args.load, TRACKER_FILE)})", flush=True)
 
 
 def _check_model_shape(args, path, common):
@@ -590,7 +662,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     if not os.path.isdir(path):
         _exit(f"--load {args.load}: {TRACKER_FILE} names iteration "
               f"{iteration} but {path} does not exist")
-    _verify(args.load, path)
+    _verify(args.load, path, args.load_unverified_checkpoint)
+    _warn_of_newer(args, iteration)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as error:  # verified files that still do not load: say which

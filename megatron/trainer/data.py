@@ -89,6 +89,7 @@ def _ignore_sigterm(_worker_id):
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
 
 
 class GlobalBatchSizes:

@@ -8,7 +8,7 @@ on a GPU node. ``validate_args`` fills ``args.device``; ``initialize_distributed
 ``use_device(args)`` once, and code without ``args`` at hand asks ``compute_device()``.
 """
 
-import torch
+import importlib
 
 _HALF_ATTENTION_BACKENDS = ("flash",)  # kernels without an fp32 variant
 
@@ -76,6 +76,17 @@ def _attention_problems(args):
     return problems
 
 
+class _LazyTorch:
+    """torch, imported on first use: the flag checks (device_problems) run before torch
+    loads (arguments.check_flags_early)."""
+
+    def __getattr__(self, name):
+        return getattr(importlib.import_module("torch"), name)
+
+
+torch = _LazyTorch()
+
+
 def use_device(args) -> None:
     """Make ``args.device`` (from ``validate_args``) the process's compute device."""
     global _chosen
@@ -90,7 +101,7 @@ def on_cuda(args=None) -> bool:
     return chosen == "cuda" if chosen is not None else torch.cuda.is_available()
 
 
-def compute_device() -> torch.device:
+def compute_device() -> "torch.device":
     """The device for this process's model, batches and buffers."""
     if on_cuda():
         return torch.device("cuda", torch.cuda.current_device())

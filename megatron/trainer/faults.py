@@ -28,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.trainer import device
+from megatron.trainer.stop_signals import Interrupted, StopSignals
 
 
 class NonFiniteError(RuntimeError):
@@ -38,18 +39,20 @@ class TrainingTimeout(RuntimeError):
     """A collective or p2p step outlived --distributed-timeout-minutes."""
 
 
-class _SigtermFlag:
-    """Records SIGTERM instead of dying at once (--exit-signal-handler)."""
+class _SignalFlag:
+    """Records --exit-signal instead of dying at once (--exit-signal-handler)."""
 
-    def __init__(self):
+    def __init__(self, name):
+        self.name = name
         self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._signum = getattr(signal, name)
+        self._previous = signal.signal(self._signum, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        signal.signal(self._signum, self._previous)
 
 
 # columns of the per-rank row gathered every iteration
@@ -67,7 +70,8 @@ class IterationGuard:
         # the step and lowers the scale (counted as skipped iterations), so only the
         # (unscaled) loss is checked
         self.check_grads = self.check_values and not args.fp16
-        self.sigterm = _SigtermFlag() if args.exit_signal_handler else None
+        self.sigterm = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
+        self.stop_signals = StopSignals(args)
         self.device = device.compute_device()
 
     @property
@@ -79,6 +83,7 @@ class IterationGuard:
         if self.sigterm is not None:
             self.sigterm.restore()
             self.sigterm = None
+        self.stop_signals.restore()
 
     def check(self, iteration, losses_reduced, model):
         """Gather this iteration's health from every rank. Raises ``NonFiniteError`` on a
@@ -155,13 +160,21 @@ def _raise_on_non_finite(iteration, table):
 
 def _latest_checkpoint(args):
     """Where the last good state is, for the non-finite message."""
-    from megatron.trainer.checkpointing import TRACKER_FILE
+    from megatron.trainer.checkpointing import (MANIFEST_FILE, CheckpointError,
+                                                checkpoint_dir, latest_iteration)
 
-    tracker = os.path.join(args.save, TRACKER_FILE) if args.save else None
-    if tracker is None or not os.path.isfile(tracker):
+    try:
+        iteration = latest_iteration(args.save) if args.save else None
+    except CheckpointError:
+        iteration = None
+    if iteration is None:
         return "No checkpoint of this run was saved."
-    with open(tracker) as handle:
-        iteration = handle.read().strip()
+    # only a checkpoint whose files were verified is known good: one loaded without its
+    # checksums.json (--load-unverified-checkpoint) may hold what went wrong
+    if not os.path.isfile(os.path.join(checkpoint_dir(args.save, iteration), MANIFEST_FILE)):
+        return (f"The latest checkpoint, iteration {iteration} in --save {args.save}, is "
+                f"unverified (no {MANIFEST_FILE}): it may hold the bad values; an earlier "
+                f"one may be the last good state.")
     return f"The last good state is the checkpoint of iteration {iteration} in --save {args.save}."
 
 
@@ -179,18 +192,42 @@ def timeout_error(error, step, args):
         f"(check its log and its node); the job stops. ({detail.strip()[:300]})")
 
 
+def _interrupted(args, progress, signum):
+    """Every rank stops; rank 0 says where and what is saved. Exit 0 with
+    --exit-signal-handler-for-training (Megatron-LM's orderly shutdown), else 128 + the
+    signal number, as a shell reports a process ended by it."""
+    name = signal.Signals(signum).name
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    code = 0 if args.exit_signal_handler_for_training else 128 + signum
+    if rank == 0:
+        advice = ("" if args.exit_signal_handler and args.exit_signal == name else
+                  f" To finish the iteration and save on {name}, pass --exit-signal-handler"
+                  + (f" --exit-signal {name}" if name != "SIGTERM" else ""))
+        print(f"{'error' if code else 'note'}: {name} received during {progress.step}: "
+              f"stopped without saving. {_latest_checkpoint(args)}{advice}",
+              file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 @contextlib.contextmanager
-def stops_cleanly(args, progress):
+def stops_cleanly(args, progress, guard=None):
     """Turn the run's deliberate stops into one line and a non-zero exit: a non-finite
     value (every rank raises alike; rank 0 prints), a timed-out distributed step (each
-    rank that timed out prints its own line: it names the rank and what it was doing)."""
+    rank that timed out prints its own line: it names the rank and what it was doing),
+    SIGINT (Ctrl-C; also SIGTERM with --exit-signal-handler-for-training)."""
+    stop_signals = guard.stop_signals if guard is not None else None
     try:
         yield
     except NonFiniteError as error:
         if torch.distributed.get_rank() == 0:
             print(f"error: {error} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Interrupted as interrupt:
+        _interrupted(args, progress, interrupt.signum)
     except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors
+        if stop_signals is not None and stop_signals.settle():
+            # a peer stopping on the same signal closed its connections first
+            _interrupted(args, progress, stop_signals.received)
         timeout = timeout_error(error, progress.step, args)
         if timeout is None:
             raise

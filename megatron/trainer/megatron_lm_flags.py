@@ -327,8 +327,7 @@ for _reason, _flags in (
     ("fault-tolerance and restart packages (nvidia-resiliency-ext, ADLR autoresume) are "
      "not used here; use --exit-signal-handler and --exit-duration-in-mins with a "
      "restarting launcher", "--inprocess- --enable-ft-package --calc-ft-timeouts "
-     "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector- "
-     "--exit-signal --exit-signal-handler-for-training"),
+     "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector-"),
     ("Megatron-LM's rerun engine (result validation, error injection, spiky-loss and "
      "large-gradient checks) is not implemented; the NaN/inf check is "
      "(--check-for-nan-in-loss-and-grad)", "--rerun-mode --error-injection-rate "

@@ -27,7 +27,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.model_shape import ModelShape
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, device, faults, initialize, monitoring
+from megatron.trainer import checkpointing, data_checks, device, faults, initialize, monitoring
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -235,7 +235,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     guard = faults.IterationGuard(args, start)  # SIGTERM is recorded from here on
     progress = Progress()
     try:
-        with faults.stops_cleanly(args, progress):
+        with faults.stops_cleanly(args, progress, guard):
             return _pretrain(args, start, guard, progress, datasets_provider, model_provider,
                              forward_step_func, on_finish)
     finally:  # also after a deliberate stop: the process may train another configuration
@@ -249,6 +249,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     train_ds, valid_ds, tokenizer = datasets_provider(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
                                             args.make_vocab_size_divisible_by)
+    data_checks.check_token_ids(args, tokenizer.vocab_size, args.padded_vocab_size)
     config = transformer_config_from_args(args)
     model = build_model(args, config, model_provider)
     optimizer, scheduler = build_optimizer(args, model)
@@ -370,7 +371,7 @@ def write_timeline(args, recorder):
 
 _EXIT_REASONS = {
     "interval": "--exit-interval reached",
-    "sigterm": "SIGTERM received (--exit-signal-handler)",
+    "sigterm": "{signal} received (--exit-signal-handler)",
     "duration": "--exit-duration-in-mins reached",
 }
 
@@ -477,7 +478,8 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         if args.exit_interval and iteration % args.exit_interval == 0:
             exit_reason = "interval"
         if exit_reason is not None:
-            print_rank_0(f" exiting at iteration {iteration}: {_EXIT_REASONS[exit_reason]}")
+            print_rank_0(f" exiting at iteration {iteration}: "
+                         f"{_EXIT_REASONS[exit_reason].format(signal=args.exit_signal)}")
             break
     param_gather.stop()  # the last step's parameters, whole, for the save and the caller
     paused = time.time()

@@ -1,0 +1,159 @@
+"""A checkpoint save that fails (disk full, quota, a read-only or vanished directory).
+
+The user gets one line naming the directory, the iteration, the space the checkpoint
+needs and the space free; the partial ``iter_N.incomplete/`` is removed (it would keep
+the disk full, and the resumed run would fail at the same save); the previous checkpoint
+and the tracker are untouched (the tracker only moves after a complete save).
+
+A failure need not reach every rank the same way: rank 0 may fail writing
+``common.pt`` before any collective of the save, while the other ranks wait inside
+torch's checkpoint collectives. A collective to agree on the failure could then meet the
+wrong peer, so the ranks agree through the process group's key-value store instead: the
+first rank to fail counts itself there, prints the line and exits; the others are
+released by their peer's exit (a closed connection) or by torchrun ending them, see the
+count and exit without a second line.
+
+A save that the free space will not hold is warned about before it starts.
+"""
+
+import errno
+import os
+import shutil
+
+import torch
+
+_STORE_PREFIX = "seq1f1b/save_failed"
+
+
+def checkpoint_bytes(args, model, root, latest):
+    """About how many bytes a checkpoint of this run takes: the size of the latest one in
+    ``root`` if there is one, else the parameters' bytes times what Adam keeps per
+    parameter (collective: every rank calls it)."""
+    if latest is not None and os.path.isdir(latest):
+        return sum(os.path.getsize(os.path.join(latest, name)) for name in os.listdir(latest)
+                   if os.path.isfile(os.path.join(latest, name)))
+    from megatron.core import parallel_state
+
+    from megatron.trainer import device
+
+    local = 0
+    if parallel_state.get_data_parallel_rank() == 0:  # data-parallel replicas save once
+        params = sum(p.numel() for chunk in model for p in chunk.parameters())
+        # weights as trained, plus fp32 Adam moments (and fp32 main weights with bf16/fp16)
+        per_param = 2 + 12 if (args.bf16 or args.fp16) else 4 + 8
+        local = params * per_param
+    total = torch.tensor([float(local)], dtype=torch.float64, device=device.compute_device())
+    torch.distributed.all_reduce(total)
+    return int(total.item())
+
+
+def free_bytes(directory):
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def size_text(count):
+    if count is None:
+        return "unknown"
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000.0
+
+
+def warn_if_short(args, iteration, needed, rank):
+    """Rank 0: one warning line when the free space will not hold the checkpoint."""
+    free = free_bytes(args.save)
+    if rank == 0 and free is not None and free < needed:
+        print(f"  warning: --save {args.save} has {size_text(free)} free but the checkpoint "
+              f"of iteration {iteration} needs about {size_text(needed)}: the save will "
+              f"likely fail; free space or point --save elsewhere", flush=True)
+
+
+def cause(error):
+    """(rank, text): the rank torch's CheckpointException names as failing (None if it
+    names none) and the root cause in a few words (an OSError's errno if there is one,
+    found through torch's wrapped exceptions and exception chains)."""
+    failures = getattr(error, "failures", None) or {}
+    rank = min(failures) if failures else None
+    seen, stack, first = set(), [error], None
+    while stack:
+        current = stack.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            where = f": {current.filename}" if current.filename else ""
+            return rank, f"[Errno {current.errno}] {current.strerror}{where}"
+        if first is None and not hasattr(current, "failures"):
+            first = current
+        for wrapped in getattr(current, "failures", {}).values():
+            stack.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        stack += [current.__cause__, current.__context__]
+    first = first or error
+    text = str(first).strip().splitlines()
+    return rank, f"{type(first).__name__}: {text[-1][:200] if text else ''}".rstrip(": ")
+
+
+def _store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # no store (or its host is gone): every failing rank speaks
+        return None
+
+
+def _first_failure(iteration, store):
+    """Count this rank's failure in the store; True if it is the first of this save."""
+    if store is None:
+        return True
+    try:
+        return store.add(f"{_STORE_PREFIX}/{iteration}", 1) == 1
+    except Exception:
+        return True
+
+
+def already_failed(iteration):
+    """Whether another rank has counted a failure of this save (this rank's own error is
+    then its consequence: a peer gone, the directory removed)."""
+    store = _store()
+    if store is None:
+        return False
+    try:
+        return store.add(f"{_STORE_PREFIX}/{iteration}", 0) > 0
+    except Exception:
+        return False
+
+
+def remove_partial(staging):
+    """Remove the partial checkpoint (idempotent: every failing rank tries)."""
+    for _ in range(3):  # another rank may still be creating files in it
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.lexists(staging):
+            return
+
+
+def fail(args, iteration, staging, error, needed, previous, tracker):
+    """Stop this rank after a failed save: the first failing rank prints the line.
+    Raises SystemExit."""
+    rank, text = cause(error)
+    rank = torch.distributed.get_rank() if rank is None else rank
+    # torch's save raises the failure's details on its coordinator only; elsewhere its
+    # exception names no rank: the coordinator speaks
+    consequence = already_failed(iteration) or getattr(error, "failures", None) == {}
+    first = not consequence and _first_failure(iteration, _store())
+    remove_partial(staging)
+    if not first:
+        raise SystemExit(1)
+    full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    free = free_bytes(args.save)
+    kept = (f"the checkpoint of iteration {previous} and {tracker} are intact"
+            if previous is not None else "no earlier checkpoint was saved")
+    raise SystemExit(
+        f"error: checkpoint save of iteration {iteration} into --save {args.save} failed on "
+        f"rank {rank}: {text} (the checkpoint needs about {size_text(needed)}, "
+        f"{size_text(free)} free{'; the disk is full' if full else ''}); removed {staging}; "
+        f"{kept}: free space or point --save elsewhere, then resume with --load {args.save}")

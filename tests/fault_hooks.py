@@ -1,0 +1,59 @@
+"""pretrain_gpt.py with faults injected inside the launched process (torchrun runs this
+file in its place), set by environment variables:
+
+* FAULT_FSIZE_AT_SAVE=N (FAULT_FSIZE_RANK=R: that rank only): from the N-th checkpoint
+  save on, RLIMIT_FSIZE of 2000 bytes. The kernel then refuses every write past 2000
+  bytes of a file (EFBIG; Python ignores SIGXFSZ), the way a full disk refuses it
+  (ENOSPC): a real failed write inside torch's and megatron-core's checkpoint writers,
+  without root (a tiny tmpfs needs it).
+* FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
+* FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
+  project's (a checkpoint as Megatron-LM writes it, for the load side).
+"""
+
+import collections
+import os
+import resource
+import runpy
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.trainer import checkpointing  # noqa: E402
+
+_save = checkpointing.save_checkpoint
+_saves = [0]
+
+
+def _save_with_faults(*args, **kwargs):
+    _saves[0] += 1
+    at = int(os.environ.get("FAULT_FSIZE_AT_SAVE", "0"))
+    rank = os.environ.get("FAULT_FSIZE_RANK")
+    if at and _saves[0] >= at and rank in (None, os.environ.get("RANK", "0")):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+    return _save(*args, **kwargs)
+
+
+checkpointing.save_checkpoint = _save_with_faults
+
+if os.environ.get("FAULT_FREE_BYTES"):
+    _usage = collections.namedtuple("usage", "total used free")
+    shutil.disk_usage = lambda path: _usage(10**12, 10**12, int(os.environ["FAULT_FREE_BYTES"]))
+
+if os.environ.get("FAULT_MEGATRON_LM_COMMON"):
+    _state = checkpointing._sharded_state_dict
+
+    def _megatron_lm_state(*args, **kwargs):
+        state = _state(*args, **kwargs)
+        for key in ("model_shape", "layout", "distributed_optimizer", "has_optimizer",
+                    "has_rng"):
+            state.pop(key, None)
+        state.update(checkpoint_version=3.0, args=None)
+        return state
+
+    checkpointing._sharded_state_dict = _megatron_lm_state
+
+sys.argv = [os.path.join(ROOT, "pretrain_gpt.py")] + sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
