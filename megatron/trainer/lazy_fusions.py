@@ -20,7 +20,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-import torch
+# torch is imported where it is used: megatron.trainer installs this hook on import, and
+# pretrain_gpt.py checks the command line before torch loads (arguments.check_flags_early)
 
 # the megatron-core modules that call torch.compile while they import (absent ones: no-op)
 DEFERRED = (
@@ -32,6 +33,8 @@ DEFERRED = (
 def compile_on_first_call(model=None, **options):
     """``torch.compile``'s signature; a function is compiled when it is first called with
     CUDA tensors, and runs eagerly on CPU tensors."""
+    import torch
+
     if model is None:  # the @torch.compile(mode=...) form
         return functools.partial(compile_on_first_call, **options)
     if isinstance(model, torch.nn.Module):
@@ -52,11 +55,15 @@ def compile_on_first_call(model=None, **options):
 
 def on_cuda(args, kwargs) -> bool:
     """Whether a call's tensors are on a CUDA device (its compiled form is run then)."""
+    import torch
+
     return any(torch.is_tensor(value) and value.is_cuda
                for value in (*args, *kwargs.values()))
 
 
 def _torch_compile():
+    import torch
+
     return _original_compile or torch.compile
 
 
@@ -73,6 +80,8 @@ class _SwapCompileLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        import torch
+
         global _original_compile
         if _original_compile is not None:  # one DEFERRED module importing another
             return self._loader.exec_module(module)
