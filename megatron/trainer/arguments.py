@@ -370,7 +370,26 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                                              "fsdp_dtensor"], default="torch_dist",
                    help="only torch_dist (megatron-core distributed checkpoints) is written "
                         "and read here")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop when --load holds no checkpoint (without it such a run warns "
+                        "and starts from random, as in Megatron-LM)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, the learning-rate and weight-decay schedule of this "
+                        "command line replaces the checkpoint's (e.g. a longer --train-iters)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's learning-rate and weight-decay "
+                        "schedule whatever this command line says; without either flag a "
+                        "schedule that differs from the checkpoint's is refused")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep only the checkpoints of iterations that are multiples of this "
+                        "(and the latest): each save deletes the previous latest one unless "
+                        "it is such a multiple (a multiple of --save-interval)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="load --load and evaluate on the validation and test sets without "
+                        "training (implies --no-load-optim, as in Megatron-LM)")
 
     add_no_op_flags(parser)
     if extra_args_provider is not None:
@@ -840,7 +859,22 @@ def _check_checkpoint_flags(args, check_files):
         _require(not getattr(args, flag) or args.load is not None,
                  f"--{flag.replace('_', '-')} needs --load DIR")
     if args.load is not None and args.exit_on_missing_checkpoint and check_files:
-        _require(os.path.isdir(args.load), f"--load {args.load}: no such directory")
+        _require(os.path.isdir(args.load), f"--load {args.load}: no such directory "
+                                           "(--exit-on-missing-checkpoint)")
+    # megatron-core asserts this pair; say which flags and what each does
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler (take this command line's schedule) and "
+             "--use-checkpoint-opt_param-scheduler (keep the checkpoint's) contradict each "
+             "other: keep one")
+    if args.save_retain_interval is not None and args.save and args.save_interval:
+        _require(args.save_retain_interval > 0,
+                 f"--save-retain-interval must be > 0, got {args.save_retain_interval}")
+        _require(args.save_retain_interval % args.save_interval == 0,
+                 f"--save-retain-interval ({args.save_retain_interval}) must be a multiple of "
+                 f"--save-interval ({args.save_interval}), as in Megatron-LM: the retained "
+                 f"iterations must be saved ones")
+    if args.skip_train:
+        args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
 
 
 def _check_exit_flags(args):
