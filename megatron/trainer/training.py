@@ -225,6 +225,7 @@ class TrainingResult:
     losses: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)
     validation_losses: list = field(default_factory=list)
+    learning_rates: list = field(default_factory=list)
     iteration: int = 0  # the last iteration trained (or loaded, with --skip-train)
     consumed_samples: int = 0
     exit_reason: str = None  # why the loop stopped before --train-iters, if it did
@@ -490,6 +491,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             window_count += 1
         window_iters += 1
         lr = scheduler.get_lr(optimizer.param_groups[0])
+        history.learning_rates.append(lr)
         monitor.log_iteration_scalars(iteration, loss, lr, grad_norm,
                                       optimizer.get_loss_scale().item(), consumed_samples)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
