@@ -76,7 +76,7 @@ MODEL_SHAPE_FLAGS = (
     "max_position_embeddings", "apply_layernorm_1p",
     # the math of attention and the MLP: a checkpoint trained with them means other weights
     "qk_layernorm", "add_qkv_bias", "squared_relu", "rotary_interleaved", "use_rope_scaling",
-    "rope_scaling_factor",
+    "rope_scaling_factor", "apply_residual_connection_post_layernorm",
 )
 
 

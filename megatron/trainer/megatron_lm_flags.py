@@ -258,12 +258,6 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 # flag (or prefix, ending in '-') words -> reason; each flag changes what a run computes,
 # reads or saves, so it is refused rather than ignored
 for _reason, _flags in (
-    ("not implemented yet: the vocabulary is always padded from the tokenizer's size by "
-     "--make-vocab-size-divisible-by times the TP size; drop it (or set that multiple)",
-     "--padded-vocab-size"),
-    ("megatron-core's transformer layer has this config field but never reads it, so "
-     "Megatron-LM's megatron-core models train without it; only its legacy model used the "
-     "norm's output as the residual. Drop it", "--apply-residual-connection-post-layernorm"),
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
                "--rotary-seq-len-interpolation-factor --embedding-init-method-std "

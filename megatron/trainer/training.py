@@ -37,7 +37,7 @@ from megatron.trainer.metrics import (
     model_flops_per_iteration,
     stage_peaks_gb,
 )
-from megatron.trainer.model import pad_vocab_size, transformer_config_from_args
+from megatron.trainer.model import transformer_config_from_args, vocab_size_of_model
 from megatron.trainer.param_gather import ParamGatherHooks
 
 
@@ -262,8 +262,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     datasets = datasets_provider(args)
     train_ds, valid_ds, tokenizer = datasets[0], datasets[1], datasets[-1]
     test_ds = datasets[2] if len(datasets) == 4 else None
-    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
-                                            args.make_vocab_size_divisible_by)
+    args.padded_vocab_size = vocab_size_of_model(args, tokenizer.vocab_size)
     config = transformer_config_from_args(args)
     model = build_model(args, config, model_provider)
     optimizer, scheduler = build_optimizer(args, model)
