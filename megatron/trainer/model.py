@@ -134,7 +134,8 @@ def vocab_size_of_model(args, tokenizer_vocab_size: int) -> int:
             f"error: --padded-vocab-size ({args.padded_vocab_size}) is smaller than the "
             f"tokenizer's vocabulary ({tokenizer_vocab_size} tokens): token ids past it would "
             f"index beyond the embedding; give at least {tokenizer_vocab_size} or drop the flag"
-            if torch.distributed.get_rank() == 0 else 1)
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            else 1)
     return args.padded_vocab_size
 
 
