@@ -534,9 +534,14 @@ def _drop_unretained(args, previous, iteration):
     if os.path.islink(path) or not os.path.isdir(path):
         return
     doomed = path + ".deleting"
-    _remove(doomed)  # what a killed deletion left
-    os.rename(path, doomed)
-    _remove(doomed)
+    try:
+        _remove(doomed)  # what a killed deletion left
+        os.rename(path, doomed)
+        _remove(doomed)
+    except OSError as error:  # the new checkpoint is saved: a leftover is no reason to stop
+        print(f"  warning: --save-retain-interval: could not delete {path} "
+              f"({error.strerror}); delete it by hand", flush=True)
+        return
     print(f"  deleted checkpoint of iteration {previous} (--save-retain-interval {retain})",
           flush=True)
 
