@@ -158,6 +158,8 @@ def main(spec_path, out_path):
                           recording_forward_step(units, reports), argv=run["argv"],
                           on_finish=on_finish)
         entry = {"losses": result.losses, "validation_losses": result.validation_losses,
+                 "final_validation_loss": result.final_validation_loss,
+                 "test_loss": result.test_loss, "learning_rates": result.learning_rates,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
                  "forward_units": units, "reports": reports}
         if captured.get("params") is not None:

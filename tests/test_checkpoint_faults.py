@@ -147,7 +147,8 @@ def test_megatron_lm_checkpoint_without_manifest_loads(tmp_path):
                            env=env, capture_output=True, text=True, timeout=300)
     assert saved.returncode == 0, saved.stderr[-3000:]
     (ckpt / "iter_0000001" / "checksums.json").unlink()
-    loaded = pretrain(BASE + ["--train-iters", "2", "--load", str(ckpt)])
+    loaded = pretrain(BASE + ["--train-iters", "2", "--load", str(ckpt),
+                              "--override-opt_param-scheduler"])  # saved with 1
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert (f"warning: {ckpt / 'iter_0000001'} has no checksums.json (saved by Megatron-LM): "
             f"its files are not verified") in loaded.stdout
@@ -201,7 +202,8 @@ def test_save_killed_at_any_moment_is_never_the_latest(tmp_path):
     leftover.mkdir(exist_ok=True)
     (leftover / "__0_0.distcp").write_bytes(b"partial")
     resumed = pretrain(BASE + ["--train-iters", str(latest + 1), "--load", str(ckpt),
-                                "--save", str(ckpt), "--save-interval", "1000"])
+                                "--save", str(ckpt), "--save-interval", "1000",
+                                "--override-opt_param-scheduler"])  # saved with 100000
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"loaded checkpoint from {ckpt / f'iter_{latest:07d}'} at iteration {latest}" \
         in resumed.stdout
@@ -275,7 +277,8 @@ def test_one_process_releases_save_dir_between_runs(tmp_path):
     results = run_configs(tmp_path, 1, [
         {"name": "first", "argv": BASE + ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1000"]},
         {"name": "second", "argv": BASE + ["--train-iters", "2", "--load", str(ckpt),
-                                           "--save", str(ckpt), "--save-interval", "1000"]},
+                                           "--save", str(ckpt), "--save-interval", "1000",
+                                           "--override-opt_param-scheduler"]},
     ])
     assert len(results["second"]["losses"]) == 1
     assert (ckpt / TRACKER).read_text() == "2"

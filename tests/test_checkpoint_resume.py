@@ -89,9 +89,12 @@ def _pretrain(tmp_path, argv):
 
 def test_bad_checkpoints_are_clear_errors(tmp_path):
     base = [f for f in TINY_MODEL] + ["--global-batch-size", "2", "--train-iters", "1"]
-    missing = _pretrain(tmp_path, base + ["--load", str(tmp_path / "nowhere")])
+    # (an empty --load warns and starts from random, as Megatron-LM:
+    # tests/test_checkpoint_schedule.py; --exit-on-missing-checkpoint makes it an error)
+    missing = _pretrain(tmp_path, base + ["--load", str(tmp_path / "nowhere"),
+                                          "--exit-on-missing-checkpoint"])
     assert missing.returncode != 0
-    assert "--load" in missing.stderr and "no checkpoint" in missing.stderr
+    assert "--load" in missing.stderr and "no such directory" in missing.stderr
 
     ckpt = tmp_path / "small"
     saved = _pretrain(tmp_path, base + ["--save", str(ckpt), "--save-interval", "1000"])

@@ -57,7 +57,8 @@ def test_checkpoint_saved_with_several_buckets_reloads_exactly(tmp_path):
         # no further step: the parameters it ends with are the ones it loaded; one bucket
         # per chunk (megatron-core's default size), so the load cannot repeat the save's
         # mistake and hide it
-        {"name": "loaded", "argv": FLAGS + ["--load", ckpt, "--train-iters", "2"],
+        {"name": "loaded", "argv": FLAGS + ["--load", ckpt, "--train-iters", "2",
+                                            "--use-checkpoint-opt_param-scheduler"],
          "params": True, "bucket_size": None},
         # resumed with several buckets again: the uninterrupted run's last two steps
         {"name": "resumed", "argv": FLAGS + OGR + ["--load", ckpt], "params": True,
@@ -65,7 +66,8 @@ def test_checkpoint_saved_with_several_buckets_reloads_exactly(tmp_path):
         # saved as before the correction: its optimizer state is wrong, its weights right
         {"name": "legacy_saved", "argv": FLAGS + OGR + ["--save", legacy] + save,
          "bucket_size": SMALL_BUCKETS, "legacy_distopt_save": True},
-        {"name": "legacy_loaded", "argv": FLAGS + ["--load", legacy, "--train-iters", "2"],
+        {"name": "legacy_loaded", "argv": FLAGS + ["--load", legacy, "--train-iters", "2",
+                                                   "--use-checkpoint-opt_param-scheduler"],
          "params": True, "bucket_size": None},
         {"name": "legacy_weights", "argv": FLAGS + ["--load", legacy, "--train-iters", "2",
                                                     "--no-load-optim"],

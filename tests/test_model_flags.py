@@ -97,14 +97,6 @@ def test_rotary_interleaved_and_rope_scaling_reach_config_and_model(monkeypatch)
         args_of("--use-rope-scaling")  # learned absolute positions: nothing to scale
 
 
-@pytest.mark.parametrize("flag", ["--padded-vocab-size", "--apply-residual-connection-"
-                                  "post-layernorm"])
-def test_flags_left_refused_say_why(flag):
-    argv = [flag, "256"] if flag == "--padded-vocab-size" else [flag]
-    with pytest.raises(ArgumentErrors, match=f"{flag} is refused"):
-        args_of(*argv)
-
-
 # --- RoPE at a split's offset: split attention equals unsplit attention ------------------
 
 D, HQ, G, B = 8, 4, 2, 2

@@ -6,9 +6,11 @@ after the steps within 1e-5, every microbatch run in splits that tile the sequen
 Two tiny models cover every flag (the unit checks are in tests/test_model_flags.py):
 
 * Q ("Qwen-like"): GQA, RoPE interleaved, SwiGLU, RMSNorm, --qk-layernorm,
-  --add-qkv-bias without other biases (--disable-bias-linear), with the chunked KV cache;
+  --add-qkv-bias without other biases (--disable-bias-linear), a vocabulary of
+  --padded-vocab-size 210 (the tokenizer's 201 would pad to 256), with the chunked KV cache;
 * S: MHA, LayerNorm, tied embeddings, --squared-relu, RoPE with Llama-3 scaling
-  (--use-rope-scaling --rope-scaling-factor 4), biased linear layers, buffer KV cache.
+  (--use-rope-scaling --rope-scaling-factor 4), biased linear layers,
+  --apply-residual-connection-post-layernorm, buffer KV cache.
 """
 
 import pytest
@@ -27,13 +29,16 @@ pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 MODELS = {
     "Q": TINY_MODEL + GQA_ROPE_SWIGLU + ["--qk-layernorm", "--disable-bias-linear",
-                                         "--add-qkv-bias", "--rotary-interleaved"],
+                                         "--add-qkv-bias", "--rotary-interleaved",
+                                         "--padded-vocab-size", "210"],
     "S": TINY_MODEL + ["--squared-relu", "--position-embedding-type", "rope",
-                       "--use-rope-scaling", "--rope-scaling-factor", "4"],
+                       "--use-rope-scaling", "--rope-scaling-factor", "4",
+                       "--apply-residual-connection-post-layernorm"],
 }
 ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
+# one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
-         "--eval-interval", "3", "--eval-iters", "1"]
+         "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # name -> (model, split count, extra flags of the split run)
 CASES = {
@@ -82,18 +87,28 @@ def test_split_run_equals_unsplit_runs(results, name):
         assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
         assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
                             f"{name} grad norm vs {what}")
-        assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
-                            f"{name} validation loss vs {what}")
+        assert run["final_validation_loss"] is not None
+        assert_close_series([run["final_validation_loss"]], [expected["final_validation_loss"]],
+                            1e-5, f"{name} validation loss vs {what}")
         assert_params_close(run["params"], expected["params"])
 
 
 def test_the_flags_built_their_parameters(results):
-    """--qk-layernorm and --add-qkv-bias (the other flags add no parameter; their
-    effect on the config and the model is in tests/test_model_flags.py)."""
+    """--qk-layernorm, --add-qkv-bias, --padded-vocab-size and the post-norm residual
+    layer's norms (the other flags add no parameter; their effect on the config and the
+    model is in tests/test_model_flags.py and tests/test_post_norm_residual.py)."""
     import torch
 
     for run in ("ref_Q", "Q_pp2_s3", "ref_S", "S_pp2_s2"):
-        names = set(torch.load(results[run]["params"]))
+        params = torch.load(results[run]["params"])
+        names = set(params)
+        vocab = {params[n].shape[0] for n in names
+                 if n.endswith(("word_embeddings.weight", "output_layer.weight"))}
+        assert vocab == ({210} if run.endswith("Q") or run.startswith("Q_") else {256}), run
+        post_norms = {n.split(".")[-2] for n in names if ".layers." in n and "_norm." in n}
+        legacy = run.startswith(("ref_S", "S_"))  # the layer of the post-norm residual
+        assert post_norms == ({"input_norm", "post_attention_norm"} if legacy else set()), run
+        assert legacy != any("input_layernorm" in n for n in names), run
         qk_norms = {n for n in names if "q_layernorm" in n or "k_layernorm" in n}
         qkv_bias = {n for n in names if n.endswith("linear_qkv.bias")}
         other_bias = {n for n in names if n.endswith(("linear_proj.bias", "linear_fc1.bias"))}

@@ -141,11 +141,15 @@ def test_tensorboard_scalars_at_their_intervals(observed):
         assert [step for step, _ in points] == [2, 4] and min(v for _, v in points) > 0, name
     assert [step for step, _ in tags["iteration-time"]] == [2, 4]
     assert [step for step, _ in tags["throughput"]] == [2, 4]
-    # validation perplexity at the evaluation (iteration 3), exp of the printed loss
+    # validation perplexity at the evaluation (iteration 3), exp of the printed loss, and
+    # at Megatron-LM's evaluation after the last iteration (4; the test set's is not logged)
     printed = float(re.search(r"validation loss at iteration 3 \| lm loss value: ([\d.]+)",
                               observed["stdout"]).group(1))
-    [(step, ppl)] = tags["lm loss validation ppl"]
+    final = float(re.search(r"validation loss at iteration 4 on validation set \| lm loss "
+                            r"value: ([\d.]+)", observed["stdout"]).group(1))
+    (step, ppl), (final_step, final_ppl) = tags["lm loss validation ppl"]
     assert step == 3 and ppl == pytest.approx(math.exp(printed), rel=1e-4)
+    assert final_step == 4 and final_ppl == pytest.approx(math.exp(final), rel=1e-4)
 
 
 def test_profile_traces_the_chosen_steps_on_the_chosen_ranks(observed):
@@ -167,9 +171,11 @@ def test_manual_gc_collects_at_the_interval_and_around_evaluation(probed):
     results, _ = probed
     # (generation, forward_step calls so far); one microbatch per iteration, validation
     # at iteration 3 (one forward): at the start, after 2, before evaluation (3), after
-    # it (generation 0), after 4
+    # it (generation 0), after 4; then around the evaluations after training (validation
+    # set, test set: one forward each)
     gc_run = results["manual_gc"]
-    assert gc_run["collections"] == [[2, 0], [2, 2], [2, 3], [0, 4], [2, 5]]
+    assert gc_run["collections"] == [[2, 0], [2, 2], [2, 3], [0, 4], [2, 5],
+                                     [2, 5], [0, 6], [2, 6], [0, 7]]
     assert gc_run["gc_enabled_in_forward"] == [False]
     assert gc_run["gc_enabled_after"] is True  # restored for what the process does next
     no_eval = results["manual_gc_no_eval"]
@@ -231,4 +237,4 @@ def test_wandb_logs_the_tensorboard_scalars_offline(tmp_path):
     history = wandb_history(run_file)
     assert [step for step, _ in history["lm loss"]] == [1, 2, 3, 4]
     assert [step for step, _ in history["forward-backward-time"]] == [2, 4]
-    assert [step for step, _ in history["lm loss validation ppl"]] == [3]
+    assert [step for step, _ in history["lm loss validation ppl"]] == [3, 4]

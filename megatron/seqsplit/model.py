@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from megatron.seqsplit.core_attention import SplitCausalAttention
+from megatron.seqsplit.post_norm_residual import PostNormResidualLayer
 from megatron.seqsplit.recompute import SplitSelfAttention
 from megatron.seqsplit.split_context import SplitContext
 
@@ -84,13 +85,18 @@ def _swap_torch_norms(submodules):
 
 def split_aware_local_spec(config, normalization: str = "LayerNorm",
                            attention_backend: str = "auto", vp_stage=None,
-                           kv_cache: str = "buffer", qk_layernorm: bool = False):
+                           kv_cache: str = "buffer", qk_layernorm: bool = False,
+                           residual_post_layernorm: bool = False):
     """megatron-core's local GPT spec with split-aware core attention, as a block spec
     for this pipeline stage (its final norm, too, must support sequence parallel).
     `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked".
     `qk_layernorm` (--qk-layernorm): per-head query and key norms, applied to each
-    split's own tokens before RoPE and the KV cache (a norm is per token)."""
+    split's own tokens before RoPE and the KV cache (a norm is per token).
+    `residual_post_layernorm` (--apply-residual-connection-post-layernorm): residuals taken
+    after the norms (post_norm_residual)."""
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    if residual_post_layernorm:
+        spec.module = PostNormResidualLayer
     spec.submodules.self_attention.module = SplitSelfAttention
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SplitCausalAttention,

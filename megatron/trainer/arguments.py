@@ -115,8 +115,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "none (with rope, nothing changes)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times the TP size")
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="the embedding and output layer's vocabulary size, instead of the "
+                        "tokenizer's padded by --make-vocab-size-divisible-by (at least the "
+                        "tokenizer's size, divisible by the TP size)")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="LayerNorm weights centred on zero (gamma = 1 + weight)")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="residual connections from the norms' outputs instead of their "
+                        "inputs (Megatron-LM's legacy layer; --transformer-impl local)")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-interleaved", action="store_true",
@@ -401,7 +408,26 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                                              "fsdp_dtensor"], default="torch_dist",
                    help="only torch_dist (megatron-core distributed checkpoints) is written "
                         "and read here")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop when --load holds no checkpoint (without it such a run warns "
+                        "and starts from random, as in Megatron-LM)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, the learning-rate and weight-decay schedule of this "
+                        "command line replaces the checkpoint's (e.g. a longer --train-iters)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's learning-rate and weight-decay "
+                        "schedule whatever this command line says; without either flag a "
+                        "schedule that differs from the checkpoint's is refused")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep only the checkpoints of iterations that are multiples of this "
+                        "(and the latest): each save deletes the previous latest one unless "
+                        "it is such a multiple (a multiple of --save-interval)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="load --load and evaluate on the validation and test sets without "
+                        "training (implies --no-load-optim, as in Megatron-LM)")
 
     add_no_op_flags(parser)
     if extra_args_provider is not None:
@@ -465,7 +491,10 @@ def _apply_checkpoint_args(args, check_files):
         shape = saved_model_shape(args.load)
     except CheckpointError as error:
         raise ArgumentError(str(error))
-    shape.pop("padded_vocab_size", None)  # follows the tokenizer; checked at load
+    # as Megatron-LM: the checkpoint's vocabulary size unless the command line gives one
+    # (else it follows the tokenizer, and the load compares it)
+    if args.padded_vocab_size is not None:
+        shape.pop("padded_vocab_size", None)
     for flag, value in shape.items():
         setattr(args, flag, value)
     if shape.get("num_query_groups") not in (None, shape.get("num_attention_heads")):
@@ -537,7 +566,9 @@ def _check_megatron_compat(args, cuda_available):
             ("--seq1f1b-splits > 1", args.seq1f1b_splits > 1),
             ("SlimPipe", args.pipeline_schedule == "slimpipe" or args.slimpipe_slices
              or args.slimpipe_slice_length),
-            ("--reset-attention-mask", args.reset_attention_mask)) if used]
+            ("--reset-attention-mask", args.reset_attention_mask),
+            ("--apply-residual-connection-post-layernorm",
+             args.apply_residual_connection_post_layernorm)) if used]
         te = _te_importable()
         args.transformer_impl = "transformer_engine" if te and not needs_local else "local"
         args.transformer_impl_note = (
@@ -548,6 +579,12 @@ def _check_megatron_compat(args, cuda_available):
     elif args.transformer_impl == "transformer_engine" and not _te_importable():
         problems.append("--transformer-impl transformer_engine needs Transformer Engine "
                         "installed; use --transformer-impl local")
+    if (args.transformer_impl == "transformer_engine"
+            and args.apply_residual_connection_post_layernorm):
+        # TE's layer spec fuses the input norm into the QKV projection: its output never
+        # exists as a tensor to take the residual from
+        problems.append("--apply-residual-connection-post-layernorm needs --transformer-impl "
+                        "local (Transformer Engine fuses the norm into the next linear layer)")
     if args.ckpt_format != "torch_dist":
         problems.append(f"--ckpt-format {args.ckpt_format} is not supported: checkpoints here "
                         "are megatron-core distributed checkpoints; use --ckpt-format "
@@ -676,6 +713,11 @@ def _check_rampup_layouts(args):
 
 def _check_model_shape(args):
     tp = args.tensor_model_parallel_size
+    if args.padded_vocab_size is not None:
+        _require(args.padded_vocab_size > 0 and args.padded_vocab_size % tp == 0,
+                 f"--padded-vocab-size ({args.padded_vocab_size}) must be a positive multiple "
+                 f"of --tensor-model-parallel-size ({tp}): each TP rank holds an equal slice "
+                 f"of the vocabulary")
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
@@ -885,7 +927,22 @@ def _check_checkpoint_flags(args, check_files):
         _require(not getattr(args, flag) or args.load is not None,
                  f"--{flag.replace('_', '-')} needs --load DIR")
     if args.load is not None and args.exit_on_missing_checkpoint and check_files:
-        _require(os.path.isdir(args.load), f"--load {args.load}: no such directory")
+        _require(os.path.isdir(args.load), f"--load {args.load}: no such directory "
+                                           "(--exit-on-missing-checkpoint)")
+    # megatron-core asserts this pair; say which flags and what each does
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler (take this command line's schedule) and "
+             "--use-checkpoint-opt_param-scheduler (keep the checkpoint's) contradict each "
+             "other: keep one")
+    if args.save_retain_interval is not None and args.save and args.save_interval:
+        _require(args.save_retain_interval > 0,
+                 f"--save-retain-interval must be > 0, got {args.save_retain_interval}")
+        _require(args.save_retain_interval % args.save_interval == 0,
+                 f"--save-retain-interval ({args.save_retain_interval}) must be a multiple of "
+                 f"--save-interval ({args.save_interval}), as in Megatron-LM: the retained "
+                 f"iterations must be saved ones")
+    if args.skip_train:
+        args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
 
 
 def _check_exit_flags(args):

@@ -59,6 +59,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron.trainer import save_failure, stop_signals
+from megatron.trainer.schedule_check import schedule_decision
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checksums.json"
@@ -76,7 +77,7 @@ MODEL_SHAPE_FLAGS = (
     "max_position_embeddings", "apply_layernorm_1p",
     # the math of attention and the MLP: a checkpoint trained with them means other weights
     "qk_layernorm", "add_qkv_bias", "squared_relu", "rotary_interleaved", "use_rope_scaling",
-    "rope_scaling_factor",
+    "rope_scaling_factor", "apply_residual_connection_post_layernorm",
 )
 
 
@@ -535,9 +536,11 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         torch.distributed.barrier()
         _write_manifest(staging)
         if _rank() == 0:
+            tracked = _tracked_iteration(args.save)
             _move_into_place(staging, final)
             _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
             print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
+            _drop_unretained(args, tracked, iteration)
     except (KeyboardInterrupt, SystemExit):
         save_failure.remove_partial(staging)  # Ctrl-C: never leave a half-written save
         raise
@@ -548,6 +551,38 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
             raise stop_signals.Interrupted(signum) from None
         save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
     torch.distributed.barrier()
+
+
+def _tracked_iteration(root):
+    """The iteration the tracker names now, or None (missing or unreadable)."""
+    try:
+        return _latest_iteration(root)
+    except (CheckpointError, OSError):
+        return None
+
+
+def _drop_unretained(args, previous, iteration):
+    """Rank 0, --save-retain-interval, as Megatron-LM: once the tracker names the new
+    checkpoint, the one it named before goes unless its iteration is a multiple of the
+    interval. Renamed first (out of the iter_N pattern, so no load can pick it up half
+    deleted), then removed; a symbolic link is left alone, as Megatron-LM does."""
+    retain = args.save_retain_interval
+    if retain is None or not previous or previous == iteration or previous % retain == 0:
+        return
+    path = checkpoint_dir(args.save, previous)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return
+    doomed = path + ".deleting"
+    try:
+        _remove(doomed)  # what a killed deletion left
+        os.rename(path, doomed)
+        _remove(doomed)
+    except OSError as error:  # the new checkpoint is saved: a leftover is no reason to stop
+        print(f"  warning: --save-retain-interval: could not delete {path} "
+              f"({error.strerror}); delete it by hand", flush=True)
+        return
+    print(f"  deleted checkpoint of iteration {previous} (--save-retain-interval {retain})",
+          flush=True)
 
 
 # ---------------------------------------------------------------- load
@@ -635,6 +670,17 @@ def _check_optimizer_kind(args, path, common):
           f"load the weights only")
 
 
+def _check_schedule(args, path, scheduler, saved):
+    """Megatron-LM's rule for a checkpoint's learning-rate schedule (schedule_check)."""
+    if saved is None:  # not in the common state: megatron-core's own assert still applies
+        return
+    refusal, note = schedule_decision(args, path, scheduler, saved)
+    if refusal is not None:
+        _exit(refusal)
+    if note is not None and _rank() == 0:
+        print(note, flush=True)
+
+
 def _unreadable(root, path, error):
     detail = str(error).strip().splitlines()
     detail = detail[-1] if detail else type(error).__name__
@@ -650,13 +696,17 @@ def load_checkpoint(args, model, optimizer, scheduler):
     if iteration is None:
         if _iteration_dirs(args.load):
             _exit(f"--load {_no_tracker(args.load)}")
-        # --load == --save is Megatron-LM's resume-or-start idiom; anything else is a mistake
-        if args.exit_on_missing_checkpoint or not _same_dir(args.load, args.save):
-            _exit(f"--load {args.load}: no checkpoint there "
-                  f"({TRACKER_FILE} missing); check the path or drop --load")
+        # as Megatron-LM: a warning and a start from random (its CI's first runs rely on
+        # it), fatal with --exit-on-missing-checkpoint; claim_save_dir has already refused
+        # a --save whose checkpoints this run would overwrite
+        if args.exit_on_missing_checkpoint:
+            _exit(f"--load {args.load}: no checkpoint there ({TRACKER_FILE} missing) and "
+                  f"--exit-on-missing-checkpoint is set; check the path, or drop the flag to "
+                  f"start from random")
         if _rank() == 0:
-            print(f"  no checkpoint in --load {args.load} yet; starting from scratch",
-                  flush=True)
+            print(f"  warning: could not find the metadata file "
+                  f"{os.path.join(args.load, TRACKER_FILE)}: no checkpoint is loaded and "
+                  f"training starts from random", flush=True)
         return 0, 0
     path = checkpoint_dir(args.load, iteration)
     if not os.path.isdir(path):
@@ -676,6 +726,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
               f"--no-load-optim or --finetune to load the weights only")
     if load_optim:
         _check_optimizer_kind(args, path, common)
+        _check_schedule(args, path, scheduler, common.get("opt_param_scheduler"))
     same_layout = list(common.get("layout", [])) == list(_layout())
     load_rng = (same_layout and not args.no_load_rng and not args.finetune
                 and common.get("has_rng", True))

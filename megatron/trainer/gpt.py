@@ -25,7 +25,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def datasets_provider(args):
-    """(train, validation, tokenizer): megatron-core GPT datasets over --data-path, or mock."""
+    """(train, validation, test, tokenizer): megatron-core GPT datasets over --data-path, or
+    mock; test is None where --split gives it nothing."""
     from megatron.dataprep.gpt_datasets import build_gpt_datasets
     from megatron.dataprep.tokenizer import build_tokenizer
 
@@ -34,9 +35,11 @@ def datasets_provider(args):
                                 tokenizer_model=args.tokenizer_model,
                                 vocab_size=args.vocab_size)
     evaluations = args.train_iters // args.eval_interval + 1
+    # as Megatron-LM: the test set is evaluated once, --eval-iters batches, after training
     num_samples = [args.train_samples_total,
-                   evaluations * args.eval_iters * args.global_batch_size, 0]
-    train, valid, _ = build_gpt_datasets(
+                   evaluations * args.eval_iters * args.global_batch_size,
+                   args.eval_iters * args.global_batch_size if _has_test_split(args) else 0]
+    train, valid, test = build_gpt_datasets(
         data_path=args.data_path, split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
@@ -44,9 +47,28 @@ def datasets_provider(args):
         mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
         create_attention_mask=False)  # the kernels mask causally
     if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
-        train, valid = (DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
-                        for ds in (train, valid))
-    return train, valid, tokenizer
+        train, valid, test = (DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
+                              for ds in (train, valid, test))
+    return train, valid, test, tokenizer
+
+
+def _has_test_split(args):
+    """Whether --split gives the test set a share that holds sequences of every
+    --data-path prefix (Megatron-LM's default 969,30,1 does; a small corpus may leave its
+    0.1% empty, and an empty split is no test set rather than an error)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    from megatron.dataprep.gpt_datasets import DataPathError, check_splits, parse_data_path
+
+    if args.eval_iters == 0 or parse_and_normalize_split(args.split)[2] <= 0:
+        return False
+    if args.mock_data:
+        return True
+    try:
+        check_splits(parse_data_path(args.data_path)[0], args.split, ["test"])
+    except DataPathError:
+        return False
+    return True
 
 
 def get_batch(data_iterator, args, vp_stage=None):

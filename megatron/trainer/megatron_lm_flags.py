@@ -258,12 +258,6 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 # flag (or prefix, ending in '-') words -> reason; each flag changes what a run computes,
 # reads or saves, so it is refused rather than ignored
 for _reason, _flags in (
-    ("not implemented yet: the vocabulary is always padded from the tokenizer's size by "
-     "--make-vocab-size-divisible-by times the TP size; drop it (or set that multiple)",
-     "--padded-vocab-size"),
-    ("megatron-core's transformer layer has this config field but never reads it, so "
-     "Megatron-LM's megatron-core models train without it; only its legacy model used the "
-     "norm's output as the residual. Drop it", "--apply-residual-connection-post-layernorm"),
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
                "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
@@ -342,7 +336,7 @@ for _reason, _flags in (
     ("non-persistent, local and replicated checkpoints are not supported: checkpoints "
      "here are torch_dist saves in --save every --save-interval",
      "--non-persistent- --persistent-save-interval --replication --replication-jump "
-     "--replication-factor --save-retain-interval"),
+     "--replication-factor"),
     ("asynchronous saves are not supported: checkpoints are written synchronously; drop "
      "it", "--async-strategy --use-persistent-ckpt-worker --async-ckpt-"),
     ("this trainer's datasets come from --data-path and --split only; give the blend "
@@ -361,14 +355,9 @@ for _reason, _flags in (
      "--tokenizer-hf-no-include-special-tokens --trust-remote-code "
      "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template "
      "--allow-ambiguous-pad-tokens"),
-    ("not implemented yet: a resumed run keeps the scheduler values of the command line "
-     "and megatron-core checks them against the checkpoint's (Megatron-LM's default); "
-     "pass the same learning-rate flags as the saved run",
-     "--override-opt_param-scheduler --override-opt-param-scheduler "
-     "--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler"),
     ("evaluation here runs --eval-iters batches of the training batch shape every "
      "--eval-interval iterations; this evaluation option is not implemented",
-     "--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size --skip-train "
+     "--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size "
      "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
     ("activation recomputation here recomputes core attention (selective, Megatron-LM's "
      "default module) or whole layers (full); other modules are not supported",

@@ -50,6 +50,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # Megatron-LM's meaning: QKV bias also without biased linear layers (Qwen2.5)
         add_qkv_bias=getattr(args, "add_qkv_bias", False) or not args.disable_bias_linear,
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        # recorded only: megatron-core's layer never reads it (the local spec's layer does)
+        apply_residual_connection_post_layernorm=getattr(
+            args, "apply_residual_connection_post_layernorm", False),
         rotary_interleaved=getattr(args, "rotary_interleaved", False),
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -95,7 +98,9 @@ def layer_spec(args, config, vp_stage=None):
     return split_aware_local_spec(config, normalization=args.normalization,
                                   attention_backend=args.attention_backend, vp_stage=vp_stage,
                                   kv_cache=args.seq1f1b_kv_cache,
-                                  qk_layernorm=getattr(args, "qk_layernorm", False))
+                                  qk_layernorm=getattr(args, "qk_layernorm", False),
+                                  residual_post_layernorm=getattr(
+                                      args, "apply_residual_connection_post_layernorm", False))
 
 
 def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
@@ -115,6 +120,23 @@ def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_sta
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         vp_stage=vp_stage,
     )
+
+
+def vocab_size_of_model(args, tokenizer_vocab_size: int) -> int:
+    """--padded-vocab-size as given (Megatron-LM's meaning), else the tokenizer's size
+    padded. A size below the tokenizer's is refused: Megatron-LM does not check it, and
+    its embedding lookup then fails on the first token id past the table."""
+    if args.padded_vocab_size is None:
+        return pad_vocab_size(tokenizer_vocab_size, args.tensor_model_parallel_size,
+                              args.make_vocab_size_divisible_by)
+    if args.padded_vocab_size < tokenizer_vocab_size:
+        raise SystemExit(
+            f"error: --padded-vocab-size ({args.padded_vocab_size}) is smaller than the "
+            f"tokenizer's vocabulary ({tokenizer_vocab_size} tokens): token ids past it would "
+            f"index beyond the embedding; give at least {tokenizer_vocab_size} or drop the flag"
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            else 1)
+    return args.padded_vocab_size
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:

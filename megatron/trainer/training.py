@@ -9,6 +9,7 @@ iteration with Megatron-style logging, evaluation and checkpointing.
 
 import contextlib
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ from megatron.trainer.metrics import (
     model_flops_per_iteration,
     stage_peaks_gb,
 )
-from megatron.trainer.model import pad_vocab_size, transformer_config_from_args
+from megatron.trainer.model import transformer_config_from_args, vocab_size_of_model
 from megatron.trainer.param_gather import ParamGatherHooks
 
 
@@ -128,6 +129,10 @@ def build_optimizer(args, model):
         wd_incr_style=args.weight_decay_incr_style,
         wsd_decay_steps=args.lr_wsd_decay_steps,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        # how a resumed run treats the checkpoint's schedule (checkpointing.check_schedule
+        # refuses a differing one without either flag, before megatron-core's assert)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     return optimizer, scheduler
 
@@ -214,11 +219,18 @@ def evaluate(args, forward_step_func, data_iterator, model, forward_backward_fun
 
 @dataclass
 class TrainingResult:
-    """Per-iteration lm loss and grad norm (losses only on the last pipeline stage)."""
+    """Per-iteration lm loss and grad norm, the validation losses every --eval-interval,
+    and the end-of-training evaluations (losses only on the last pipeline stage)."""
 
     losses: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)
     validation_losses: list = field(default_factory=list)
+    learning_rates: list = field(default_factory=list)
+    iteration: int = 0  # the last iteration trained (or loaded, with --skip-train)
+    consumed_samples: int = 0
+    exit_reason: str = None  # why the loop stopped before --train-iters, if it did
+    final_validation_loss: float = None
+    test_loss: float = None
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -246,9 +258,11 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
 def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
               forward_step_func, on_finish):
     initialize.set_seeds(args.seed)
-    train_ds, valid_ds, tokenizer = datasets_provider(args)
-    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
-                                            args.make_vocab_size_divisible_by)
+    # (train, valid, tokenizer), or (train, valid, test, tokenizer) with a test set
+    datasets = datasets_provider(args)
+    train_ds, valid_ds, tokenizer = datasets[0], datasets[1], datasets[-1]
+    test_ds = datasets[2] if len(datasets) == 4 else None
+    args.padded_vocab_size = vocab_size_of_model(args, tokenizer.vocab_size)
     data_checks.check_token_ids(args, tokenizer.vocab_size, args.padded_vocab_size)
     config = transformer_config_from_args(args)
     model = build_model(args, config, model_provider)
@@ -259,7 +273,8 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     if args.bf16 or args.fp16:
         config.grad_scale_func = optimizer.scale_loss
 
-    checkpointing.claim_save_dir(args)
+    if not args.skip_train:  # --skip-train saves nothing
+        checkpointing.claim_save_dir(args)
     iteration, consumed_samples = 0, 0
     if args.load is not None:
         progress.step = "checkpoint load"
@@ -295,6 +310,11 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         valid_ds, args.micro_batch_size, consumed_valid, num_microbatches=args.num_microbatches,
         num_workers=args.num_workers))
                       if valid_ds is not None and args.eval_iters > 0 else None)
+    # as Megatron-LM: the test set is read from its start, once, after training
+    test_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
+        test_ds, args.micro_batch_size, 0, num_microbatches=args.num_microbatches,
+        num_workers=args.num_workers))
+                     if test_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
                  f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}"
@@ -314,9 +334,10 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     try:
         result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
                        scheduler, forward_backward_func, iteration, consumed_samples, guard,
-                       progress, observers)
+                       progress, observers, test_iterator)
     finally:  # --num-workers: end the reader processes whichever way training ends
-        for iterator in _as_list(train_iterator) + _as_list(valid_iterator):
+        for iterator in (_as_list(train_iterator) + _as_list(valid_iterator)
+                         + _as_list(test_iterator)):
             iterator.close()
     if recorder is not None:
         write_timeline(args, recorder)
@@ -384,15 +405,50 @@ class Progress:
 
 def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
           forward_backward_func, iteration, consumed_samples, guard, progress,
-          observers=()):
+          observers=(), test_iterator=None):
+    """Train (unless --skip-train), then evaluate on the validation and test sets as
+    Megatron-LM does after its training loop."""
     monitor = monitoring.Monitor(args, model, optimizer)
     try:
         monitor.start()
-        return _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer,
-                           scheduler, forward_backward_func, iteration, consumed_samples,
-                           guard, progress, observers, monitor)
+        if args.skip_train:
+            print_rank_0("skipping training (--skip-train is on) ...")
+            history = TrainingResult(iteration=iteration, consumed_samples=consumed_samples)
+        else:
+            history = _train_loop(args, step_func, train_iterator, valid_iterator, model,
+                                  optimizer, scheduler, forward_backward_func, iteration,
+                                  consumed_samples, guard, progress, observers, monitor)
+        if history.exit_reason is None:  # as Megatron-LM: an early exit evaluates nothing
+            final_evaluation(args, step_func, valid_iterator, test_iterator, model,
+                             forward_backward_func, history, monitor, progress)
+        return history
     finally:  # also after a deliberate stop: gc back on, profile and writers flushed
         monitor.close()
+
+
+def final_evaluation(args, step_func, valid_iterator, test_iterator, model,
+                     forward_backward_func, history, monitor, progress):
+    """--eval-iters batches of the validation set (where the periodic evaluations left
+    off) and of the test set (from its start), each printed in Megatron-LM's box."""
+    iteration = history.iteration
+    for name, iterator in (("validation", valid_iterator), ("test", test_iterator)):
+        if iterator is None:
+            continue
+        progress.step = f"evaluation on the {name} set after iteration {iteration}"
+        loss = evaluate(args, step_func, iterator, model, forward_backward_func,
+                        monitor).get("lm loss")
+        if loss is None:  # not the last pipeline stage
+            continue
+        ppl = math.exp(min(20.0, loss))
+        if name == "validation":
+            history.final_validation_loss = loss
+            if not args.skip_train:  # as Megatron-LM: --skip-train writes no TensorBoard
+                monitor.log_validation(loss, iteration, history.consumed_samples)
+        else:
+            history.test_loss = loss
+        line = (f" validation loss at iteration {iteration} on {name} set | lm loss value: "
+                f"{loss:.6g} | lm loss PPL: {ppl:.6g} |")
+        print_last_rank("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
 
 
 def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
@@ -435,6 +491,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             window_count += 1
         window_iters += 1
         lr = scheduler.get_lr(optimizer.param_groups[0])
+        history.learning_rates.append(lr)
         monitor.log_iteration_scalars(iteration, loss, lr, grad_norm,
                                       optimizer.get_loss_scale().item(), consumed_samples)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
@@ -480,8 +537,10 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         if exit_reason is not None:
             print_rank_0(f" exiting at iteration {iteration}: "
                          f"{_EXIT_REASONS[exit_reason].format(signal=args.exit_signal)}")
+            history.exit_reason = exit_reason
             break
     param_gather.stop()  # the last step's parameters, whole, for the save and the caller
+    history.iteration, history.consumed_samples = iteration, consumed_samples
     paused = time.time()
     if args.save and (args.train_iters == 0 or iteration % args.save_interval != 0):
         progress.step = f"checkpoint save at iteration {iteration}"
