@@ -28,6 +28,11 @@ import torch
 
 import megatron.trainer  # noqa: F401 - before any test imports megatron-core (lazy_fusions)
 
+# megatron-core 0.19's package_info runs `git rev-parse` when it is imported, unless this
+# is set: a process start inside whichever unit test first imports megatron-core (the
+# tripwire below would refuse it), and one more process in every launched rank
+os.environ.setdefault("NO_VCS_VERSION", "1")
+
 HIDDEN_FROM_CHILD_PROCESSES = ""  # CUDA_VISIBLE_DEVICES for child processes
 DISTRIBUTED = "distributed"
 
