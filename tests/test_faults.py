@@ -158,15 +158,14 @@ def test_ctrl_c_is_one_line_and_with_the_handler_saves(tmp_path):
     finally:
         kill_tree(proc)
     assert proc.returncode != 0
-    worker_lines = [line for line in err.splitlines()
-                    if not line.startswith(("W1", "E1", "I1")) and "torch/distributed/" not in line]
     error = one_error_line(err)
+    latest = (ckpt / TRACKER).read_text()  # 2, or a later save the signal did not beat
     assert re.match(rf"error: SIGINT received during iteration \d+'s .*: stopped without saving\. "
-                    rf"The last good state is the checkpoint of iteration 2 in --save {ckpt}\. "
-                    rf"To finish the iteration and save on SIGINT, pass --exit-signal-handler "
-                    rf"--exit-signal SIGINT$", error), error
-    assert "KeyboardInterrupt" not in err and "[rank" not in err, worker_lines
-    assert (ckpt / TRACKER).read_text() == "2"
+                    rf"The last good state is the checkpoint of iteration {latest} in --save "
+                    rf"{ckpt}\. To finish the iteration and save on SIGINT, pass "
+                    rf"--exit-signal-handler --exit-signal SIGINT$", error), error
+    # torchrun's own SignalException traceback is torch's launcher; no worker's is there
+    assert "KeyboardInterrupt" not in err and "[rank" not in err, err[-3000:]
     assert not list(ckpt.glob("*.incomplete")), list(ckpt.iterdir())
 
     proc = _torchrun(PP2_SEQ1F1B + ["--train-iters", "100000", "--load", str(ckpt),

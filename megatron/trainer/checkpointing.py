@@ -521,8 +521,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
     except CheckpointError:
         previous = None
     needed = save_failure.checkpoint_bytes(
-        args, model, args.save,
-        checkpoint_dir(args.save, previous) if previous is not None else None)
+        args, model, checkpoint_dir(args.save, previous) if previous is not None else None)
     save_failure.warn_if_short(args, iteration, needed, _rank())
     try:
         if _rank() == 0:

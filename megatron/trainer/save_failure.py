@@ -25,13 +25,10 @@ import torch
 _STORE_PREFIX = "seq1f1b/save_failed"
 
 
-def checkpoint_bytes(args, model, root, latest):
-    """About how many bytes a checkpoint of this run takes: the size of the latest one in
-    ``root`` if there is one, else the parameters' bytes times what Adam keeps per
-    parameter (collective: every rank calls it)."""
-    if latest is not None and os.path.isdir(latest):
-        return sum(os.path.getsize(os.path.join(latest, name)) for name in os.listdir(latest)
-                   if os.path.isfile(os.path.join(latest, name)))
+def checkpoint_bytes(args, model, latest):
+    """About how many bytes a checkpoint of this run takes (collective: every rank calls
+    it): the parameters' bytes times what Adam keeps per parameter; on rank 0 the size of
+    the latest checkpoint (``latest``, a directory) instead where there is one."""
     from megatron.core import parallel_state
 
     from megatron.trainer import device
@@ -44,6 +41,9 @@ def checkpoint_bytes(args, model, root, latest):
         local = params * per_param
     total = torch.tensor([float(local)], dtype=torch.float64, device=device.compute_device())
     torch.distributed.all_reduce(total)
+    if torch.distributed.get_rank() == 0 and latest is not None and os.path.isdir(latest):
+        return sum(os.path.getsize(os.path.join(latest, name)) for name in os.listdir(latest)
+                   if os.path.isfile(os.path.join(latest, name)))
     return int(total.item())
 
 
