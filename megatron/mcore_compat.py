@@ -84,6 +84,9 @@ CUDA_CALL_SITES = {
     "tensor_parallel.layers": "weight init device",
     "rerun_state_machine": "loss checks",
     "timers": "Timer.start/stop synchronize, Timers' all-gather buffer (--timing-log-level)",
+    "transformer.moe.router": "router gating moves its weight to current_device(); expert "
+                              "bias and global aux-loss buffers",
+    "transformer.moe.token_dispatcher": "all-to-all dispatcher's device-to-host stream",
 }
 
 

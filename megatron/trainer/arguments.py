@@ -13,6 +13,7 @@ import torch
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.attention_backends import BACKEND_NAMES
 from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS
+from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
@@ -372,6 +373,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "and read here")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
+    add_moe_arguments(parser)
     add_no_op_flags(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
@@ -405,6 +407,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_checkpoint_flags(args, check_files),
         lambda: _check_exit_flags(args),
         lambda: _validate_seq1f1b(args),
+        lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: _validate_slimpipe(args),
         lambda: _check_rampup_layouts(args),
     )
