@@ -30,6 +30,20 @@ def _patch(owner, name: str, value) -> None:
     setattr(owner, name, value)
 
 
+class _CpuStream:
+    """A side stream on the CPU: work is already ordered, so every wait is a no-op
+    (the MoE all-to-all dispatcher copies its split sizes device-to-host on one)."""
+
+    def wait_stream(self, other):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def synchronize(self):
+        return None
+
+
 class _CudaOnCpu(types.SimpleNamespace):
     """Stands in for ``torch.cuda`` inside one megatron-core module."""
 
@@ -59,6 +73,14 @@ class _CudaOnCpu(types.SimpleNamespace):
     @staticmethod
     def default_stream(*args, **kwargs):
         return None
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda.Stream)
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
 
 def _cpu_device(device):

@@ -1,0 +1,119 @@
+"""Mixture of experts (issue #29 points 1 and 2) is exact under Seq1F1B: pp=2 with
+sequence splits reproduces pp=2 unsplit and a single process (loss and grad norm per
+iteration, validation loss, every parameter and every router's expert bias after the
+steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile the
+sequence.
+
+Two scaled-down models (4 layers, hidden 32, 8 experts, top-2):
+
+* X (Mixtral-style): every layer MoE, softmax router, aux_loss (coefficient 1, large so
+  that a split-local statistic would show: it changes the grad norm threefold) and
+  z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather dispatcher;
+* D (DeepSeek-V3-style): first layer dense (--moe-layer-freq "[0]*1+[1]*3"), a shared
+  expert, sigmoid router with expert bias (updated each step), group-limited routing
+  (4 groups, 2 chosen) with a top-k scaling factor, seq_aux_loss and global_aux_loss
+  together; all-to-all dispatcher.
+"""
+
+import pytest
+
+from distributed import (
+    GQA_ROPE_SWIGLU,
+    TINY_MODEL,
+    Plan,
+    assert_close_series,
+    assert_params_close,
+    init_run,
+)
+from split_checks import check_split_units
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--disable-bias-linear"]
+MODELS = {
+    "X": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
+        "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1",
+        "--moe-z-loss-coeff", "0.1"],
+    "D": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
+        "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "24",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.01", "--moe-router-num-groups", "4",
+        "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
+        "--moe-aux-loss-coeff", "1", "0.5", "--moe-token-dispatcher-type", "alltoall"],
+}
+ITERATIONS, MICROBATCHES = 2, 3
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "2",
+         "--eval-interval", "2", "--eval-iters", "1"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CASES = {"X_pp2_s3": ("X", 3), "X_pp2_s4": ("X", 4), "D_pp2_s3": ("D", 3),
+         "D_pp2_s4": ("D", 4)}
+
+
+def _splits(n):
+    return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", "average"]
+
+
+def plan(tmp, corpus):
+    """The split runs, their s = 1 runs on the same layout and the single-process
+    references, from one iteration-0 checkpoint per model."""
+    inits, starts = [], {}
+    for model, flags in MODELS.items():
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}", flags + BATCH)
+        inits.append(run)
+    runs = {1: [], 2: []}
+    for model in MODELS:
+        base = MODELS[model] + BATCH + starts[model]
+        runs[2].append({"name": f"{model}_pp2_s1", "argv": base + PP2 + _splits(1),
+                        "params": True})
+        runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
+    for name, (model, n) in CASES.items():
+        base = MODELS[model] + BATCH + starts[model]
+        runs[2].append({"name": name, "argv": base + PP2 + _splits(n), "params": True})
+    return Plan(inits, runs)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_split_run_equals_unsplit_runs(results, name):
+    model, n = CASES[name]
+    run = results[name]
+    assert len(run["losses"]) == ITERATIONS
+    check_split_units(name, run["forward_units"], splits=n, method="average", seq_length=48,
+                      calls=ITERATIONS + 1, microbatches=MICROBATCHES)
+    for other, what in ((f"ref_{model}", "pp=1 single process"),
+                        (f"{model}_pp2_s1", "same layout, s=1")):
+        expected = results[other]
+        assert not expected["forward_units"], f"{other} ran splits"
+        assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
+                            f"{name} grad norm vs {what}")
+        assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
+                            f"{name} validation loss vs {what}")
+        assert_params_close(run["params"], expected["params"])
+
+
+def test_the_models_are_the_intended_ones(results):
+    """X: 4 MoE layers of 8 experts; D: a dense first layer, 3 MoE layers with a shared
+    expert, and expert biases that the steps moved (aux-loss-free balancing ran)."""
+    import torch
+
+    for model in MODELS:
+        params = torch.load(results[f"ref_{model}"]["params"])
+        routers = sorted(n for n in params if n.endswith("router.weight"))
+        experts = {n.split(".local_experts.")[1].split(".")[0] for n in params
+                   if ".local_experts." in n}
+        assert experts == {str(i) for i in range(8)}, (model, experts)
+        shared = [n for n in params if "shared_experts" in n]
+        biases = [n for n in params if n.endswith("expert_bias")]
+        if model == "X":
+            assert len(routers) == 4 and not shared and not biases, model
+        else:
+            assert [r.split(".")[2] for r in routers] == ["1", "2", "3"], routers
+            assert shared and len(biases) == 3, model
+            assert all(params[b].abs().sum() > 0 for b in biases), "expert bias never updated"
