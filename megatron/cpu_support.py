@@ -237,6 +237,18 @@ def _patch_distributed_optimizer():
     _patch(DistributedOptimizer, "__init__", __init__)
 
 
+# --- megatron/core/jit.py: jit_fuser is torch.compile -------------------------------------
+# megatron-core decorates small routing helpers (the MoE router's expert-bias count, ...)
+# with torch.compile at import. On CPU, inductor's C++ build of them costs 5-10 s per
+# process, for kernels that gain nothing at CPU sizes: they run eagerly instead (the
+# same operations; the eager ones are the reference the fused ones are checked against).
+
+def _patch_jit_fuser():
+    import torch._dynamo
+
+    _patch(torch._dynamo.config, "disable", True)
+
+
 # The megatron-core names patched above, each a row of mcore_compat.TABLE, and the
 # modules of mcore_compat.CUDA_CALL_SITES: a version that lacks one, or changed its
 # signature, stops `apply` with that row before anything is patched, instead of failing
@@ -293,6 +305,7 @@ def apply(cuda: bool = None) -> bool:
     _patch_clip_grads()
     _patch_language_module()
     _patch_distributed_optimizer()
+    _patch_jit_fuser()
     for module_name in mcore_compat.CUDA_CALL_SITES:
         _redirect_torch("megatron.core." + module_name)
     _APPLIED = True
