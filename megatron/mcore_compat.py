@@ -139,7 +139,9 @@ TABLE = (
            "qkv_format", "cu_seqlens_q", "cu_seqlens_kv"),
     # --- mixture of experts (megatron/seqsplit/moe.py, megatron/seqsplit/model.py) -----
     _mcore("transformer.moe.moe_layer:MoESubmodules",
-           "the MoE spec's router builder: SplitRouter replaces TopKRouter there",
+           "the MoE spec's router builder: SplitRouter replaces TopKRouter there (the "
+           "spec's mlp is a ModuleSpec on 0.16.1, functools.partial(MoELayer, submodules=) "
+           "on 0.19.2)",
            "experts", "shared_experts", "router"),
     _mcore("transformer.moe.router:TopKRouter.routing",
            "overridden by SplitRouter: records each split's routing counts before "

@@ -103,8 +103,16 @@ def _split_aware_layer_spec(normalization, attention_backend, kv_cache, qk_layer
     if num_experts is not None:
         # the MoE router needs the split (its aux losses are over whole microbatches)
         spec.module = SplitTransformerLayer
-        spec.submodules.mlp.submodules.router = SplitRouter
+        _moe_submodules(spec.submodules.mlp).router = SplitRouter
     return spec
+
+
+def _moe_submodules(mlp):
+    """The MoESubmodules of an MoE layer's spec: a ModuleSpec's up to 0.16, the keyword
+    of a functools.partial(MoELayer, submodules=...) from 0.17 (an mcore_compat row)."""
+    if isinstance(mlp, functools.partial):
+        return mlp.keywords["submodules"]
+    return mlp.submodules
 
 
 def moe_layer_pattern(config):
