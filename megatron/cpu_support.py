@@ -237,6 +237,24 @@ def _patch_distributed_optimizer():
     _patch(DistributedOptimizer, "__init__", __init__)
 
 
+# --- megatron/core/transformer/moe/token_dispatcher.py: split sizes moved to host ------
+# The all-to-all dispatcher hands its split sizes to all_to_all_single as numpy arrays,
+# which maybe_move_tensor_to_cpu makes only from CUDA tensors: on CPU they would stay
+# tensors, which all_to_all_single does not take.
+
+def _patch_token_dispatcher():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
 # --- megatron/core/jit.py: jit_fuser is torch.compile -------------------------------------
 # megatron-core decorates small routing helpers (the MoE router's expert-bias count, ...)
 # with torch.compile at import. On CPU, inductor's C++ build of them costs 5-10 s per
@@ -265,6 +283,7 @@ _PATCHED_NAMES = (
     "models.common.language_module.language_module:"
     "LanguageModule.setup_embeddings_and_output_layer",
     "optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+    "transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
 )
 
 
@@ -306,6 +325,7 @@ def apply(cuda: bool = None) -> bool:
     _patch_language_module()
     _patch_distributed_optimizer()
     _patch_jit_fuser()
+    _patch_token_dispatcher()
     for module_name in mcore_compat.CUDA_CALL_SITES:
         _redirect_torch("megatron.core." + module_name)
     _APPLIED = True

@@ -255,6 +255,10 @@ TABLE = (
            "wrapped on CPU: tied embeddings call weight.data.cuda()", "self"),
     _mcore("optimizer.distrib_optimizer:DistributedOptimizer.__init__",
            "wrapped on CPU: checks param.type() == 'torch.cuda.FloatTensor'", "self"),
+    _mcore("transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+           "wrapped on CPU: the all-to-all split sizes become numpy arrays from CPU tensors "
+           "too (all_to_all_single takes no tensor there)",
+           "tensor", "as_numpy", "record_stream"),
     *(cuda_call_site(module) for module in CUDA_CALL_SITES),
     # --- torch ---------------------------------------------------------------------------
     _torch("torch.nn.attention.bias:causal_lower_right",
