@@ -2,7 +2,8 @@
 sequence splits reproduces pp=2 unsplit and a single process (loss and grad norm per
 iteration, validation loss, every parameter and every router's expert bias after the
 steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile the
-sequence; also interleaved (2 virtual stages), with full recomputation, and with the
+sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
+sequence parallelism (experts split over TP as Megatron-LM's default), and with the
 experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms).
 
 Two scaled-down models (4 layers, hidden 32, 8 experts, top-2):
@@ -58,6 +59,10 @@ CASES = {
     # experts over 2 ranks of the data-parallel group, all-to-all over gloo
     "X_pp2_dp2_ep2_s3": ("X", 3, ["--expert-model-parallel-size", "2",
                                   "--moe-token-dispatcher-type", "alltoall"], 4, 1),
+    # experts split over TP (Megatron-LM's default --expert-tensor-parallel-size), each TP
+    # rank routing its sequence-parallel share of the split
+    "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                        4, 1),
     "D_pp2_s3": ("D", 3, [], 2, 1),
     "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
 }
@@ -85,7 +90,7 @@ def plan(tmp, corpus):
         # with experts over EP ranks, the gathered parameters would miss the other
         # ranks' experts: that run compares losses and grad norms (which see them all)
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra,
-                            "params": world == 2})
+                            "params": "--expert-model-parallel-size" not in extra})
     return Plan(inits, runs)
 
 
@@ -100,7 +105,8 @@ def test_split_run_equals_unsplit_runs(results, name):
     run = results[name]
     assert len(run["losses"]) == ITERATIONS
     check_split_units(name, run["forward_units"], splits=n, method="average", seq_length=48,
-                      calls=ITERATIONS + 1, microbatches=MICROBATCHES * 2 // world,
+                      calls=ITERATIONS + 1,
+                      microbatches=MICROBATCHES if "tp2" in name else MICROBATCHES * 2 // world,
                       chunks=chunks)
     for other, what in ((f"ref_{model}", "pp=1 single process"),
                         (f"{model}_pp2_s1", "same layout, s=1")):

@@ -47,6 +47,7 @@ def test_megatron_lm_defaults_and_config_fields():
     assert (args.moe_router_topk, args.moe_ffn_hidden_size, args.moe_layer_freq) == (2, 64, 1)
     assert args.moe_router_load_balancing_type == "aux_loss" and args.moe_aux_loss_coeff == 0.0
     assert args.moe_token_dispatcher_type == "allgather"
+    assert args.expert_tensor_parallel_size == 1  # Megatron-LM's default: the TP size
     config = trainer_model.transformer_config_from_args(args)
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 64)
     dense = trainer_model.transformer_config_from_args(args_of())
@@ -105,6 +106,8 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
      "--moe-router-num-groups and --moe-router-group-topk go together"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "flex"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2 is refused: only the tensor-parallel size (1"),
 ])
 def test_mistakes_are_named(flags, message):
     with pytest.raises(ArgumentErrors) as error:

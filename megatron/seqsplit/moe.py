@@ -175,7 +175,7 @@ class SplitRouter(TopKRouter):
             # the microbatch's loss value: sum over its splits of (partial . weights)
             key = (name, layer, microbatch)
             stats.loss_values[key] = (stats.loss_values.get(key, 0.0)
-                                      + float((part.detach() * w).sum()) / coeff)
+                                      + float((part.detach() * w).sum()) / (coeff or 1.0))
             return w
 
         return _DeferredAuxLoss.apply(probs, partial, weights_and_log)

@@ -181,9 +181,6 @@ SIZE_ONE_FLAGS = {
         "context parallelism is not implemented; Seq1F1B divides the sequence over "
         "pipeline time instead: use --seq1f1b-splits (or --pipeline-schedule slimpipe) "
         "with TP and --sequence-parallel"),
-    "--expert-tensor-parallel-size": (
-        "expert tensor parallelism is not supported here: experts are divided by "
-        "--expert-model-parallel-size only"),
 }
 
 _MOE = ("this mixture-of-experts option is not implemented here (the implemented MoE "

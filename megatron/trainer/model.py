@@ -84,7 +84,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         batch_p2p_sync=on_gpu,  # the sync is a torch.cuda.synchronize
         timers=None,
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", 1),
+        expert_tensor_parallel_size=args.tensor_model_parallel_size,  # Megatron-LM's default
         **moe_config_fields(args),
     )
 

@@ -10,7 +10,7 @@ MOE_FLAGS = (
     "--moe-router-bias-update-rate", "--moe-router-load-balancing-type",
     "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-token-dispatcher-type",
-    "--moe-grouped-gemm", "--expert-model-parallel-size",
+    "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -70,11 +70,22 @@ def add_moe_arguments(parser):
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="experts divided over this many ranks of the data-parallel group "
                         "(all-to-all over gloo on CPU)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor parallelism inside each expert: as in Megatron-LM it "
+                        "defaults to --tensor-model-parallel-size, the only value "
+                        "supported here")
 
 
 def check_moe_args(args, cuda_available):
     """Megatron-LM's MoE defaults and checks; returns the problems, one line each."""
     problems = []
+    tp = args.tensor_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp  # Megatron-LM's default
+    elif args.expert_tensor_parallel_size != tp:
+        problems.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is "
+                        f"refused: only the tensor-parallel size ({tp}, Megatron-LM's "
+                        "default) is supported here; drop it")
     if args.num_experts == 0:
         args.num_experts = None
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
@@ -134,7 +145,8 @@ def _given(args, flag):
                 "--moe-router-bias-update-rate": 1e-3,
                 "--moe-router-load-balancing-type": "aux_loss", "--moe-aux-loss-coeff": 0.0,
                 "--moe-token-dispatcher-type": "allgather", "--moe-grouped-gemm": False,
-                "--expert-model-parallel-size": 1}
+                "--expert-model-parallel-size": 1,
+                "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
 
