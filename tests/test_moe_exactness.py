@@ -6,7 +6,9 @@ sequence; also interleaved (2 virtual stages), with full recomputation, with TP=
 sequence parallelism (experts split over TP as Megatron-LM's default), and with the
 experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms).
 
-Two scaled-down models (4 layers, hidden 32, 8 experts, top-2):
+N: 4 experts, top-2, no load-balancing loss (the per-token part alone), on the MHA /
+learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers, hidden
+32, 8 experts, top-2):
 
 * X (Mixtral-style): every layer MoE, softmax router, aux_loss (coefficient 1, large so
   that a split-local statistic would show: it changes the grad norm threefold) and
@@ -34,6 +36,9 @@ pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
        "--disable-bias-linear"]
 MODELS = {
+    # no load-balancing loss: routing and experts are per token, exact as they are
+    "N": TINY_MODEL + ["--num-experts", "4", "--moe-router-topk", "2",
+                       "--moe-router-load-balancing-type", "none", "--disable-bias-linear"],
     "X": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1",
         "--moe-z-loss-coeff", "0.1"],
@@ -53,6 +58,8 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"]
 # name -> (model, split count, extra flags of the split run, world size, model chunks)
 CASES = {
+    "N_pp2_s2": ("N", 2, [], 2, 1),
+    "N_pp2_s3": ("N", 3, [], 2, 1),
     "X_pp2_s3": ("X", 3, [], 2, 1),
     "X_pp2_s4": ("X", 4, [], 2, 1),
     "X_pp2_vp2_s3": ("X", 3, ["--virtual-pipeline-model-parallel-size", "2"], 2, 2),
@@ -127,6 +134,10 @@ def test_the_models_are_the_intended_ones(results):
     import torch
 
     for model in MODELS:
+        if model == "N":  # 4 experts, top-2, MHA with learned positions
+            names = torch.load(results["ref_N"]["params"])
+            assert len([n for n in names if n.endswith("router.weight")]) == 4
+            continue
         params = torch.load(results[f"ref_{model}"]["params"])
         routers = sorted(n for n in params if n.endswith("router.weight"))
         experts = {n.split(".local_experts.")[1].split(".")[0] for n in params
@@ -134,6 +145,8 @@ def test_the_models_are_the_intended_ones(results):
         assert experts == {str(i) for i in range(8)}, (model, experts)
         shared = [n for n in params if "shared_experts" in n]
         biases = [n for n in params if n.endswith("expert_bias")]
+        if model == "N":
+            continue
         if model == "X":
             assert len(routers) == 4 and not shared and not biases, model
         else:

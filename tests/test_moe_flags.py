@@ -101,6 +101,7 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
     (["--num-experts", "6", "--expert-model-parallel-size", "4"],
      "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between"),
+    (["--num-experts", "4", "--moe-router-topk", "1"], "--moe-router-topk 1 with the softmax"),
     (["--num-experts", "4", "--moe-layer-freq", "[1]*3"], "--moe-layer-freq gives 3 layers"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"],
      "--moe-router-num-groups and --moe-router-group-topk go together"),

@@ -105,6 +105,10 @@ def check_moe_args(args, cuda_available):
     if not 1 <= args.moe_router_topk <= args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} must be between 1 and "
                         f"--num-experts ({args.num_experts})")
+    if args.moe_router_topk == 1 and args.moe_router_score_function == "softmax":
+        problems.append("--moe-router-topk 1 with the softmax router needs "
+                        "--moe-router-pre-softmax in megatron-core, which is not implemented "
+                        "here: use --moe-router-topk 2 or --moe-router-score-function sigmoid")
     if args.num_experts % args.expert_model_parallel_size:
         problems.append(f"--num-experts {args.num_experts} is not divisible by "
                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")
