@@ -14,6 +14,7 @@ laptop or CI machine, which makes pipeline schedules debuggable without GPUs.
 import contextlib
 import importlib
 import importlib.metadata
+import sys
 import types
 
 import torch
@@ -28,6 +29,20 @@ def _patch(owner, name: str, value) -> None:
     """Set ``owner.name`` to ``value``, remembering the original for ``undo``."""
     _ORIGINALS.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
+
+
+class _CpuStream:
+    """A side stream on the CPU: work is already ordered, so every wait is a no-op
+    (the MoE all-to-all dispatcher copies its split sizes device-to-host on one)."""
+
+    def wait_stream(self, other):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def synchronize(self):
+        return None
 
 
 class _CudaOnCpu(types.SimpleNamespace):
@@ -59,6 +74,14 @@ class _CudaOnCpu(types.SimpleNamespace):
     @staticmethod
     def default_stream(*args, **kwargs):
         return None
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda.Stream)
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
 
 def _cpu_device(device):
@@ -215,6 +238,41 @@ def _patch_distributed_optimizer():
     _patch(DistributedOptimizer, "__init__", __init__)
 
 
+# --- megatron/core/transformer/moe/token_dispatcher.py: split sizes moved to host ------
+# The all-to-all dispatcher hands its split sizes to all_to_all_single as numpy arrays,
+# which maybe_move_tensor_to_cpu makes only from CUDA tensors: on CPU they would stay
+# tensors, which all_to_all_single does not take.
+
+def _patch_token_dispatcher():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
+# --- megatron/core/jit.py: jit_fuser is torch.compile -------------------------------------
+# megatron-core decorates small routing helpers (the MoE router's expert-bias count, ...)
+# with torch.compile at import. On CPU, inductor's C++ build of them costs 5-10 s per
+# process, for kernels that gain nothing at CPU sizes: they run eagerly instead (the
+# same operations; the eager ones are the reference the fused ones are checked against).
+
+def _patch_jit_fuser():
+    # megatron.trainer defers those decorations (megatron/trainer/lazy_fusions.py: eager
+    # on CPU tensors) and never loads torch._dynamo, whose import costs ~1 s per process;
+    # only where megatron-core was imported without it is there anything to disable
+    if "torch._dynamo" not in sys.modules:
+        return
+    import torch._dynamo
+
+    _patch(torch._dynamo.config, "disable", True)
+
+
 # The megatron-core names patched above, each a row of mcore_compat.TABLE, and the
 # modules of mcore_compat.CUDA_CALL_SITES: a version that lacks one, or changed its
 # signature, stops `apply` with that row before anything is patched, instead of failing
@@ -231,6 +289,7 @@ _PATCHED_NAMES = (
     "models.common.language_module.language_module:"
     "LanguageModule.setup_embeddings_and_output_layer",
     "optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+    "transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
 )
 
 
@@ -271,6 +330,8 @@ def apply(cuda: bool = None) -> bool:
     _patch_clip_grads()
     _patch_language_module()
     _patch_distributed_optimizer()
+    _patch_jit_fuser()
+    _patch_token_dispatcher()
     for module_name in mcore_compat.CUDA_CALL_SITES:
         _redirect_torch("megatron.core." + module_name)
     _APPLIED = True

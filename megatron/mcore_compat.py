@@ -84,6 +84,9 @@ CUDA_CALL_SITES = {
     "tensor_parallel.layers": "weight init device",
     "rerun_state_machine": "loss checks",
     "timers": "Timer.start/stop synchronize, Timers' all-gather buffer (--timing-log-level)",
+    "transformer.moe.router": "router gating moves its weight to current_device(); expert "
+                              "bias and global aux-loss buffers",
+    "transformer.moe.token_dispatcher": "all-to-all dispatcher's device-to-host stream",
 }
 
 
@@ -134,6 +137,48 @@ TABLE = (
            "SplitContext subclasses it to ride megatron-core's packed_seq_params plumbing "
            "from GPTModel.forward down to core attention",
            "qkv_format", "cu_seqlens_q", "cu_seqlens_kv"),
+    # --- mixture of experts (megatron/seqsplit/moe.py, megatron/seqsplit/model.py) -----
+    _mcore("transformer.moe.moe_layer:MoESubmodules",
+           "the MoE spec's router builder: SplitRouter replaces TopKRouter there (the "
+           "spec's mlp is a ModuleSpec on 0.16.1, functools.partial(MoELayer, submodules=) "
+           "on 0.19.2)",
+           "experts", "shared_experts", "router"),
+    _mcore("transformer.moe.router:TopKRouter.routing",
+           "overridden by SplitRouter: records each split's routing counts before "
+           "megatron-core's routing (reads self.topk, score_function, training)",
+           "self", "logits", "padding_mask"),
+    _mcore("transformer.moe.router:TopKRouter._apply_aux_loss",
+           "overridden by SplitRouter (aux_loss over the whole microbatch under splits; "
+           "reads self.tp_cp_group, layer_number)",
+           "self", "probs", "scores_for_aux_loss", "routing_map", "with_padding_mask"),
+    _mcore("transformer.moe.router:TopKRouter._apply_seq_aux_loss",
+           "overridden by SplitRouter (seq_aux_loss over whole sequences under splits)",
+           "self", "probs", "scores_for_aux_loss", "routing_map", "seq_length", "bsz",
+           "with_padding_mask"),
+    _mcore("transformer.moe.router:TopKRouter._apply_global_aux_loss",
+           "overridden by SplitRouter (global_aux_loss's running counts per microbatch; "
+           "reads self.tp_dp_cp_group)",
+           "self", "probs", "scores_for_aux_loss", "routing_map", "with_padding_mask"),
+    _mcore("transformer.moe.router:TopKRouter.apply_z_loss",
+           "overridden by SplitRouter (z-loss as the whole microbatch's mean)",
+           "self", "logits", "padding_mask"),
+    _mcore("transformer.moe.router:TopKRouter.get_aux_loss_coeff",
+           "SplitRouter reads each load-balancing type's coefficient", "self", "aux_loss_type"),
+    _mcore("transformer.moe.moe_utils:compute_routing_scores_for_aux_loss",
+           "SplitRouter counts the aux-loss routing of each split as megatron-core does",
+           "logits", "topk", "score_function", "fused"),
+    _mcore("transformer.moe.moe_utils:MoEAuxLossAutoScaler.set_loss_scale",
+           "the executor sets the aux losses' gradient scale as megatron-core's forward_step "
+           "does; SplitRouter's deferred gradient reads main_loss_backward_scale", "scale"),
+    _mcore("transformer.moe.moe_utils:HAVE_TE",
+           "without Transformer Engine moe_utils never defines te_general_gemm, which router "
+           "gating reads: megatron.seqsplit.moe sets it to None (the torch matmul)"),
+    _mcore("transformer.transformer_layer:TransformerLayer.forward",
+           "SplitTransformerLayer reads its packed_seq_params keyword (the split) for the "
+           "MoE router; megatron-core's block passes it by keyword"),
+    _mcore("transformer.transformer_layer:get_transformer_layer_offset",
+           "the first global layer of a stage: which of its layers --moe-layer-freq makes "
+           "MoE", "config", "vp_stage"),
     # --- pipeline schedules (megatron/schedules, megatron/benchmarks/stage.py) ---------
     _mcore(_SCHEDULES + "backward_step",
            "the executor's backward of one unit; 0.16.1 takes an unused model_type before "
@@ -210,6 +255,10 @@ TABLE = (
            "wrapped on CPU: tied embeddings call weight.data.cuda()", "self"),
     _mcore("optimizer.distrib_optimizer:DistributedOptimizer.__init__",
            "wrapped on CPU: checks param.type() == 'torch.cuda.FloatTensor'", "self"),
+    _mcore("transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+           "wrapped on CPU: the all-to-all split sizes become numpy arrays from CPU tensors "
+           "too (all_to_all_single takes no tensor there)",
+           "tensor", "as_numpy", "record_stream"),
     *(cuda_call_site(module) for module in CUDA_CALL_SITES),
     # --- torch ---------------------------------------------------------------------------
     _torch("torch.nn.attention.bias:causal_lower_right",
@@ -221,6 +270,8 @@ TABLE = (
            "CPU flex backend: the identity score_mod flex_attention passes"),
     _torch("torch._higher_order_ops.flex_attention:flex_attention",
            "CPU flex backend: the higher-order op with an eager autograd"),
+    _torch("torch._dynamo.config:disable",
+           "cpu_support runs megatron-core's torch.compile'd jit_fuser helpers eagerly on CPU"),
     _torch("torch.distributed.distributed_c10d:_get_default_group",
            "destroy_groups_except keeps the default group"),
     _torch("torch.distributed.distributed_c10d:_world",

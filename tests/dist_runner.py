@@ -77,7 +77,9 @@ def gather_full_parameters(args, model):
 
 def _chunk_parameters(args, module, layer_offset, tp_group, tp_size):
     local = {}
-    for name, param in module.named_parameters():
+    # MoE routers' expert bias is a buffer updated by the step (not by the optimizer)
+    biases = [(n, b) for n, b in module.named_buffers() if n.endswith("expert_bias")]
+    for name, param in list(module.named_parameters()) + biases:
         tensor = param.detach().float().cpu()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             dim = param.partition_dim

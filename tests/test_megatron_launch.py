@@ -147,7 +147,8 @@ def test_size_one_flags_accept_only_one(flag):
 
 @pytest.mark.parametrize("flag", sorted(REFUSED_FLAGS))
 def test_refused_flag_gives_reason_and_alternative(flag):
-    given = flag + "router-topk" if flag.endswith("-") else flag
+    # (--moe-router-topk is implemented; --moe-router-pre-softmax is refused)
+    given = flag + "router-pre-softmax" if flag.endswith("-") else flag
     with pytest.raises(ArgumentErrors) as error:
         parse(given, "2", "--lr", "1e-3")  # the value is taken with the flag; --lr still parses
     assert error.value.problems == [f"{given} is refused: {REFUSED_FLAGS[flag]}"]
@@ -157,14 +158,14 @@ def test_refused_flag_gives_reason_and_alternative(flag):
 def test_every_problem_is_reported_at_once():
     """Unknown flags, bad choices, refused features and failed checks together, one line
     each, from the real entry point; exit 2 before any work."""
-    argv = BASE + ["--moe-router-topk", "2", "--lr-decay-style", "bogus",
+    argv = BASE + ["--moe-expert-capacity-factor", "2", "--lr-decay-style", "bogus",
                    "--lr-warmup-fractoin", "0.1", "--context-parallel-size", "2",
                    "--save", "/tmp/never", "--micro-batch-size", "two", "--min-lr", "1"]
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    expected = ["--moe-router-topk is refused", "argument --lr-decay-style: invalid choice",
+    expected = ["--moe-expert-capacity-factor is refused", "argument --lr-decay-style: invalid choice",
                 "unknown flag --lr-warmup-fractoin", "did you mean --lr-warmup-fraction?",
                 "argument --micro-batch-size: invalid int value: 'two'",
                 "--context-parallel-size 2 is refused", "--save needs --save-interval",

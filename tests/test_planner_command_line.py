@@ -73,6 +73,12 @@ def test_training_checks_apply(capsys):
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
 
 
+def test_moe_models_are_refused_until_the_planner_models_experts():
+    """A dense prediction of an MoE command line would mislead: refused with the reason."""
+    with pytest.raises(PlanError, match="does not model mixture-of-experts"):
+        plan(TRAINING + ["--num-experts", "8", "--disable-bias-linear"])
+
+
 def test_vocabulary_padding_follows_the_flag():
     """--make-vocab-size-divisible-by pads the LM head's logits as training does."""
     padded = plan(TRAINING).cost.vocab

@@ -184,6 +184,12 @@ def _training_args(args) -> argparse.Namespace:
         validate_args(t, world, cuda_available=cuda, check_files=False)
     except ArgumentError as err:
         raise PlanError(str(err)) from None
+    if getattr(t, "num_experts", None) is not None:
+        # ModelShape has no experts yet: a dense prediction of an MoE model would mislead
+        raise PlanError("--num-experts: the planner does not model mixture-of-experts layers "
+                        "yet (expert memory, active vs total parameters, all-to-all volume); "
+                        "plan the dense model with --ffn-hidden-size set to the active MLP "
+                        "width, or measure with --activation-memory-file")
     t.kv_cache_layout = layout or t.seq1f1b_kv_cache
     return t
 

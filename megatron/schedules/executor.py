@@ -43,6 +43,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.mcore_compat import backward_step
@@ -52,6 +53,7 @@ from megatron.schedules.lowering import checked_programs
 from megatron.schedules import registry
 from megatron.schedules.transport import ProcessGroupTransport, Transport
 from megatron.seqsplit.kv_cache import KVCacheStore
+from megatron.seqsplit.moe import RoutingStatistics
 from megatron.seqsplit.split_context import SplitContext, slice_batch
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 
@@ -237,6 +239,8 @@ class PipelineExecutor:
                                    alignment=settings.alignment, model=settings.model_shape)
         self.offsets = split_offsets(self.lengths)
         self.kv_store = KVCacheStore(forward_only=forward_only)
+        # MoE routers' per-split counts: their aux losses are over whole microbatches
+        self.routing_stats = RoutingStatistics()
         self.observers = () if forward_only else tuple(settings.observers)
         for observer in self.observers:
             if isinstance(observer, KVStoreObserver):
@@ -298,6 +302,7 @@ class PipelineExecutor:
 
     def run(self) -> list:
         """Run the program; returns one loss report per microbatch (last stage)."""
+        self._set_moe_loss_scale()
         try:
             for index, action in enumerate(self.program):
                 try:
@@ -315,7 +320,20 @@ class PipelineExecutor:
                 raise AssertionError(f"{self.kv_store.num_entries()} KV-cache entries "
                                      "outlived their microbatch's backward")
         self.kv_store.clear()
+        self.routing_stats.clear()
         return merge_split_reports(self.reports)
+
+    def _set_moe_loss_scale(self) -> None:
+        """The scale of the MoE auxiliary losses' gradient, as megatron-core's
+        forward_step sets it on every stage: the main loss's (1 / microbatches, times the
+        fp16 loss scale)."""
+        if getattr(self.config, "num_moe_experts", None) is None:
+            return
+        one = torch.ones(1, device=self.device)
+        scale = self.config.grad_scale_func(one) if self.config.grad_scale_func else one
+        if not self.config.calculate_per_token_loss:
+            scale = scale / self.num_microbatches
+        MoEAuxLossAutoScaler.set_loss_scale(scale)
 
     def run_unit(self, unit: Unit) -> None:
         for observer in self.observers:
@@ -336,7 +354,7 @@ class PipelineExecutor:
             microbatch_id=unit.microbatch, split_index=unit.split,
             num_splits=self.settings.num_splits, offset=self.offsets[unit.split],
             length=self.lengths[unit.split], seq_length=self.seq_length,
-            kv_store=self.kv_store)
+            kv_store=self.kv_store, routing_stats=self.routing_stats)
 
     def _forward(self, unit: Unit) -> None:
         config = self.config

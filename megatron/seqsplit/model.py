@@ -13,6 +13,8 @@ selective recomputation checkpoints the attention kernel after the KV-cache writ
 rather than the whole core attention (``megatron.seqsplit.recompute``).
 """
 
+import functools
+
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -22,8 +24,14 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron.seqsplit.core_attention import SplitCausalAttention
+from megatron.seqsplit.moe import (
+    SplitRouter,
+    SplitTransformerLayer,
+    allow_router_without_transformer_engine,
+)
 from megatron.seqsplit.post_norm_residual import PostNormResidualLayer
 from megatron.seqsplit.recompute import SplitSelfAttention
 from megatron.seqsplit.split_context import SplitContext
@@ -83,19 +91,15 @@ def _swap_torch_norms(submodules):
             setattr(submodules, name, SequenceParallelTorchNorm)
 
 
-def split_aware_local_spec(config, normalization: str = "LayerNorm",
-                           attention_backend: str = "auto", vp_stage=None,
-                           kv_cache: str = "buffer", qk_layernorm: bool = False,
-                           residual_post_layernorm: bool = False):
-    """megatron-core's local GPT spec with split-aware core attention, as a block spec
-    for this pipeline stage (its final norm, too, must support sequence parallel).
-    `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked".
-    `qk_layernorm` (--qk-layernorm): per-head query and key norms, applied to each
-    split's own tokens before RoPE and the KV cache (a norm is per token).
-    `residual_post_layernorm` (--apply-residual-connection-post-layernorm): residuals taken
-    after the norms (post_norm_residual)."""
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+def _split_aware_layer_spec(normalization, attention_backend, kv_cache, qk_layernorm,
+                            residual_post_layernorm=False, num_experts=None,
+                            moe_grouped_gemm=False):
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                    normalization=normalization, qk_layernorm=qk_layernorm)
     if residual_post_layernorm:
+        if num_experts is not None:  # both replace the layer class; no combined one yet
+            raise ValueError("--apply-residual-connection-post-layernorm is not supported with "
+                             "--num-experts: drop one of them")
         spec.module = PostNormResidualLayer
     spec.submodules.self_attention.module = SplitSelfAttention
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
@@ -103,9 +107,58 @@ def split_aware_local_spec(config, normalization: str = "LayerNorm",
         params={"backend_name": attention_backend, "kv_cache": kv_cache})
     _swap_torch_norms(spec.submodules)
     _swap_torch_norms(spec.submodules.self_attention.submodules)
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-        layer_norm=SequenceParallelTorchNorm)
+    if num_experts is not None:
+        # the MoE router needs the split (its aux losses are over whole microbatches)
+        spec.module = SplitTransformerLayer
+        _moe_submodules(spec.submodules.mlp).router = SplitRouter
+    return spec
+
+
+def _moe_submodules(mlp):
+    """The MoESubmodules of an MoE layer's spec: a ModuleSpec's up to 0.16, the keyword
+    of a functools.partial(MoELayer, submodules=...) from 0.17 (an mcore_compat row)."""
+    if isinstance(mlp, functools.partial):
+        return mlp.keywords["submodules"]
+    return mlp.submodules
+
+
+def moe_layer_pattern(config):
+    """Megatron-LM's --moe-layer-freq: 1 for an MoE layer, 0 for a dense one, per layer."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    if len(freq) != config.num_layers:
+        raise ValueError(f"--moe-layer-freq gives {len(freq)} layers, --num-layers is "
+                         f"{config.num_layers}: give one 0/1 per layer")
+    return list(freq)
+
+
+def split_aware_local_spec(config, normalization: str = "LayerNorm",
+                           attention_backend: str = "auto", vp_stage=None,
+                           kv_cache: str = "buffer", qk_layernorm: bool = False,
+                           residual_post_layernorm: bool = False,
+                           moe_grouped_gemm: bool = False):
+    """megatron-core's local GPT spec with split-aware core attention, as a block spec
+    for this pipeline stage (its final norm, too, must support sequence parallel).
+    `kv_cache`: the split attention's K/V prefix layout, "buffer" or "chunked".
+    `qk_layernorm` (--qk-layernorm): per-head query and key norms, applied to each
+    split's own tokens before RoPE and the KV cache (a norm is per token).
+    `residual_post_layernorm` (--apply-residual-connection-post-layernorm): residuals taken
+    after the norms (post_norm_residual).
+    With ``config.num_moe_experts`` the layers ``config.moe_layer_freq`` marks are
+    mixture-of-experts layers whose router is split-exact (``megatron.seqsplit.moe``)."""
+    build = functools.partial(_split_aware_layer_spec, normalization, attention_backend,
+                              kv_cache, qk_layernorm, residual_post_layernorm)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if config.num_moe_experts is None:
+        return TransformerBlockSubmodules(layer_specs=[build()] * count,
+                                          layer_norm=SequenceParallelTorchNorm)
+    allow_router_without_transformer_engine()
+    specs = {0: build(), 1: build(config.num_moe_experts, moe_grouped_gemm)}
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    pattern = moe_layer_pattern(config)[offset:offset + count]
+    return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern],
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 class SeqSplitGPTModel(GPTModel):

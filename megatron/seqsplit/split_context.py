@@ -37,6 +37,7 @@ class SplitContext(PackedSeqParams):
     length: int = 0
     seq_length: int = 0
     kv_store: Optional[Any] = None  # megatron.seqsplit.kv_cache.KVCacheStore
+    routing_stats: Optional[Any] = None  # megatron.seqsplit.moe.RoutingStatistics
     # [b, >= offset + length] document index of every token up to this split's end
     # (--reset-attention-mask); None means one causal sequence per row
     document_ids: Optional[torch.Tensor] = None

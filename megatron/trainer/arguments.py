@@ -12,6 +12,7 @@ import sys
 # to a minute on a busy node), see check_flags_early
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
+from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
@@ -429,6 +430,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="load --load and evaluate on the validation and test sets without "
                         "training (implies --no-load-optim, as in Megatron-LM)")
 
+    add_moe_arguments(parser)
     add_no_op_flags(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
@@ -462,6 +464,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_checkpoint_flags(args, check_files),
         lambda: _check_exit_flags(args),
         lambda: _validate_seq1f1b(args),
+        lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: _validate_slimpipe(args),
         lambda: _check_rampup_layouts(args),
     )

@@ -39,6 +39,8 @@ def initialize_distributed(args):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=args.tensor_model_parallel_size,  # Megatron-LM's default
     )
     args.rank = rank
 

@@ -9,6 +9,8 @@ no-op. tests/test_megatron_lm_flag_coverage.py checks every flag of Megatron-LM'
 parser (and of the original Seq1F1B fork's) against these tables.
 """
 
+from megatron.trainer.moe_arguments import MOE_FLAGS
+
 # flag -> (takes a value: False, True or "+" for one or more as in Megatron-LM; reason
 # shown in --help and in the start-up note)
 NO_OP_FLAGS = {
@@ -179,16 +181,11 @@ SIZE_ONE_FLAGS = {
         "context parallelism is not implemented; Seq1F1B divides the sequence over "
         "pipeline time instead: use --seq1f1b-splits (or --pipeline-schedule slimpipe) "
         "with TP and --sequence-parallel"),
-    "--expert-model-parallel-size": (
-        "mixture-of-experts layers are not built here (dense GPT only); train MoE "
-        "models with Megatron-LM"),
-    "--expert-tensor-parallel-size": (
-        "mixture-of-experts layers are not built here (dense GPT only); train MoE "
-        "models with Megatron-LM"),
 }
 
-_MOE = ("mixture-of-experts layers are not built by this trainer yet (dense GPT only; "
-        "issue #29 adds them); drop the MoE flags or train MoE models with Megatron-LM")
+_MOE = ("this mixture-of-experts option is not implemented here (the implemented MoE "
+        "flags are listed in --help under 'mixture of experts'); drop it or train this "
+        "model with Megatron-LM")
 _MLA = ("multi-latent attention is not built here yet (issue #29); use "
         "--group-query-attention")
 _ENCODER = ("encoder-decoder and encoder models are not built here (decoder-only GPT); "
@@ -198,8 +195,11 @@ _OTHER_MODEL = ("this model family is not built here (decoder-only GPT only); "
 
 # flag or flag prefix (ending in '-') -> reason and alternative
 REFUSED_FLAGS = {
-    "--num-experts": _MOE,
     "--moe-": _MOE,
+    "--moe-expert-capacity-factor": (
+        "token dropping decides by the expert load of one forward call; under "
+        "--seq1f1b-splits a call is one split, so other tokens would be dropped than "
+        "unsplit: not supported, drop it (every token reaches its experts)"),
     "--cp-comm-type": SIZE_ONE_FLAGS["--context-parallel-size"],
     "--hierarchical-context-parallel-sizes": SIZE_ONE_FLAGS["--context-parallel-size"],
     "--fp8-": ("fp8 needs Transformer Engine layers, which the sequence-split schedules do "
@@ -392,6 +392,8 @@ for _reason, _flags in (
 
 def refusal_for(flag: str):
     """The reason a Megatron-LM flag is refused here, or None."""
+    if flag in MOE_FLAGS:  # implemented, though under a refused prefix
+        return None
     if flag in REFUSED_FLAGS:
         return REFUSED_FLAGS[flag]
     for prefix, reason in REFUSED_FLAGS.items():

@@ -8,6 +8,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.trainer import device
+from megatron.trainer.moe_arguments import moe_config_fields
 from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
 
 
@@ -86,6 +87,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         batch_p2p_sync=on_gpu,  # the sync is a torch.cuda.synchronize
         timers=None,
+        expert_tensor_parallel_size=args.tensor_model_parallel_size,  # Megatron-LM's default
+        **moe_config_fields(args),
     )
 
 
@@ -100,7 +103,8 @@ def layer_spec(args, config, vp_stage=None):
                                   kv_cache=args.seq1f1b_kv_cache,
                                   qk_layernorm=getattr(args, "qk_layernorm", False),
                                   residual_post_layernorm=getattr(
-                                      args, "apply_residual_connection_post_layernorm", False))
+                                      args, "apply_residual_connection_post_layernorm", False),
+                                  moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False))
 
 
 def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):

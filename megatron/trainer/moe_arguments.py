@@ -1,0 +1,180 @@
+"""Megatron-LM's mixture-of-experts flags: names, defaults and meanings as in its
+``megatron/training/arguments.py``, their checks, and the TransformerConfig fields."""
+
+# the MoE flags implemented here; the other --moe-* flags stay refused
+# (megatron_lm_flags.REFUSED_FLAGS) with their reason
+MOE_FLAGS = (
+    "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+    "--moe-router-score-function", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "--moe-router-load-balancing-type",
+    "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-topk-scaling-factor",
+    "--moe-router-num-groups", "--moe-router-group-topk", "--moe-token-dispatcher-type",
+    "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+)
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+
+def moe_freq_type(text):
+    """--moe-layer-freq as Megatron-LM reads it: N (one MoE layer every N layers, from
+    the first) or a Python list expression of 0/1 per layer such as "[0]*1+[1]*3"."""
+    if isinstance(text, int):
+        return text
+    if "[" not in text:
+        return int(text)
+    try:  # only list arithmetic: no names, no builtins
+        pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307
+    except Exception as error:
+        raise ValueError(f"not a list expression: {error}") from None
+    if not isinstance(pattern, list) or any(value not in (0, 1) for value in pattern):
+        raise ValueError("the pattern must be a list of 0 (dense) and 1 (MoE) per layer")
+    return pattern
+
+
+def add_moe_arguments(parser):
+    g = parser.add_argument_group(
+        "mixture of experts",
+        "Megatron-LM's MoE flags with its meanings; exact under --seq1f1b-splits "
+        "(docs/megatron_lm.md#mixture-of-experts)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (none: dense MLPs)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's hidden size (default --ffn-hidden-size)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="hidden size of the shared expert every token also runs through")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help='N: an MoE layer every N layers; or "[0]*1+[1]*3": 0 dense, 1 MoE '
+                        "per layer (first-k-dense)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
+                   default="softmax")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert routing bias updated after "
+                        "each step by --moe-router-bias-update-rate")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=LOAD_BALANCING_TYPES)
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: experts in this many groups")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="group-limited routing: the groups a token may use")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+                   default="allgather")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="grouped GEMM experts on CUDA; on CPU the experts run one after "
+                        "the other (same values), with a note")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="experts divided over this many ranks of the data-parallel group "
+                        "(all-to-all over gloo on CPU)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor parallelism inside each expert: as in Megatron-LM it "
+                        "defaults to --tensor-model-parallel-size, the only value "
+                        "supported here")
+
+
+def check_moe_args(args, cuda_available):
+    """Megatron-LM's MoE defaults and checks; returns the problems, one line each."""
+    problems = []
+    tp = args.tensor_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp  # Megatron-LM's default
+    elif args.expert_tensor_parallel_size != tp:
+        problems.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is "
+                        f"refused: only the tensor-parallel size ({tp}, Megatron-LM's "
+                        "default) is supported here; drop it")
+    if args.num_experts == 0:
+        args.num_experts = None
+    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, dest)  # one value: not a list (as Megatron-LM)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, dest, value[0])
+    given = [flag for flag in MOE_FLAGS[1:] if _given(args, flag)]
+    if args.num_experts is None:
+        if args.expert_model_parallel_size != 1:
+            problems.append("--expert-model-parallel-size needs --num-experts")
+        elif given:
+            args.flag_notes.append(f"note: {', '.join(given)} without --num-experts: the "
+                                   "model is dense, the MoE flags have no effect")
+        return problems
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        problems.append(f"--moe-router-topk {args.moe_router_topk} must be between 1 and "
+                        f"--num-experts ({args.num_experts})")
+    if args.moe_router_topk == 1 and args.moe_router_score_function == "softmax":
+        problems.append("--moe-router-topk 1 with the softmax router needs "
+                        "--moe-router-pre-softmax in megatron-core, which is not implemented "
+                        "here: use --moe-router-topk 2 or --moe-router-score-function sigmoid")
+    if args.num_experts % args.expert_model_parallel_size:
+        problems.append(f"--num-experts {args.num_experts} is not divisible by "
+                        f"--expert-model-parallel-size {args.expert_model_parallel_size}")
+    if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
+        problems.append(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, "
+                        f"--num-layers is {args.num_layers}: give one 0 or 1 per layer")
+    if not args.disable_bias_linear:
+        problems.append("--num-experts needs --disable-bias-linear here: megatron-core's "
+                        "experts with biases fail on the local layer spec (an in-place add "
+                        "on a view in the MLP); Megatron-LM's MoE recipes train without "
+                        "biases too")
+    if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
+        problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
+    if args.calculate_per_token_loss and args.seq1f1b_splits > 1 and (
+            _aux_loss_on(args) or args.moe_z_loss_coeff is not None):
+        problems.append("--calculate-per-token-loss with MoE auxiliary or z-losses is not "
+                        "supported with --seq1f1b-splits > 1: drop one of them")
+    if args.moe_grouped_gemm and not cuda_available:
+        args.flag_notes.append("note: --moe-grouped-gemm is a CUDA kernel: on CPU the "
+                               "experts run one after the other (the same values)")
+        args.moe_grouped_gemm = False
+    return problems
+
+
+def _aux_loss_on(args):
+    types = args.moe_router_load_balancing_type
+    coeffs = args.moe_aux_loss_coeff
+    types = types if isinstance(types, list) else [types]
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(types)
+    return any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
+               for t, c in zip(types, coeffs))
+
+
+def _given(args, flag):
+    defaults = {"--moe-router-topk": 2, "--moe-layer-freq": 1,
+                "--moe-router-score-function": "softmax",
+                "--moe-router-enable-expert-bias": False,
+                "--moe-router-bias-update-rate": 1e-3,
+                "--moe-router-load-balancing-type": "aux_loss", "--moe-aux-loss-coeff": 0.0,
+                "--moe-token-dispatcher-type": "allgather", "--moe-grouped-gemm": False,
+                "--expert-model-parallel-size": 1,
+                "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    return value != defaults.get(flag)
+
+
+def moe_config_fields(args):
+    """The TransformerConfig fields of the MoE flags (none for a dense model)."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )

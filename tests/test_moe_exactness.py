@@ -1,0 +1,155 @@
+"""Mixture of experts (issue #29 points 1 and 2) is exact under Seq1F1B: pp=2 with
+sequence splits reproduces pp=2 unsplit and a single process (loss and grad norm per
+iteration, validation loss, every parameter and every router's expert bias after the
+steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile the
+sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
+sequence parallelism (experts split over TP as Megatron-LM's default), and with the
+experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms).
+
+N: 4 experts, top-2, no load-balancing loss (the per-token part alone), on the MHA /
+learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers, hidden
+32, 8 experts, top-2):
+
+* X (Mixtral-style): every layer MoE, softmax router, aux_loss (coefficient 1, large so
+  that a split-local statistic would show: it changes the grad norm threefold) and
+  z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather dispatcher;
+* D (DeepSeek-V3-style): first layer dense (--moe-layer-freq "[0]*1+[1]*3"), a shared
+  expert, sigmoid router with expert bias (updated each step), group-limited routing
+  (4 groups, 2 chosen) with a top-k scaling factor, seq_aux_loss and global_aux_loss
+  together; all-to-all dispatcher.
+"""
+
+import pytest
+
+from distributed import (
+    GQA_ROPE_SWIGLU,
+    TINY_MODEL,
+    Plan,
+    assert_close_series,
+    assert_params_close,
+    init_run,
+)
+from split_checks import check_split_units
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--disable-bias-linear"]
+MODELS = {
+    # no load-balancing loss: routing and experts are per token, exact as they are
+    "N": TINY_MODEL + ["--num-experts", "4", "--moe-router-topk", "2",
+                       "--moe-router-load-balancing-type", "none", "--disable-bias-linear"],
+    "X": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
+        "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1",
+        "--moe-z-loss-coeff", "0.1"],
+    "D": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
+        "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "24",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.002", "--moe-router-num-groups", "4",
+        "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
+        "--moe-aux-loss-coeff", "1", "0.5", "--moe-token-dispatcher-type", "alltoall"],
+}
+ITERATIONS, MICROBATCHES = 2, 4
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+         "--eval-interval", "2", "--eval-iters", "1"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+# name -> (model, split count, extra flags of the split run, world size, model chunks)
+CASES = {
+    "N_pp2_s2": ("N", 2, [], 2, 1),
+    "N_pp2_s3": ("N", 3, [], 2, 1),
+    "X_pp2_s3": ("X", 3, [], 2, 1),
+    "X_pp2_s4": ("X", 4, [], 2, 1),
+    "X_pp2_vp2_s3": ("X", 3, ["--virtual-pipeline-model-parallel-size", "2"], 2, 2),
+    # experts over 2 ranks of the data-parallel group, all-to-all over gloo
+    "X_pp2_dp2_ep2_s3": ("X", 3, ["--expert-model-parallel-size", "2",
+                                  "--moe-token-dispatcher-type", "alltoall"], 4, 1),
+    # experts split over TP (Megatron-LM's default --expert-tensor-parallel-size), each TP
+    # rank routing its sequence-parallel share of the split
+    "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                        4, 1),
+    "D_pp2_s3": ("D", 3, [], 2, 1),
+    "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
+}
+
+
+def _splits(n):
+    return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", "average"]
+
+
+def plan(tmp, corpus):
+    """The split runs, their s = 1 runs on the same layout and the single-process
+    references, from one iteration-0 checkpoint per model."""
+    inits, starts = [], {}
+    for model, flags in MODELS.items():
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}", flags + BATCH)
+        inits.append(run)
+    runs = {1: [], 2: [], 4: []}
+    for model in MODELS:
+        base = MODELS[model] + BATCH + starts[model]
+        runs[2].append({"name": f"{model}_pp2_s1", "argv": base + PP2 + _splits(1),
+                        "params": True})
+        runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
+    for name, (model, n, extra, world, _) in CASES.items():
+        base = MODELS[model] + BATCH + starts[model]
+        # with experts over EP ranks, the gathered parameters would miss the other
+        # ranks' experts: that run compares losses and grad norms (which see them all)
+        runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra,
+                            "params": "--expert-model-parallel-size" not in extra})
+    return Plan(inits, runs)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_split_run_equals_unsplit_runs(results, name):
+    model, n, _, world, chunks = CASES[name]
+    run = results[name]
+    assert len(run["losses"]) == ITERATIONS
+    check_split_units(name, run["forward_units"], splits=n, method="average", seq_length=48,
+                      calls=ITERATIONS + 1,
+                      microbatches=MICROBATCHES if "tp2" in name else MICROBATCHES * 2 // world,
+                      chunks=chunks)
+    for other, what in ((f"ref_{model}", "pp=1 single process"),
+                        (f"{model}_pp2_s1", "same layout, s=1")):
+        expected = results[other]
+        assert not expected["forward_units"], f"{other} ran splits"
+        assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
+                            f"{name} grad norm vs {what}")
+        assert_close_series(run["validation_losses"], expected["validation_losses"], 1e-5,
+                            f"{name} validation loss vs {what}")
+        if run.get("params"):
+            assert_params_close(run["params"], expected["params"])
+
+
+def test_the_models_are_the_intended_ones(results):
+    """X: 4 MoE layers of 8 experts; D: a dense first layer, 3 MoE layers with a shared
+    expert, and expert biases that the steps moved (aux-loss-free balancing ran)."""
+    import torch
+
+    for model in MODELS:
+        if model == "N":  # 4 experts, top-2, MHA with learned positions
+            names = torch.load(results["ref_N"]["params"])
+            assert len([n for n in names if n.endswith("router.weight")]) == 4
+            continue
+        params = torch.load(results[f"ref_{model}"]["params"])
+        routers = sorted(n for n in params if n.endswith("router.weight"))
+        experts = {n.split(".local_experts.")[1].split(".")[0] for n in params
+                   if ".local_experts." in n}
+        assert experts == {str(i) for i in range(8)}, (model, experts)
+        shared = [n for n in params if "shared_experts" in n]
+        biases = [n for n in params if n.endswith("expert_bias")]
+        if model == "N":
+            continue
+        if model == "X":
+            assert len(routers) == 4 and not shared and not biases, model
+        else:
+            assert [r.split(".")[2] for r in routers] == ["1", "2", "3"], routers
+            assert shared and len(biases) == 3, model
+            assert all(params[b].abs().sum() > 0 for b in biases), "expert bias never updated"

@@ -1,0 +1,164 @@
+"""Megatron-LM's MoE flags (issue #29 point 1) reach the config and the layer spec with
+Megatron-LM's defaults and meanings, the unimplemented ones are refused with their
+reason, and SplitRouter's deferred aux-loss gradient equals megatron-core's unsplit one.
+In-process, no processes; the trained runs are in tests/test_moe_exactness.py."""
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    switch_load_balancing_loss_func,
+)
+
+from megatron.seqsplit.model import split_aware_local_spec
+from megatron.seqsplit.moe import (
+    RoutingStatistics,
+    SplitRouter,
+    SplitTransformerLayer,
+    _DeferredAuxLoss,
+)
+from megatron.trainer import model as trainer_model
+from megatron.trainer.arguments import ArgumentErrors, parse_args
+from megatron.trainer.moe_arguments import moe_freq_type
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--train-iters", "1", "--mock-data", "--vocab-size", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "1", "--disable-bias-linear"]
+
+
+def args_of(*flags, world_size=1):
+    return parse_args(BASE + list(flags), world_size=world_size, cuda_available=False,
+                      check_files=False)
+
+
+@pytest.fixture(autouse=True)
+def one_stage(monkeypatch):
+    """One stage of every layer, without megatron-core's parallel state."""
+    import megatron.seqsplit.model as seqsplit_model
+
+    monkeypatch.setattr(seqsplit_model, "get_num_layers_to_build",
+                        lambda config, vp_stage=None: config.num_layers)
+    monkeypatch.setattr(seqsplit_model, "get_transformer_layer_offset",
+                        lambda config, vp_stage=None: 0)
+
+
+def test_megatron_lm_defaults_and_config_fields():
+    args = args_of("--num-experts", "8", "--ffn-hidden-size", "64")
+    assert (args.moe_router_topk, args.moe_ffn_hidden_size, args.moe_layer_freq) == (2, 64, 1)
+    assert args.moe_router_load_balancing_type == "aux_loss" and args.moe_aux_loss_coeff == 0.0
+    assert args.moe_token_dispatcher_type == "allgather"
+    assert args.expert_tensor_parallel_size == 1  # Megatron-LM's default: the TP size
+    config = trainer_model.transformer_config_from_args(args)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 64)
+    dense = trainer_model.transformer_config_from_args(args_of())
+    assert dense.num_moe_experts is None
+
+
+def test_deepseek_style_flags_reach_the_config():
+    args = args_of("--num-experts", "8", "--moe-router-score-function", "sigmoid",
+                   "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+                   "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
+                   "--moe-aux-loss-coeff", "1e-3", "1e-4", "--moe-z-loss-coeff", "1e-3",
+                   "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "4",
+                   "--moe-router-group-topk", "2", "--moe-shared-expert-intermediate-size",
+                   "24", "--moe-layer-freq", "[0]*1+[1]*3",
+                   "--moe-token-dispatcher-type", "alltoall")
+    config = trainer_model.transformer_config_from_args(args)
+    assert config.moe_router_load_balancing_type == ["seq_aux_loss", "global_aux_loss"]
+    assert config.moe_aux_loss_coeff == [1e-3, 1e-4]
+    assert config.moe_layer_freq == [0, 1, 1, 1]
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias,
+            config.moe_router_bias_update_rate, config.moe_z_loss_coeff,
+            config.moe_router_topk_scaling_factor, config.moe_router_num_groups,
+            config.moe_router_group_topk, config.moe_shared_expert_intermediate_size,
+            config.moe_token_dispatcher_type) == (
+        "sigmoid", True, 0.01, 1e-3, 2.5, 4, 2, 24, "alltoall")
+    # first-k-dense: a dense MLP first, then split-aware MoE layers
+    block = split_aware_local_spec(config, normalization="LayerNorm")
+    mlps = [spec.submodules.mlp for spec in block.layer_specs]
+    kinds = [getattr(mlp, "module", getattr(mlp, "func", None)).__name__ for mlp in mlps]
+    # (a dense MLP is an MLP ModuleSpec on 0.16.1, a builder function on 0.19.2)
+    assert kinds[0] != "MoELayer" and kinds[1:] == ["MoELayer"] * 3, kinds
+    assert block.layer_specs[1].module is SplitTransformerLayer
+    moe = mlps[1].submodules if hasattr(mlps[1], "submodules") else mlps[1].keywords["submodules"]
+    assert moe.router is SplitRouter
+
+
+def test_moe_layer_freq_as_megatron_lm_reads_it():
+    assert moe_freq_type("2") == 2
+    assert moe_freq_type("([1]*3+[0]*1)*2") == [1, 1, 1, 0, 1, 1, 1, 0]
+    with pytest.raises(ValueError):
+        moe_freq_type("[2]*4")
+    with pytest.raises(ValueError):
+        moe_freq_type("__import__('os')")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"],
+     "--moe-expert-capacity-factor is refused: token dropping"),
+    (["--num-experts", "8", "--moe-router-pre-softmax"],
+     "--moe-router-pre-softmax is refused: this mixture-of-experts option"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"],
+     "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between"),
+    (["--num-experts", "4", "--moe-router-topk", "1"], "--moe-router-topk 1 with the softmax"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*3"], "--moe-layer-freq gives 3 layers"),
+    (["--num-experts", "4", "--moe-router-num-groups", "2"],
+     "--moe-router-num-groups and --moe-router-group-topk go together"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "flex"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2 is refused: only the tensor-parallel size (1"),
+])
+def test_mistakes_are_named(flags, message):
+    with pytest.raises(ArgumentErrors) as error:
+        args_of(*flags, world_size=4)
+    assert message in str(error.value)
+
+
+def test_biased_experts_are_refused_with_the_fix():
+    with pytest.raises(ArgumentErrors, match="needs --disable-bias-linear"):
+        parse_args([f for f in BASE if f != "--disable-bias-linear"] + ["--num-experts", "4"],
+                   world_size=1, cuda_available=False, check_files=False)
+
+
+def test_grouped_gemm_on_cpu_runs_sequential_experts_with_a_note():
+    args = args_of("--num-experts", "4", "--moe-grouped-gemm")
+    assert not args.moe_grouped_gemm
+    assert any("--moe-grouped-gemm" in note for note in args.flag_notes)
+
+
+def test_deferred_aux_loss_gradient_equals_the_unsplit_one():
+    """aux_loss: the splits' deferred gradients (weights from the whole microbatch's
+    counts) add up to megatron-core's gradient of the unsplit loss."""
+    torch.manual_seed(0)
+    tokens, experts, topk, coeff = 12, 4, 2, 0.5
+    logits = torch.randn(tokens, experts, requires_grad=True)
+    scores = torch.softmax(logits, dim=-1)
+    routing = torch.zeros_like(scores).scatter(1, scores.topk(topk).indices, 1)
+    counts = routing.sum(0)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    unsplit = switch_load_balancing_loss_func(scores, counts, tokens, topk, experts, coeff)
+    (expected,) = torch.autograd.grad(unsplit, logits, retain_graph=True)
+
+    def weights(_):
+        return counts * (experts * coeff / (topk * tokens * tokens))
+
+    outputs = []
+    for part in scores.split([5, 4, 3]):  # three splits
+        anchor = torch.zeros(1, requires_grad=True)
+        outputs.append(_DeferredAuxLoss.apply(anchor, part.sum(0), weights))
+    (got,) = torch.autograd.grad(sum(o.sum() for o in outputs), logits)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_routing_statistics_keep_one_record_per_split():
+    """A recomputed forward overwrites its split's counts instead of adding them."""
+    from megatron.seqsplit.moe import _Record
+
+    stats = RoutingStatistics()
+    for split in (0, 1, 1):  # split 1 recorded twice (recomputation)
+        stats.record(3, 0, split, _Record(tokens=4, tokens_reduced=4,
+                                          counts={"tp": torch.ones(2)}))
+    assert stats.tokens(3, 0) == 8 and stats.counts(3, 0, "tp").tolist() == [2.0, 2.0]
+    assert stats.microbatches(3) == [0] and stats.tokens(2, 0) == 0
