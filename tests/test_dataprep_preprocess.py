@@ -234,7 +234,8 @@ def test_nothing_to_write_is_an_error(tmp_path, gpt2_args, capsys):
 # ---- atomic output ----------------------------------------------------------------------------
 
 
-def test_failure_at_commit_leaves_no_pair_and_no_temporaries(tmp_path, gpt2_args, monkeypatch):
+def test_failure_at_commit_leaves_no_pair_and_no_temporaries(tmp_path, gpt2_args, monkeypatch,
+                                                             capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "old text"}] * 3)
     assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 0
     assert outputs(tmp_path) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx"]
@@ -248,8 +249,10 @@ def test_failure_at_commit_leaves_no_pair_and_no_temporaries(tmp_path, gpt2_args
 
     monkeypatch.setattr(writer_module.os, "replace", failing_replace)
     write_jsonl(tmp_path / "in.jsonl", [{"text": "new text"}] * 3)
-    with pytest.raises(OSError, match="simulated"):
-        run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args)
+    # an OSError is one line naming the output (issue 30 pt 6), not a traceback
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 1
+    assert (f"error: writing {tmp_path / 'out'}_text_document.{{bin,idx}} failed: disk full "
+            f"(simulated); temporary files removed") in capsys.readouterr().err
     # The old .idx is removed before anything is renamed: the old .bin alone is no dataset,
     # and no new .bin can ever sit beside an .idx that does not describe it.
     assert outputs(tmp_path) == ["in.jsonl", "out_text_document.bin"]
