@@ -304,6 +304,27 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="print and log the L2 norm of all parameters after each step ('params "
+                        "norm', TensorBoard 'params-norm'), over the whole model")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="print and log the number of zero gradient elements ('num zeros', "
+                        "TensorBoard 'num-zeros'), counted by megatron-core's optimizer")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
+                        "mem-max-allocated-bytes and mem-allocated-count (GPU runs; a CPU "
+                        "run has no CUDA allocator and writes none, noted at start-up)")
+    g.add_argument("--log-memory-interval", type=int, default=None,
+                   help="print the CUDA memory report every N iterations (GPU runs)")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="write 'world-size' with the per-iteration scalars")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   action="store_false", dest="log_loss_scale_to_tensorboard",
+                   help="do not write 'loss-scale'")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events TensorBoard's writer queues before it writes them to disk")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="the level of Python's root logger (10 DEBUG ... 50 CRITICAL)")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
                    help="0: iteration time only; 1: forward-backward, optimizer and other "
                         "top-level timers; 2: also per-unit compute and communication")
@@ -333,6 +354,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", type=str, default="")
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="")
+    g.add_argument("--wandb-entity", type=str, default="",
+                   help="the wandb entity (team or user) the run goes to")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
@@ -856,6 +879,7 @@ def _check_exit_flags(args):
         _require(0 <= args.profile_step_start < args.profile_step_end,
                  f"--profile-step-start ({args.profile_step_start}) must be below "
                  f"--profile-step-end ({args.profile_step_end})")
+    _check_logging_flags(args)
     if args.wandb_project:
         _require(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name (as in "
                                       "Megatron-LM)")
@@ -864,6 +888,22 @@ def _check_exit_flags(args):
         except ImportError:
             raise ArgumentError("--wandb-project needs the wandb package: pip install wandb "
                                 "(or drop the flag)")
+
+
+def _check_logging_flags(args):
+    _require(args.tensorboard_queue_size >= 1,
+             f"--tensorboard-queue-size must be >= 1, got {args.tensorboard_queue_size}")
+    _require(args.log_memory_interval is None or args.log_memory_interval >= 1,
+             f"--log-memory-interval must be >= 1, got {args.log_memory_interval}")
+    if getattr(args, "device", "cuda") != "cpu":
+        return
+    # logging only: a CPU run has no CUDA allocator whose statistics these report
+    for flag, given in (("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
+                        ("--log-memory-interval", args.log_memory_interval is not None)):
+        if given:
+            args.flag_notes.append(
+                f"note: {flag} reports the CUDA allocator's memory; this run computes on the "
+                f"CPU and reports none (the iteration line shows its peak memory)")
 
 
 def _resolve_pipeline_schedule(args):

@@ -55,8 +55,6 @@ NO_OP_FLAGS = {
     "--auto-detect-ckpt-format": (False, "only torch_dist checkpoints exist here"),
     "--tiktoken-pattern": (True, "only for --tokenizer-type TikTokenizer, which is not "
                                  "supported here"),
-    "--tensorboard-queue-size": (True, "TensorBoard's default queue is used"),
-    "--log-world-size-to-tensorboard": (False, "the world size is printed at start-up"),
 }
 
 
@@ -73,17 +71,12 @@ def _table(reason, flags):
 for _reason, _flags in (
     ("pure logging this trainer does not do (its iteration line and TensorBoard scalars "
      "are listed in docs/megatron_lm.md)",
-     "--log-params-norm --log-num-zeros-in-grad --log-memory-to-tensorboard "
-     "--log-memory-interval=N --log-device-memory-used --log-max-attention-logit "
-     "--log-energy --logging-level=N --log-progress --config-logger-dir=DIR "
+     "--log-device-memory-used --log-max-attention-logit "
+     "--log-energy --log-progress --config-logger-dir=DIR "
      "--log-straggler --straggler-ctrlr-port=N --straggler-minmax-count=N "
      "--disable-straggler-on-startup --run-workload-inspector-server "
      "--one-logger-project=V --one-logger-run-name=V --one-logger-async "
      "--app-tag-run-name=V --app-tag-run-version=V"),
-    ("not passed to wandb here: runs go to the entity of WANDB_ENTITY, else your default",
-     "--wandb-entity=V"),
-    ("the loss scale is always written to TensorBoard here",
-     "--no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard"),
     ("a profiler option this trainer's --profile trace does not record (use "
      "--activation-memory-file for memory)",
      "--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack "
