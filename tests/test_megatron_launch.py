@@ -3,6 +3,7 @@ Seq1F1B run.sh and three Megatron-LM examples, their flags kept except shapes, d
 paths and precision), each training 2 iterations with Seq1F1B on 2 CPU processes; and
 the no-op and refused Megatron-LM flags, checked flag by flag."""
 
+import glob
 import json
 import math
 import os
@@ -58,11 +59,13 @@ def run_script(name, *argv, env=None, cwd=None):
     return proc, proc.stdout + proc.stderr
 
 
-def assert_trained(proc, output, iterations=2):
+def assert_trained(proc, output, iterations=2, printed=None):
+    """Exit 0, no error, the iteration lines of ``printed`` (default: every one)."""
     assert proc.returncode == 0, output[-4000:]
     assert "error:" not in output, output[-4000:]
     lines = ITERATION.findall(output)
-    assert [int(i) for i, _, _ in lines] == list(range(1, iterations + 1)), output[-4000:]
+    expected = printed or list(range(1, iterations + 1))
+    assert [int(i) for i, _, _ in lines] == expected, output[-4000:]
     assert all(math.isfinite(float(loss)) for _, _, loss in lines)
 
 
@@ -118,6 +121,89 @@ def test_megatron_classic_mp_example(gpt2_data, tmp_path):
     proc, output = run_script("megatron_gpt_distributed_with_mp.sh", env=env)
     assert_trained(proc, output)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def ci_env(gpt2_data, tmp_path, **extra):
+    """The environment Megatron-LM's CI gives its model_config.yaml runs (paths), on the
+    test corpus; wandb offline."""
+    data = gpt2_data / "data"
+    ckpt = str(tmp_path / "ckpt")
+    return dict(DATA_PATH=str(data / "codeparrot_content_document"),
+                VOCAB_FILE=str(data / "vocab.json"), MERGE_FILE=str(data / "merges.txt"),
+                DATA_CACHE_PATH=str(tmp_path / "cache"), TENSORBOARD_PATH=str(tmp_path / "tb"),
+                CHECKPOINT_SAVE_PATH=ckpt, CHECKPOINT_LOAD_PATH=ckpt,
+                WANDB_MODE="offline", WANDB_SILENT="true", **extra)
+
+
+def assert_ci_logging(output, tmp_path, iterations=(1, 2), memory=True):
+    """What the CI configs log: 'num zeros' and 'params norm' on the printed iterations,
+    the TensorBoard scalars; on CPU the memory scalars (``memory``: asked for) noted as not
+    reported."""
+    from test_monitoring import scalars
+
+    lines = [line for line in output.splitlines() if " iteration " in line and "lm loss" in line]
+    assert len(lines) == len(iterations), output[-3000:]
+    assert all(re.search(r"num zeros: \d+ \| params norm: [\d.]+", line) for line in lines)
+    tags = scalars(tmp_path / "tb")
+    assert [step for step, _ in tags["params-norm"]] == [1, 2], sorted(tags)
+    assert [step for step, _ in tags["num-zeros"]] == [1, 2]
+    note = "note: --log-memory-to-tensorboard reports the CUDA allocator's memory"
+    assert (note in output) == memory
+
+
+@pytest.mark.distributed
+def test_megatron_ci_gpt3_15b_release(gpt2_data, tmp_path):
+    pytest.importorskip("wandb", reason="the config logs to wandb (pip install wandb)")
+    env = ci_env(gpt2_data, tmp_path, WANDB_EXPERIMENT="release-test",
+                 WANDB_SAVE_PATH=str(tmp_path / "wandb"))
+    proc, output = run_script("megatron_ci_gpt3_15b_release.sh", env=env)
+    assert_trained(proc, output, printed=[2])  # --log-interval 100: the last one
+    assert_ci_logging(output, tmp_path, iterations=[2])
+    assert "seq1f1b-splits=2" in output
+    assert glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*"))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("script", ["megatron_ci_tp1_pp4_vp1_distopt_overlap.sh",
+                                    "megatron_ci_rope_embeddings_interleaved.sh"])
+def test_megatron_ci_small_gpt3(gpt2_data, tmp_path, script):
+    proc, output = run_script(script, env=ci_env(gpt2_data, tmp_path))
+    assert_trained(proc, output)
+    assert_ci_logging(output, tmp_path)
+    assert "seq1f1b-splits=2" in output
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.distributed
+def test_megatron_ci_reruns_resume_check_grads(gpt2_data, tmp_path):
+    env = ci_env(gpt2_data, tmp_path, REPEAT="1")
+    # --finetune loads from a path under $CHECKPOINT_LOAD_PATH; with no checkpoint there
+    # (and --save the same directory) it starts from random weights
+    load = tmp_path / "ckpt" / "model" / "mcore_gpt" / "gpt3_4b_pyt" / "25.03.05_bf16_rerun-enabled_v2"
+    env["CHECKPOINT_SAVE_PATH"] = str(load)
+    proc, output = run_script("megatron_ci_reruns_resume_check_grads.sh", env=env)
+    assert_trained(proc, output)
+    assert_ci_logging(output, tmp_path)
+    assert "note: --recompute-num-layers has no effect here" in output
+    assert (load / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.distributed
+def test_original_seq1f1b_functional_test(gpt2_data, tmp_path):
+    data = gpt2_data / "data"
+    env = dict(VOCAB_FILE=str(data / "vocab.json"), MERGE_FILE=str(data / "merges.txt"))
+    # DATA_PATH CHECKPOINT_PATH TENSORBOARD_DIR USE_TE TP PP NNODES MAX_STEPS USE_CORE VP
+    # MBS GBS ADDITIONAL_PARAMS, as its sbatch script passes them
+    proc, output = run_script(
+        "seq1f1b_pretrain_gpt3_distributed_test.sh", str(data / "codeparrot_content_document"),
+        str(tmp_path / "ckpt"), str(tmp_path / "tb"), "0", "1", "2", "1", "2", "0", "", "1",
+        "4", "--pipe-sp-splits 2 --pipe-sp-strategy uniform_comp", env=env)
+    assert_trained(proc, output)
+    assert_ci_logging(output, tmp_path, memory=False)
+    assert "seq1f1b-splits=2" in output
+    assert "note: --data-impl has no effect here" in output
+    assert re.search(r"forward-compute \.+: \(\d", output), output[-3000:]  # level 2
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

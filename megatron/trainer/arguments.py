@@ -323,6 +323,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="do not write 'loss-scale'")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="events TensorBoard's writer queues before it writes them to disk")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible execution as Megatron-LM: "
+                        "torch.use_deterministic_algorithms(True), NCCL_ALGO=Ring, "
+                        "CUBLAS_WORKSPACE_CONFIG=:4096:8 and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 "
+                        "unless set (a non-deterministic value set is refused)")
     g.add_argument("--logging-level", type=int, default=None,
                    help="the level of Python's root logger (10 DEBUG ... 50 CRITICAL)")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
@@ -880,6 +885,7 @@ def _check_exit_flags(args):
                  f"--profile-step-start ({args.profile_step_start}) must be below "
                  f"--profile-step-end ({args.profile_step_end})")
     _check_logging_flags(args)
+    _check_deterministic_mode(args)
     if args.wandb_project:
         _require(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name (as in "
                                       "Megatron-LM)")
@@ -888,6 +894,14 @@ def _check_exit_flags(args):
         except ImportError:
             raise ArgumentError("--wandb-project needs the wandb package: pip install wandb "
                                 "(or drop the flag)")
+
+
+def _check_deterministic_mode(args):
+    if args.deterministic_mode:
+        from megatron.trainer.determinism import environment_problems
+
+        for problem in environment_problems(os.environ):
+            raise ArgumentError(problem)
 
 
 def _check_logging_flags(args):

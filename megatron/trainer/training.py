@@ -9,6 +9,7 @@ iteration with Megatron-style logging, evaluation and checkpointing.
 
 import contextlib
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +28,15 @@ from megatron.core.transformer.module import Float16Module
 from megatron.model_shape import ModelShape
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, device, faults, initialize, monitoring, norms
+from megatron.trainer import (
+    checkpointing,
+    determinism,
+    device,
+    faults,
+    initialize,
+    monitoring,
+    norms,
+)
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -241,6 +250,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     """
     args = parse_args_or_exit(argv, extra_args_provider)
     monitoring.set_logging_level(args)
+    if args.deterministic_mode:
+        determinism.apply(os.environ)
     start = time.time()
     initialize.initialize_distributed(args)
     guard = faults.IterationGuard(args, start)  # SIGTERM is recorded from here on
