@@ -197,6 +197,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                   help="with --recompute-granularity selective: core_attn, Megatron-LM's "
+                        "default and the one module recomputed here")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recompute unit with --recompute-granularity full; "
                         "without a granularity it has no effect (as in Megatron-LM; noted)")
@@ -710,6 +713,13 @@ def _check_recompute(args):
         args.no_op_flags.append(("--recompute-num-layers", "only used with "
                                  "--recompute-granularity full (as in Megatron-LM)"))
         args.recompute_num_layers = None
+    if args.recompute_modules is not None:
+        # Megatron-LM's default list; other modules (mlp, layernorm, moe, ...) would
+        # change what is kept, and are not built here
+        others = sorted(set(args.recompute_modules) - {"core_attn"})
+        _require(not others, f"--recompute-modules {' '.join(others)} is refused: selective "
+                             "recomputation here recomputes core attention only; use "
+                             "--recompute-modules core_attn or --recompute-granularity full")
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method {uniform,block}")

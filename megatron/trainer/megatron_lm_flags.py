@@ -366,7 +366,7 @@ for _reason, _flags in (
      "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
     ("activation recomputation here recomputes core attention (selective, Megatron-LM's "
      "default module) or whole layers (full); other modules are not supported",
-     "--recompute-modules --mlp-chunks-for-training"),
+     "--mlp-chunks-for-training"),
     ("deprecated in Megatron-LM, which stops on it: use --micro-batch-size",
      "--batch-size"),
     ("deprecated in Megatron-LM, which stops on it: use --lr-warmup-fraction or "
