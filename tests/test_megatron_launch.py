@@ -440,3 +440,56 @@ def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         losses = [float(m[2]) for m in ITERATION.findall(run.stdout)]
         assert len(losses) == 2 and abs(losses[0] - math.log(plain.vocab_size)) < 1.0, losses
+
+
+def test_deterministic_mode_checks_and_sets_the_environment(monkeypatch):
+    """As Megatron-LM: a non-deterministic NCCL_ALGO / CUBLAS_WORKSPACE_CONFIG /
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO is refused, unset ones get the canonical values."""
+    import torch
+
+    from megatron.trainer import determinism
+
+    for name in determinism.DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    assert parse("--deterministic-mode").deterministic_mode
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--deterministic-mode")
+    assert "NCCL_ALGO='Tree' is not deterministic" in str(error.value)
+    parse()  # without the flag the environment is not its business
+    env = {"NCCL_ALGO": "Ring,CollnetDirect"}
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        determinism.apply(env)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert env == {"NCCL_ALGO": "Ring,CollnetDirect", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                   "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def test_recompute_modules_and_logging_values():
+    args = parse("--recompute-activations", "--recompute-modules", "core_attn")
+    assert (args.recompute_granularity, args.recompute_modules) == ("selective", ["core_attn"])
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--recompute-activations", "--recompute-modules", "core_attn", "mlp")
+    assert error.value.problems == [
+        "--recompute-modules mlp is refused: selective recomputation here recomputes core "
+        "attention only; use --recompute-modules core_attn or --recompute-granularity full"]
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--tensorboard-queue-size", "0", "--log-memory-interval", "0")
+    assert len(error.value.problems) == 1 and "--tensorboard-queue-size" in str(error.value)
+    # on CPU the CUDA memory reports are noted, not silently dropped
+    notes = parse("--log-memory-to-tensorboard", "--log-memory-interval", "5").flag_notes
+    assert sum("reports the CUDA allocator's memory" in note for note in notes) == 2
+
+
+def test_iteration_line_fields_of_the_logging_flags():
+    from megatron.trainer.metrics import format_iteration_line
+
+    line = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1],
+                                 num_zeros=17, params_norm=12.345678)
+    assert "| grad norm: 0.75 | num zeros: 17 | params norm: 12.3457 |" in line
+    plain = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1])
+    assert "num zeros" not in plain and "params norm" not in plain
