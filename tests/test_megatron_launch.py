@@ -135,7 +135,64 @@ def ci_env(gpt2_data, tmp_path, **extra):
                 WANDB_MODE="offline", WANDB_SILENT="true", **extra)
 
 
-def assert_ci_logging(output, tmp_path, iterations=(1, 2), memory=True):
+# reruns_resume_check_grads loads (--finetune) from a path under $CHECKPOINT_LOAD_PATH;
+# with no checkpoint there and --save the same directory it starts from random weights
+RERUNS_LOAD = "ckpt/model/mcore_gpt/gpt3_4b_pyt/25.03.05_bf16_rerun-enabled_v2"
+
+
+def _ci_launches(gpt2_data, root):
+    """name -> (script, argv, env) of the CI configs and the fork's functional test."""
+    launches = {}
+    for name in ("tp1_pp4_vp1", "rope_interleaved"):
+        script = {"tp1_pp4_vp1": "megatron_ci_tp1_pp4_vp1_distopt_overlap.sh",
+                  "rope_interleaved": "megatron_ci_rope_embeddings_interleaved.sh"}[name]
+        launches[name] = (script, [], ci_env(gpt2_data, root / name))
+    launches["15b_release"] = ("megatron_ci_gpt3_15b_release.sh", [], ci_env(
+        gpt2_data, root / "15b_release", WANDB_EXPERIMENT="release-test",
+        WANDB_SAVE_PATH=str(root / "15b_release" / "wandb")))
+    env = ci_env(gpt2_data, root / "reruns", REPEAT="1")
+    env["CHECKPOINT_SAVE_PATH"] = str(root / "reruns" / RERUNS_LOAD)
+    launches["reruns"] = ("megatron_ci_reruns_resume_check_grads.sh", [], env)
+    data = gpt2_data / "data"
+    # DATA_PATH CHECKPOINT_PATH TENSORBOARD_DIR USE_TE TP PP NNODES MAX_STEPS USE_CORE VP
+    # MBS GBS ADDITIONAL_PARAMS, as its sbatch script passes them
+    fork = root / "fork_functional"
+    launches["fork_functional"] = (
+        "seq1f1b_pretrain_gpt3_distributed_test.sh",
+        [str(data / "codeparrot_content_document"), str(fork / "ckpt"), str(fork / "tb"), "0",
+         "1", "2", "1", "2", "0", "", "1", "4",
+         "--pipe-sp-splits 2 --pipe-sp-strategy uniform_comp"],
+        dict(VOCAB_FILE=str(data / "vocab.json"), MERGE_FILE=str(data / "merges.txt")))
+    return launches
+
+
+@pytest.fixture(scope="module")
+def ci_runs(gpt2_data, tmp_path_factory):
+    """The five scripts, two at a time (a 2-rank pipeline leaves a core idle while its
+    ranks wait for each other): name -> (process, output, its directory)."""
+    import threading
+
+    root = tmp_path_factory.mktemp("ci_configs")
+    launches = _ci_launches(gpt2_data, root)
+    for name in launches:
+        (root / name).mkdir(exist_ok=True)
+    order = ["15b_release", "reruns", "tp1_pp4_vp1", "rope_interleaved", "fork_functional"]
+    results = {}
+
+    def lane(names):
+        for name in names:
+            script, argv, env = launches[name]
+            results[name] = run_script(script, *argv, env=env) + (root / name,)
+
+    threads = [threading.Thread(target=lane, args=(order[i::2],)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def assert_ci_logging(output, directory, iterations=(1, 2), memory=True):
     """What the CI configs log: 'num zeros' and 'params norm' on the printed iterations,
     the TensorBoard scalars; on CPU the memory scalars (``memory``: asked for) noted as not
     reported."""
@@ -144,64 +201,51 @@ def assert_ci_logging(output, tmp_path, iterations=(1, 2), memory=True):
     lines = [line for line in output.splitlines() if " iteration " in line and "lm loss" in line]
     assert len(lines) == len(iterations), output[-3000:]
     assert all(re.search(r"num zeros: \d+ \| params norm: [\d.]+", line) for line in lines)
-    tags = scalars(tmp_path / "tb")
+    tags = scalars(directory / "tb")
     assert [step for step, _ in tags["params-norm"]] == [1, 2], sorted(tags)
     assert [step for step, _ in tags["num-zeros"]] == [1, 2]
     note = "note: --log-memory-to-tensorboard reports the CUDA allocator's memory"
     assert (note in output) == memory
+    assert "seq1f1b-splits=2" in output
+
+
+def _saved_at(path):
+    return (path / "latest_checkpointed_iteration.txt").read_text().strip()
 
 
 @pytest.mark.distributed
-def test_megatron_ci_gpt3_15b_release(gpt2_data, tmp_path):
+def test_megatron_ci_gpt3_15b_release(ci_runs):
     pytest.importorskip("wandb", reason="the config logs to wandb (pip install wandb)")
-    env = ci_env(gpt2_data, tmp_path, WANDB_EXPERIMENT="release-test",
-                 WANDB_SAVE_PATH=str(tmp_path / "wandb"))
-    proc, output = run_script("megatron_ci_gpt3_15b_release.sh", env=env)
+    proc, output, directory = ci_runs["15b_release"]
     assert_trained(proc, output, printed=[2])  # --log-interval 100: the last one
-    assert_ci_logging(output, tmp_path, iterations=[2])
-    assert "seq1f1b-splits=2" in output
-    assert glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*"))
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert_ci_logging(output, directory, iterations=[2])
+    assert glob.glob(str(directory / "wandb" / "wandb" / "offline-run-*"))
+    assert _saved_at(directory / "ckpt") == "2"
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("script", ["megatron_ci_tp1_pp4_vp1_distopt_overlap.sh",
-                                    "megatron_ci_rope_embeddings_interleaved.sh"])
-def test_megatron_ci_small_gpt3(gpt2_data, tmp_path, script):
-    proc, output = run_script(script, env=ci_env(gpt2_data, tmp_path))
+@pytest.mark.parametrize("name", ["tp1_pp4_vp1", "rope_interleaved"])
+def test_megatron_ci_small_gpt3(ci_runs, name):
+    proc, output, directory = ci_runs[name]
     assert_trained(proc, output)
-    assert_ci_logging(output, tmp_path)
-    assert "seq1f1b-splits=2" in output
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert_ci_logging(output, directory)
+    assert _saved_at(directory / "ckpt") == "2"
 
 
 @pytest.mark.distributed
-def test_megatron_ci_reruns_resume_check_grads(gpt2_data, tmp_path):
-    env = ci_env(gpt2_data, tmp_path, REPEAT="1")
-    # --finetune loads from a path under $CHECKPOINT_LOAD_PATH; with no checkpoint there
-    # (and --save the same directory) it starts from random weights
-    load = tmp_path / "ckpt" / "model" / "mcore_gpt" / "gpt3_4b_pyt" / "25.03.05_bf16_rerun-enabled_v2"
-    env["CHECKPOINT_SAVE_PATH"] = str(load)
-    proc, output = run_script("megatron_ci_reruns_resume_check_grads.sh", env=env)
+def test_megatron_ci_reruns_resume_check_grads(ci_runs):
+    proc, output, directory = ci_runs["reruns"]
     assert_trained(proc, output)
-    assert_ci_logging(output, tmp_path)
+    assert_ci_logging(output, directory)
     assert "note: --recompute-num-layers has no effect here" in output
-    assert (load / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert _saved_at(directory / RERUNS_LOAD) == "2"
 
 
 @pytest.mark.distributed
-def test_original_seq1f1b_functional_test(gpt2_data, tmp_path):
-    data = gpt2_data / "data"
-    env = dict(VOCAB_FILE=str(data / "vocab.json"), MERGE_FILE=str(data / "merges.txt"))
-    # DATA_PATH CHECKPOINT_PATH TENSORBOARD_DIR USE_TE TP PP NNODES MAX_STEPS USE_CORE VP
-    # MBS GBS ADDITIONAL_PARAMS, as its sbatch script passes them
-    proc, output = run_script(
-        "seq1f1b_pretrain_gpt3_distributed_test.sh", str(data / "codeparrot_content_document"),
-        str(tmp_path / "ckpt"), str(tmp_path / "tb"), "0", "1", "2", "1", "2", "0", "", "1",
-        "4", "--pipe-sp-splits 2 --pipe-sp-strategy uniform_comp", env=env)
+def test_original_seq1f1b_functional_test(ci_runs):
+    proc, output, directory = ci_runs["fork_functional"]
     assert_trained(proc, output)
-    assert_ci_logging(output, tmp_path, memory=False)
-    assert "seq1f1b-splits=2" in output
+    assert_ci_logging(output, directory, memory=False)
     assert "note: --data-impl has no effect here" in output
     assert re.search(r"forward-compute \.+: \(\d", output), output[-3000:]  # level 2
 
