@@ -3,6 +3,7 @@ Seq1F1B run.sh and three Megatron-LM examples, their flags kept except shapes, d
 paths and precision), each training 2 iterations with Seq1F1B on 2 CPU processes; and
 the no-op and refused Megatron-LM flags, checked flag by flag."""
 
+import glob
 import json
 import math
 import os
@@ -58,11 +59,13 @@ def run_script(name, *argv, env=None, cwd=None):
     return proc, proc.stdout + proc.stderr
 
 
-def assert_trained(proc, output, iterations=2):
+def assert_trained(proc, output, iterations=2, printed=None):
+    """Exit 0, no error, the iteration lines of ``printed`` (default: every one)."""
     assert proc.returncode == 0, output[-4000:]
     assert "error:" not in output, output[-4000:]
     lines = ITERATION.findall(output)
-    assert [int(i) for i, _, _ in lines] == list(range(1, iterations + 1)), output[-4000:]
+    expected = printed or list(range(1, iterations + 1))
+    assert [int(i) for i, _, _ in lines] == expected, output[-4000:]
     assert all(math.isfinite(float(loss)) for _, _, loss in lines)
 
 
@@ -118,6 +121,133 @@ def test_megatron_classic_mp_example(gpt2_data, tmp_path):
     proc, output = run_script("megatron_gpt_distributed_with_mp.sh", env=env)
     assert_trained(proc, output)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def ci_env(gpt2_data, tmp_path, **extra):
+    """The environment Megatron-LM's CI gives its model_config.yaml runs (paths), on the
+    test corpus; wandb offline."""
+    data = gpt2_data / "data"
+    ckpt = str(tmp_path / "ckpt")
+    return dict(DATA_PATH=str(data / "codeparrot_content_document"),
+                VOCAB_FILE=str(data / "vocab.json"), MERGE_FILE=str(data / "merges.txt"),
+                DATA_CACHE_PATH=str(tmp_path / "cache"), TENSORBOARD_PATH=str(tmp_path / "tb"),
+                CHECKPOINT_SAVE_PATH=ckpt, CHECKPOINT_LOAD_PATH=ckpt,
+                WANDB_MODE="offline", WANDB_SILENT="true", **extra)
+
+
+# reruns_resume_check_grads loads (--finetune) from a path under $CHECKPOINT_LOAD_PATH;
+# with no checkpoint there and --save the same directory it starts from random weights
+RERUNS_LOAD = "ckpt/model/mcore_gpt/gpt3_4b_pyt/25.03.05_bf16_rerun-enabled_v2"
+
+
+def _ci_launches(gpt2_data, root):
+    """name -> (script, argv, env) of the CI configs and the fork's functional test."""
+    launches = {}
+    for name in ("tp1_pp4_vp1", "rope_interleaved"):
+        script = {"tp1_pp4_vp1": "megatron_ci_tp1_pp4_vp1_distopt_overlap.sh",
+                  "rope_interleaved": "megatron_ci_rope_embeddings_interleaved.sh"}[name]
+        launches[name] = (script, [], ci_env(gpt2_data, root / name))
+    launches["15b_release"] = ("megatron_ci_gpt3_15b_release.sh", [], ci_env(
+        gpt2_data, root / "15b_release", WANDB_EXPERIMENT="release-test",
+        WANDB_SAVE_PATH=str(root / "15b_release" / "wandb")))
+    env = ci_env(gpt2_data, root / "reruns", REPEAT="1")
+    env["CHECKPOINT_SAVE_PATH"] = str(root / "reruns" / RERUNS_LOAD)
+    launches["reruns"] = ("megatron_ci_reruns_resume_check_grads.sh", [], env)
+    data = gpt2_data / "data"
+    # DATA_PATH CHECKPOINT_PATH TENSORBOARD_DIR USE_TE TP PP NNODES MAX_STEPS USE_CORE VP
+    # MBS GBS ADDITIONAL_PARAMS, as its sbatch script passes them
+    fork = root / "fork_functional"
+    launches["fork_functional"] = (
+        "seq1f1b_pretrain_gpt3_distributed_test.sh",
+        [str(data / "codeparrot_content_document"), str(fork / "ckpt"), str(fork / "tb"), "0",
+         "1", "2", "1", "2", "0", "", "1", "4",
+         "--pipe-sp-splits 2 --pipe-sp-strategy uniform_comp"],
+        dict(VOCAB_FILE=str(data / "vocab.json"), MERGE_FILE=str(data / "merges.txt")))
+    return launches
+
+
+@pytest.fixture(scope="module")
+def ci_runs(gpt2_data, tmp_path_factory):
+    """The five scripts, two at a time (a 2-rank pipeline leaves a core idle while its
+    ranks wait for each other): name -> (process, output, its directory)."""
+    import threading
+
+    root = tmp_path_factory.mktemp("ci_configs")
+    launches = _ci_launches(gpt2_data, root)
+    for name in launches:
+        (root / name).mkdir(exist_ok=True)
+    order = ["15b_release", "reruns", "tp1_pp4_vp1", "rope_interleaved", "fork_functional"]
+    results = {}
+
+    def lane(names):
+        for name in names:
+            script, argv, env = launches[name]
+            results[name] = run_script(script, *argv, env=env) + (root / name,)
+
+    threads = [threading.Thread(target=lane, args=(order[i::2],)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def assert_ci_logging(output, directory, iterations=(1, 2), memory=True):
+    """What the CI configs log: 'num zeros' and 'params norm' on the printed iterations,
+    the TensorBoard scalars; on CPU the memory scalars (``memory``: asked for) noted as not
+    reported."""
+    from test_monitoring import scalars
+
+    lines = [line for line in output.splitlines() if " iteration " in line and "lm loss" in line]
+    assert len(lines) == len(iterations), output[-3000:]
+    assert all(re.search(r"num zeros: \d+ \| params norm: [\d.]+", line) for line in lines)
+    tags = scalars(directory / "tb")
+    assert [step for step, _ in tags["params-norm"]] == [1, 2], sorted(tags)
+    assert [step for step, _ in tags["num-zeros"]] == [1, 2]
+    note = "note: --log-memory-to-tensorboard reports the CUDA allocator's memory"
+    assert (note in output) == memory
+    assert "seq1f1b-splits=2" in output
+
+
+def _saved_at(path):
+    return (path / "latest_checkpointed_iteration.txt").read_text().strip()
+
+
+@pytest.mark.distributed
+def test_megatron_ci_gpt3_15b_release(ci_runs):
+    pytest.importorskip("wandb", reason="the config logs to wandb (pip install wandb)")
+    proc, output, directory = ci_runs["15b_release"]
+    assert_trained(proc, output, printed=[2])  # --log-interval 100: the last one
+    assert_ci_logging(output, directory, iterations=[2])
+    assert glob.glob(str(directory / "wandb" / "wandb" / "offline-run-*"))
+    assert _saved_at(directory / "ckpt") == "2"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tp1_pp4_vp1", "rope_interleaved"])
+def test_megatron_ci_small_gpt3(ci_runs, name):
+    proc, output, directory = ci_runs[name]
+    assert_trained(proc, output)
+    assert_ci_logging(output, directory)
+    assert _saved_at(directory / "ckpt") == "2"
+
+
+@pytest.mark.distributed
+def test_megatron_ci_reruns_resume_check_grads(ci_runs):
+    proc, output, directory = ci_runs["reruns"]
+    assert_trained(proc, output)
+    assert_ci_logging(output, directory)
+    assert "note: --recompute-num-layers has no effect here" in output
+    assert _saved_at(directory / RERUNS_LOAD) == "2"
+
+
+@pytest.mark.distributed
+def test_original_seq1f1b_functional_test(ci_runs):
+    proc, output, directory = ci_runs["fork_functional"]
+    assert_trained(proc, output)
+    assert_ci_logging(output, directory, memory=False)
+    assert "note: --data-impl has no effect here" in output
+    assert re.search(r"forward-compute \.+: \(\d", output), output[-3000:]  # level 2
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -355,3 +485,56 @@ def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         losses = [float(m[2]) for m in ITERATION.findall(run.stdout)]
         assert len(losses) == 2 and abs(losses[0] - math.log(plain.vocab_size)) < 1.0, losses
+
+
+def test_deterministic_mode_checks_and_sets_the_environment(monkeypatch):
+    """As Megatron-LM: a non-deterministic NCCL_ALGO / CUBLAS_WORKSPACE_CONFIG /
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO is refused, unset ones get the canonical values."""
+    import torch
+
+    from megatron.trainer import determinism
+
+    for name in determinism.DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    assert parse("--deterministic-mode").deterministic_mode
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--deterministic-mode")
+    assert "NCCL_ALGO='Tree' is not deterministic" in str(error.value)
+    parse()  # without the flag the environment is not its business
+    env = {"NCCL_ALGO": "Ring,CollnetDirect"}
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        determinism.apply(env)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert env == {"NCCL_ALGO": "Ring,CollnetDirect", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                   "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def test_recompute_modules_and_logging_values():
+    args = parse("--recompute-activations", "--recompute-modules", "core_attn")
+    assert (args.recompute_granularity, args.recompute_modules) == ("selective", ["core_attn"])
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--recompute-activations", "--recompute-modules", "core_attn", "mlp")
+    assert error.value.problems == [
+        "--recompute-modules mlp is refused: selective recomputation here recomputes core "
+        "attention only; use --recompute-modules core_attn or --recompute-granularity full"]
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--tensorboard-queue-size", "0", "--log-memory-interval", "0")
+    assert len(error.value.problems) == 1 and "--tensorboard-queue-size" in str(error.value)
+    # on CPU the CUDA memory reports are noted, not silently dropped
+    notes = parse("--log-memory-to-tensorboard", "--log-memory-interval", "5").flag_notes
+    assert sum("reports the CUDA allocator's memory" in note for note in notes) == 2
+
+
+def test_iteration_line_fields_of_the_logging_flags():
+    from megatron.trainer.metrics import format_iteration_line
+
+    line = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1],
+                                 num_zeros=17, params_norm=12.345678)
+    assert "| grad norm: 0.75 | num zeros: 17 | params norm: 12.3457 |" in line
+    plain = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1])
+    assert "num zeros" not in plain and "params norm" not in plain

@@ -11,6 +11,10 @@ Two tiny models cover every flag (the unit checks are in tests/test_model_flags.
 * S: MHA, LayerNorm, tied embeddings, --squared-relu, RoPE with Llama-3 scaling
   (--use-rope-scaling --rope-scaling-factor 4), biased linear layers,
   --apply-residual-connection-post-layernorm, buffer KV cache.
+
+And issue #28 point 5: Megatron-LM's own model settings for Qwen3, Qwen2.5 and
+Llama-3.1 (RECIPES: their flags as Megatron-LM's examples give them, only the sizes scaled
+down), each trained with Seq1F1B at pp=2 against one process.
 """
 
 import pytest
@@ -35,6 +39,45 @@ MODELS = {
                        "--use-rope-scaling", "--rope-scaling-factor", "4",
                        "--apply-residual-connection-post-layernorm"],
 }
+# Megatron-LM's model flags of each family, from its examples (Qwen3-4B:
+# examples/rl/model_configs/qwen3_4b.sh; Qwen2.5-7B and Llama-3.1-8B:
+# examples/post_training/modelopt/conf/...), sizes scaled down: 4 layers, hidden 32, 4
+# heads of 16 channels (kv-channels differs from hidden / heads, as in Qwen3), 2 query
+# groups, FFN 96, sequence 48. Left out: Qwen2.5's --padded-vocab-size 152064 (the
+# flag is covered by model Q above; 152064 rows would dwarf the scaled-down model) and
+# --bf16 (CPU trains in fp32).
+_SCALED = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+           "--kv-channels", "16", "--group-query-attention", "--num-query-groups", "2",
+           "--ffn-hidden-size", "96", "--seq-length", "48"]
+RECIPES = {
+    "qwen3": _SCALED + [
+        "--max-position-embeddings", "48", "--normalization", "RMSNorm", "--norm-epsilon",
+        "1e-6", "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-percent",
+        "1.0", "--rotary-base", "1000000", "--use-rotary-position-embeddings", "--swiglu",
+        "--disable-bias-linear", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--no-masked-softmax-fusion", "--attention-softmax-in-fp32",
+        "--make-vocab-size-divisible-by", "128"],
+    "qwen2.5": _SCALED + [
+        "--no-masked-softmax-fusion", "--disable-bias-linear", "--add-qkv-bias",
+        "--position-embedding-type", "rope", "--no-rope-fusion", "--normalization", "RMSNorm",
+        "--swiglu", "--max-position-embeddings", "48", "--make-vocab-size-divisible-by", "1",
+        "--use-mcore-models", "--rotary-percent", "1.0", "--rotary-base", "1000000",
+        "--no-bias-swiglu-fusion", "--untie-embeddings-and-output-weights"],
+    "llama3.1": _SCALED + [
+        "--no-masked-softmax-fusion", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--use-rotary-position-embeddings",
+        "--rotary-percent", "1.0", "--no-rope-fusion", "--no-position-embedding",
+        "--normalization", "RMSNorm", "--swiglu", "--max-position-embeddings", "48",
+        "--make-vocab-size-divisible-by", "1", "--use-mcore-models", "--rotary-base",
+        "500000", "--use-rope-scaling"],
+}
+# what TINY_MODEL adds: data, vocabulary, dropout 0, learning rate, logging, seed
+_RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "1e-3",
+        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"]
+# recipe -> (split count, extra flags of the split run)
+RECIPE_CASES = {"qwen3": (4, []), "qwen2.5": (3, ["--seq1f1b-kv-cache", "chunked"]),
+                "llama3.1": (2, [])}
 ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
@@ -65,6 +108,15 @@ def plan(tmp, corpus):
         runs[2].append({"name": f"{model}_pp2_s1", "argv": base + PP2 + _splits(1),
                         "params": True})
         runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
+    # the recipes: the split run against one process only (the s = 1 comparison above
+    # covers the flags; this proves the families' combinations), one init run each
+    for recipe, (n, extra) in RECIPE_CASES.items():
+        flags = RECIPES[recipe] + _RUN + BATCH
+        run, start = init_run(f"init_{recipe}", tmp / f"init_{recipe}", flags)
+        inits.append(run)
+        runs[2].append({"name": f"{recipe}_pp2_s{n}", "argv": flags + start + PP2 + _splits(n)
+                        + extra, "params": True})
+        runs[1].append({"name": f"ref_{recipe}", "argv": flags + start, "params": True})
     return Plan(inits, runs)
 
 
@@ -91,6 +143,32 @@ def test_split_run_equals_unsplit_runs(results, name):
         assert_close_series([run["final_validation_loss"]], [expected["final_validation_loss"]],
                             1e-5, f"{name} validation loss vs {what}")
         assert_params_close(run["params"], expected["params"])
+
+
+@pytest.mark.parametrize("recipe", RECIPE_CASES)
+def test_megatron_lm_recipe_trains_exactly_with_seq1f1b(results, recipe):
+    n, _ = RECIPE_CASES[recipe]
+    run, ref = results[f"{recipe}_pp2_s{n}"], results[f"ref_{recipe}"]
+    assert len(run["losses"]) == ITERATIONS and not ref["forward_units"]
+    check_split_units(recipe, run["forward_units"], splits=n, method="average", seq_length=48,
+                      calls=ITERATIONS + 1, microbatches=MICROBATCHES)
+    assert_close_series(run["losses"], ref["losses"], 1e-5, f"{recipe} loss")
+    assert_close_series(run["grad_norms"], ref["grad_norms"], 1e-5, f"{recipe} grad norm")
+    assert run["final_validation_loss"] is not None
+    assert_close_series([run["final_validation_loss"]], [ref["final_validation_loss"]], 1e-5,
+                        f"{recipe} validation loss")
+    assert_params_close(run["params"], ref["params"])
+    import torch
+
+    names = set(torch.load(ref["params"]))
+    has = {"qk norm": any("q_layernorm" in n for n in names),
+           "qkv bias": any(n.endswith("linear_qkv.bias") for n in names),
+           "output layer": "output_layer.weight" in names,
+           "position embedding": any("position_embeddings" in n for n in names)}
+    expected = {"qwen3": {"qk norm": True, "qkv bias": False, "output layer": False},
+                "qwen2.5": {"qk norm": False, "qkv bias": True, "output layer": True},
+                "llama3.1": {"qk norm": False, "qkv bias": False, "output layer": True}}
+    assert has == dict(expected[recipe], **{"position embedding": False}), (recipe, has)
 
 
 def test_the_flags_built_their_parameters(results):

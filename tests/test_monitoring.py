@@ -43,7 +43,13 @@ def observed(tmp_path_factory):
                     "--tensorboard-dir", str(tb), "--tensorboard-log-interval", "2",
                     "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                     "--profile", "--profile-step-start", "1", "--profile-step-end", "3",
-                    "--profile-ranks", "1"]
+                    "--profile-ranks", "1",
+                    # issue 28's logging flags (their values across layouts:
+                    # tests/test_logging_norms.py)
+                    "--log-params-norm", "--log-num-zeros-in-grad",
+                    "--log-world-size-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
+                    "--tensorboard-queue-size", "3", "--log-memory-to-tensorboard",
+                    "--logging-level", "30"]
     proc = start_pretrain(argv, world_size=2)
     try:
         stdout, stderr = proc.communicate(timeout=240)
@@ -128,6 +134,7 @@ def test_throughput_only_with_the_flag(observed, probed):
     _, outputs = probed
     assert " iteration        4/" in outputs["control"]
     assert "TFLOP/s" not in outputs["control"]
+    assert "params norm" not in outputs["control"] and "num zeros" not in outputs["control"]
 
 
 def test_tensorboard_scalars_at_their_intervals(observed):
@@ -150,6 +157,32 @@ def test_tensorboard_scalars_at_their_intervals(observed):
     (step, ppl), (final_step, final_ppl) = tags["lm loss validation ppl"]
     assert step == 3 and ppl == pytest.approx(math.exp(printed), rel=1e-4)
     assert final_step == 4 and final_ppl == pytest.approx(math.exp(final), rel=1e-4)
+
+
+PARAMS_NORM = re.compile(r"grad norm: [\d.e+-]+ \| num zeros: (\d+) \| params norm: ([\d.e+-]+) \|")
+
+
+def test_megatron_lm_logging_flags(observed):
+    """Megatron-LM's fields after the grad norm and its TensorBoard tags: num-zeros,
+    params-norm and world-size (with 'vs samples'), no loss-scale; on CPU the memory
+    scalars are noted as not reported."""
+    stdout = observed["stdout"]
+    fields = PARAMS_NORM.findall(stdout)
+    assert len(fields) == 2, stdout[-3000:]  # iterations 2 and 4 (--log-interval 2)
+    tags = scalars(observed["tb"])
+    for name in ("num-zeros", "params-norm", "world-size"):
+        assert [step for step, _ in tags[name]] == [2, 4], name
+        assert len(tags[f"{name} vs samples"]) == 2, name
+    assert [v for _, v in tags["world-size"]] == [2, 2]
+    # the printed values are those written (iterations 2 and 4)
+    assert [int(z) for z, _ in fields] == [int(v) for _, v in tags["num-zeros"]]
+    for (_, printed), (_, written) in zip(fields, tags["params-norm"]):
+        assert float(printed) == pytest.approx(written, rel=1e-5)
+    assert float(fields[0][1]) != float(fields[1][1])  # the steps move the parameters
+    assert "loss-scale" not in tags and "loss-scale vs samples" not in tags
+    assert not any(tag.startswith("mem-") for tag in tags)
+    assert "note: --log-memory-to-tensorboard reports the CUDA allocator's memory" in stdout
+    assert "has no effect here" not in stdout  # none of them is a no-op any more
 
 
 def test_profile_traces_the_chosen_steps_on_the_chosen_ranks(observed):
@@ -228,7 +261,7 @@ def test_wandb_logs_the_tensorboard_scalars_offline(tmp_path):
     argv = SHORT + ["--global-batch-size", "1", "--timing-log-level", "1",
                     "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                     "--wandb-project", "monitoring-test", "--wandb-exp-name", "offline",
-                    "--wandb-save-dir", str(tmp_path / "wandb")]
+                    "--wandb-save-dir", str(tmp_path / "wandb"), "--wandb-entity", "seq1f1b-team"]
     env = dict(_single_process_env(), WANDB_MODE="offline", WANDB_SILENT="true")
     proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
@@ -238,3 +271,5 @@ def test_wandb_logs_the_tensorboard_scalars_offline(tmp_path):
     assert [step for step, _ in history["lm loss"]] == [1, 2, 3, 4]
     assert [step for step, _ in history["forward-backward-time"]] == [2, 4]
     assert [step for step, _ in history["lm loss validation ppl"]] == [3, 4]
+    # --wandb-entity reaches wandb.init: the run record carries it
+    assert b"seq1f1b-team" in open(run_file, "rb").read()

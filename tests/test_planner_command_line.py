@@ -84,3 +84,24 @@ def test_vocabulary_padding_follows_the_flag():
     padded = plan(TRAINING).cost.vocab
     exact = plan(TRAINING + ["--make-vocab-size-divisible-by", "1"]).cost.vocab
     assert (padded, exact) == (50432, 50258)  # 128 x TP 2 multiple; 1 x TP 2 multiple
+
+
+@pytest.mark.distributed  # runs the example script (a bash process)
+def test_qwen3_4b_example_is_planned_as_it_is():
+    """examples/train_qwen3_4b_seq1f1b.sh with PLAN=1 hands its training flags unchanged
+    to tools/plan.py: Megatron-LM's Qwen3-4B shape at 16k tokens with 4 Seq1F1B splits."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PLAN="1", PYTHON=sys.executable, PLAN_ARGS="--json")
+    proc = subprocess.run(["bash", os.path.join(root, "examples", "train_qwen3_4b_seq1f1b.sh")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    model = out["model"]
+    assert (model["num_layers"], model["hidden_size"], model["num_attention_heads"]) == \
+        (36, 2560, 32)
+    assert model["vocab_size"] == 151936 and out["splits"] == 4
+    assert out["parallel"]["world_size"] == 8

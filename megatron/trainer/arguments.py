@@ -222,6 +222,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                   help="with --recompute-granularity selective: core_attn, Megatron-LM's "
+                        "default and the one module recomputed here")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recompute unit with --recompute-granularity full; "
                         "without a granularity it has no effect (as in Megatron-LM; noted)")
@@ -329,6 +332,32 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="print and log the L2 norm of all parameters after each step ('params "
+                        "norm', TensorBoard 'params-norm'), over the whole model")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="print and log the number of zero gradient elements ('num zeros', "
+                        "TensorBoard 'num-zeros'), counted by megatron-core's optimizer")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
+                        "mem-max-allocated-bytes and mem-allocated-count (GPU runs; a CPU "
+                        "run has no CUDA allocator and writes none, noted at start-up)")
+    g.add_argument("--log-memory-interval", type=int, default=None,
+                   help="print the CUDA memory report every N iterations (GPU runs)")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="write 'world-size' with the per-iteration scalars")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   action="store_false", dest="log_loss_scale_to_tensorboard",
+                   help="do not write 'loss-scale'")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events TensorBoard's writer queues before it writes them to disk")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible execution as Megatron-LM: "
+                        "torch.use_deterministic_algorithms(True), NCCL_ALGO=Ring, "
+                        "CUBLAS_WORKSPACE_CONFIG=:4096:8 and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 "
+                        "unless set (a non-deterministic value set is refused)")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="the level of Python's root logger (10 DEBUG ... 50 CRITICAL)")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
                    help="0: iteration time only; 1: forward-backward, optimizer and other "
                         "top-level timers; 2: also per-unit compute and communication")
@@ -358,6 +387,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", type=str, default="")
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="")
+    g.add_argument("--wandb-entity", type=str, default="",
+                   help="the wandb entity (team or user) the run goes to")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
@@ -771,6 +802,13 @@ def _check_recompute(args):
         args.no_op_flags.append(("--recompute-num-layers", "only used with "
                                  "--recompute-granularity full (as in Megatron-LM)"))
         args.recompute_num_layers = None
+    if args.recompute_modules is not None:
+        # Megatron-LM's default list; other modules (mlp, layernorm, moe, ...) would
+        # change what is kept, and are not built here
+        others = sorted(set(args.recompute_modules) - {"core_attn"})
+        _require(not others, f"--recompute-modules {' '.join(others)} is refused: selective "
+                             "recomputation here recomputes core attention only; use "
+                             "--recompute-modules core_attn or --recompute-granularity full")
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method {uniform,block}")
@@ -961,6 +999,8 @@ def _check_exit_flags(args):
         _require(0 <= args.profile_step_start < args.profile_step_end,
                  f"--profile-step-start ({args.profile_step_start}) must be below "
                  f"--profile-step-end ({args.profile_step_end})")
+    _check_logging_flags(args)
+    _check_deterministic_mode(args)
     if args.wandb_project:
         _require(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name (as in "
                                       "Megatron-LM)")
@@ -969,6 +1009,30 @@ def _check_exit_flags(args):
         except ImportError:
             raise ArgumentError("--wandb-project needs the wandb package: pip install wandb "
                                 "(or drop the flag)")
+
+
+def _check_deterministic_mode(args):
+    if args.deterministic_mode:
+        from megatron.trainer.determinism import environment_problems
+
+        for problem in environment_problems(os.environ):
+            raise ArgumentError(problem)
+
+
+def _check_logging_flags(args):
+    _require(args.tensorboard_queue_size >= 1,
+             f"--tensorboard-queue-size must be >= 1, got {args.tensorboard_queue_size}")
+    _require(args.log_memory_interval is None or args.log_memory_interval >= 1,
+             f"--log-memory-interval must be >= 1, got {args.log_memory_interval}")
+    if getattr(args, "device", "cuda") != "cpu":
+        return
+    # logging only: a CPU run has no CUDA allocator whose statistics these report
+    for flag, given in (("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
+                        ("--log-memory-interval", args.log_memory_interval is not None)):
+        if given:
+            args.flag_notes.append(
+                f"note: {flag} reports the CUDA allocator's memory; this run computes on the "
+                f"CPU and reports none (the iteration line shows its peak memory)")
 
 
 def _resolve_pipeline_schedule(args):

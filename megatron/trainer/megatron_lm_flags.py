@@ -57,8 +57,6 @@ NO_OP_FLAGS = {
     "--auto-detect-ckpt-format": (False, "only torch_dist checkpoints exist here"),
     "--tiktoken-pattern": (True, "only for --tokenizer-type TikTokenizer, which is not "
                                  "supported here"),
-    "--tensorboard-queue-size": (True, "TensorBoard's default queue is used"),
-    "--log-world-size-to-tensorboard": (False, "the world size is printed at start-up"),
 }
 
 
@@ -75,17 +73,12 @@ def _table(reason, flags):
 for _reason, _flags in (
     ("pure logging this trainer does not do (its iteration line and TensorBoard scalars "
      "are listed in docs/megatron_lm.md)",
-     "--log-params-norm --log-num-zeros-in-grad --log-memory-to-tensorboard "
-     "--log-memory-interval=N --log-device-memory-used --log-max-attention-logit "
-     "--log-energy --logging-level=N --log-progress --config-logger-dir=DIR "
+     "--log-device-memory-used --log-max-attention-logit "
+     "--log-energy --log-progress --config-logger-dir=DIR "
      "--log-straggler --straggler-ctrlr-port=N --straggler-minmax-count=N "
      "--disable-straggler-on-startup --run-workload-inspector-server "
      "--one-logger-project=V --one-logger-run-name=V --one-logger-async "
      "--app-tag-run-name=V --app-tag-run-version=V"),
-    ("not passed to wandb here: runs go to the entity of WANDB_ENTITY, else your default",
-     "--wandb-entity=V"),
-    ("the loss scale is always written to TensorBoard here",
-     "--no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard"),
     ("a profiler option this trainer's --profile trace does not record (use "
      "--activation-memory-file for memory)",
      "--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack "
@@ -361,7 +354,7 @@ for _reason, _flags in (
      "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
     ("activation recomputation here recomputes core attention (selective, Megatron-LM's "
      "default module) or whole layers (full); other modules are not supported",
-     "--recompute-modules --mlp-chunks-for-training"),
+     "--mlp-chunks-for-training"),
     ("deprecated in Megatron-LM, which stops on it: use --micro-batch-size",
      "--batch-size"),
     ("deprecated in Megatron-LM, which stops on it: use --lr-warmup-fraction or "
@@ -371,7 +364,7 @@ for _reason, _flags in (
     ("deprecated in Megatron-LM, which stops on it: use --recompute-activations or "
      "--recompute-granularity with --recompute-method", "--checkpoint-activations"),
     ("deprecated in Megatron-LM: use --ckpt-format torch_dist", "--dist-ckpt-format"),
-    (_CHANGES, "--no-initialization --deterministic-mode --batch-invariant-mode "
+    (_CHANGES, "--no-initialization --batch-invariant-mode "
                "--decrease-batch-size-if-needed --iterations-to-skip --freeze-all-layers "
                "--dump-param-to-param-group-map --save-params-interval "
                "--save-activations-interval --save-tokens-per-expert-interval "

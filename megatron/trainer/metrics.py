@@ -78,12 +78,18 @@ def _decimals(value) -> int:
 
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
                           global_batch_size, loss, grad_norm, tokens_per_s, tflops,
-                          stage_peaks, memory_heading=GPU_MEMORY):
+                          stage_peaks, memory_heading=GPU_MEMORY, num_zeros=None,
+                          params_norm=None):
     """Megatron-LM's iteration line, plus tokens/s and memory peaks. ``tflops``: model
     TFLOP/s per device, or None to leave the throughput field out (Megatron-LM prints it
-    with --log-throughput only)."""
+    with --log-throughput only); ``num_zeros``, ``params_norm``: Megatron-LM's fields of
+    --log-num-zeros-in-grad and --log-params-norm (None: not printed)."""
     # as Megatron-LM: no norm (--clip-grad 0, an fp16 skip) prints no grad norm field
     grad = "" if grad_norm is None else f" grad norm: {grad_norm:.6g} |"
+    if num_zeros is not None:
+        grad += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        grad += f" params norm: {params_norm:.6g} |"
     throughput = "" if tflops is None else format_throughput(tflops)
     peaks = " ".join(f"{p:.3f}" for p in stage_peaks)
     return (

@@ -79,6 +79,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        deterministic_mode=getattr(args, "deterministic_mode", False),
         deallocate_pipeline_outputs=True,
         # Megatron-LM's defaults: interleaved schedules overlap p2p with compute through
         # unbatched isend/irecv. (Batched p2p with pp=2 pairs a gradient send with an

@@ -44,6 +44,7 @@ One ``Monitor`` per ``train`` call owns:
 import contextlib
 import functools
 import gc
+import logging
 import math
 import os
 
@@ -68,6 +69,35 @@ LEVEL_2_TIMERS = (
     "forward-backward-send-forward-backward-recv",
 )
 DEFAULT_PROFILE_DIR = "torch_profile"
+# --log-memory-to-tensorboard: Megatron-LM's tags and the torch.cuda.memory_stats keys
+MEMORY_SCALARS = (
+    ("mem-reserved-bytes", "reserved_bytes.all.current"),
+    ("mem-allocated-bytes", "allocated_bytes.all.current"),
+    ("mem-max-allocated-bytes", "allocated_bytes.all.peak"),
+    ("mem-allocated-count", "allocation.all.current"),
+)
+
+
+def set_logging_level(args):
+    """--logging-level, else MEGATRON_LOGGING_LEVEL: the root logger's level, as
+    Megatron-LM's setup_logging."""
+    level = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    level = args.logging_level if args.logging_level is not None else level
+    if level is not None:
+        logging.getLogger().setLevel(int(level))
+
+
+def report_memory(name):
+    """Megatron-LM's CUDA memory line (--log-memory-interval), on data-parallel rank 0."""
+    from megatron.core import parallel_state
+
+    mb = 1024.0 * 1024.0
+    text = (f"{name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mb:.2f}"
+            f" | max allocated: {torch.cuda.max_memory_allocated() / mb:.2f}"
+            f" | reserved: {torch.cuda.memory_reserved() / mb:.2f}"
+            f" | max reserved: {torch.cuda.max_memory_reserved() / mb:.2f}")
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(f"[Rank {torch.distributed.get_rank()}] {text}", flush=True)
 
 
 def _is_last_rank() -> bool:
@@ -84,7 +114,8 @@ class Writers:
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir,
+                                             max_queue=args.tensorboard_queue_size)
         if args.wandb_project:
             self.wandb = _start_wandb(args)
 
@@ -116,8 +147,9 @@ def _start_wandb(args):
     os.makedirs(save_dir, exist_ok=True)
     config = {key: value if isinstance(value, (int, float, str, bool, type(None))) else
               str(value) for key, value in vars(args).items()}
+    extra = {"entity": args.wandb_entity} if args.wandb_entity else {}
     wandb.init(dir=save_dir, project=args.wandb_project, name=args.wandb_exp_name,
-               config=config)
+               config=config, **extra)
     # the module is the writer, as in Megatron-LM: megatron-core's Timers.write logs
     # timers to wandb only when given the module (wandb.log goes to the run just started)
     return wandb
@@ -340,8 +372,12 @@ class Monitor:
     # --- logging --------------------------------------------------------------------------
 
     def log_iteration_scalars(self, iteration, loss, lr, grad_norm, loss_scale,
-                              consumed_samples):
-        """This iteration's scalars, every --tensorboard-log-interval iterations."""
+                              consumed_samples, num_zeros=None, params_norm=None):
+        """This iteration's scalars, every --tensorboard-log-interval iterations; the
+        CUDA memory report every --log-memory-interval."""
+        interval = self.args.log_memory_interval
+        if interval and self.on_cuda and iteration % interval == 0:
+            report_memory(f"(after {iteration} iterations)")
         if iteration % self.args.tensorboard_log_interval != 0:
             return
         self.writers.add("learning-rate", lr, iteration)
@@ -351,8 +387,23 @@ class Monitor:
         self.writers.add("batch-size", batch, iteration)
         self.writers.add("samples vs steps", consumed_samples, iteration)
         self.writers.add("lm loss", loss, iteration)
-        self.writers.add("loss-scale", loss_scale, iteration)
+        if args.log_loss_scale_to_tensorboard:
+            self.writers.add("loss-scale", loss_scale, iteration)
+            self.writers.add("loss-scale vs samples", loss_scale, consumed_samples,
+                             to_wandb=False)
+        if args.log_world_size_to_tensorboard:
+            world = torch.distributed.get_world_size()
+            self.writers.add("world-size", world, iteration)
+            self.writers.add("world-size vs samples", world, consumed_samples, to_wandb=False)
         self.writers.add("grad-norm", grad_norm, iteration)
+        # Megatron-LM's names for --log-num-zeros-in-grad and --log-params-norm
+        for name, value in (("num-zeros", num_zeros), ("params-norm", params_norm)):
+            self.writers.add(name, value, iteration)
+            self.writers.add(f"{name} vs samples", value, consumed_samples, to_wandb=False)
+        if args.log_memory_to_tensorboard and self.on_cuda:
+            stats = torch.cuda.memory_stats()
+            for name, key in MEMORY_SCALARS:
+                self.writers.add(name, stats.get(key, 0), iteration, to_wandb=False)
 
     def log_interval(self, iteration, iterations, elapsed_per_iteration, tflops,
                      tokens_per_s):

@@ -10,6 +10,7 @@ iteration with Megatron-style logging, evaluation and checkpointing.
 import contextlib
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +29,16 @@ from megatron.core.transformer.module import Float16Module
 from megatron.model_shape import ModelShape
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
-from megatron.trainer import checkpointing, data_checks, device, faults, initialize, monitoring
+from megatron.trainer import (
+    checkpointing,
+    data_checks,
+    determinism,
+    device,
+    faults,
+    initialize,
+    monitoring,
+    norms,
+)
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -112,6 +122,7 @@ def build_optimizer(args, model):
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model)
     scheduler = OptimizerParamScheduler(
@@ -152,7 +163,8 @@ def reduce_losses(losses_reduced):
 
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler,
                forward_backward_func, guard, iteration, progress, monitor=None):
-    """One iteration. Returns (losses, grad norm, step applied, exit reason or None).
+    """One iteration. Returns (losses, grad norm, step applied, exit reason or None,
+    number of zero gradient elements or None: --log-num-zeros-in-grad).
     ``monitor`` (a ``monitoring.Monitor``) times it and empties the CUDA cache."""
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -177,10 +189,15 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         monitor.empty_unused_memory(level=1)
     progress.step = f"iteration {iteration}'s optimizer step (grad norm all-reduce)"
     with monitor.optimizer_timer() if monitor is not None else contextlib.nullcontext():
-        update_successful, grad_norm, _ = optimizer.step()
+        update_successful, grad_norm, num_zeros = optimizer.step()
     if args.clip_grad == 0:
         grad_norm = None  # no clipping, no norm: megatron-core returns a 0.0 placeholder
     guard.check_grad_norm(iteration, grad_norm)
+    if args.log_num_zeros_in_grad:
+        num_zeros = norms.num_zeros_across_model_parallel(
+            num_zeros, next(model[0].parameters()).device)
+    else:
+        num_zeros = None
     if update_successful:
         # the samples of this iteration (the global batch grows under --rampup-batch-size)
         scheduler.step(increment=args.num_microbatches * args.micro_batch_size
@@ -188,7 +205,7 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     if monitor is not None:
         monitor.empty_unused_memory(level=2)
     losses = reduce_losses(losses_reduced) if parallel_state.is_pipeline_last_stage() else {}
-    return losses, grad_norm, update_successful, exit_reason
+    return losses, grad_norm, update_successful, exit_reason, num_zeros
 
 
 def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func,
@@ -220,7 +237,8 @@ def evaluate(args, forward_step_func, data_iterator, model, forward_backward_fun
 @dataclass
 class TrainingResult:
     """Per-iteration lm loss and grad norm, the validation losses every --eval-interval,
-    and the end-of-training evaluations (losses only on the last pipeline stage)."""
+    and the end-of-training evaluations (losses only on the last pipeline stage); with
+    --log-params-norm / --log-num-zeros-in-grad those per iteration (every rank)."""
 
     losses: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)
@@ -231,6 +249,8 @@ class TrainingResult:
     exit_reason: str = None  # why the loop stopped before --train-iters, if it did
     final_validation_loss: float = None
     test_loss: float = None
+    params_norms: list = field(default_factory=list)
+    num_zeros: list = field(default_factory=list)
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -242,6 +262,9 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
     group is kept, so one process can train several configurations in turn.
     """
     args = parse_args_or_exit(argv, extra_args_provider)
+    monitoring.set_logging_level(args)
+    if args.deterministic_mode:
+        determinism.apply(os.environ)
     start = time.time()
     initialize.initialize_distributed(args)
     guard = faults.IterationGuard(args, start)  # SIGTERM is recorded from here on
@@ -473,7 +496,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         args.num_microbatches = batch_sizes.microbatches_at(consumed_samples)
         monitor.before_step(iteration)
         with monitor.step_label(iteration + 1):
-            losses, grad_norm, ok, exit_reason = train_step(
+            losses, grad_norm, ok, exit_reason, num_zeros = train_step(
                 args, step_func, train_iterator, model, optimizer, scheduler,
                 forward_backward_func, guard, iteration + 1, progress, monitor)
         iteration += 1
@@ -485,6 +508,12 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             param_gather.step_succeeded()
         loss = losses.get("lm loss")
         history.grad_norms.append(grad_norm)
+        # as Megatron-LM: after the step, every iteration (a collective over the model)
+        params_norm = norms.params_l2_norm(model, args.bf16) if args.log_params_norm else None
+        if args.log_params_norm:
+            history.params_norms.append(params_norm)
+        if args.log_num_zeros_in_grad:
+            history.num_zeros.append(num_zeros)
         if loss is not None:
             history.losses.append(loss)
             window_loss += loss
@@ -493,7 +522,8 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         lr = scheduler.get_lr(optimizer.param_groups[0])
         history.learning_rates.append(lr)
         monitor.log_iteration_scalars(iteration, loss, lr, grad_norm,
-                                      optimizer.get_loss_scale().item(), consumed_samples)
+                                      optimizer.get_loss_scale().item(), consumed_samples,
+                                      num_zeros=num_zeros, params_norm=params_norm)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window_start) / window_iters
             peaks = stage_peaks_gb(observers)
@@ -506,7 +536,8 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
                     iteration, args.train_iters, consumed_samples, elapsed * 1000, lr,
                     batch, mean_loss, grad_norm,
                     tokens_per_second, tflops if args.log_throughput else None,
-                    peaks, memory_label(observers)))
+                    peaks, memory_label(observers), num_zeros=num_zeros,
+                    params_norm=params_norm))
             monitor.log_interval(iteration, window_iters, elapsed, tflops,
                                  tokens_per_second)  # collective (timers)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
