@@ -198,7 +198,8 @@ def assert_ci_logging(output, directory, iterations=(1, 2), memory=True):
     reported."""
     from test_monitoring import scalars
 
-    lines = [line for line in output.splitlines() if " iteration " in line and "lm loss" in line]
+    lines = [line for line in output.splitlines()
+             if line.startswith(" iteration ") and "lm loss" in line]  # not the evaluations
     assert len(lines) == len(iterations), output[-3000:]
     assert all(re.search(r"num zeros: \d+ \| params norm: [\d.]+", line) for line in lines)
     tags = scalars(directory / "tb")
