@@ -214,7 +214,9 @@ def test_kv_cache_layout_comparison_tiny():
         seq=96, heads=4, groups=2, head_dim=8, splits=3, repeats=1, dtype=torch.float64)}
     assert set(rows) == {"unsplit", "buffer", "chunked"}
     assert all(r["max_abs_diff_vs_unsplit"] < 1e-10 for r in rows.values())
-    assert rows["chunked"]["peak_bytes"] < rows["buffer"]["peak_bytes"]
+    # <=: on CPU the buffer layout's split attention keeps no mask either
+    # (cpu_split_attention), which was the chunked layout's saving at this size
+    assert rows["chunked"]["peak_bytes"] <= rows["buffer"]["peak_bytes"]
     assert all(r["median_s"] > 0 for r in rows.values())
 
 
