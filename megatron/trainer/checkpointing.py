@@ -516,10 +516,7 @@ def _move_into_place(staging, final):
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
     final = checkpoint_dir(args.save, iteration)
     staging = final + STAGING_SUFFIX
-    try:
-        previous = _latest_iteration(args.save)
-    except CheckpointError:
-        previous = None
+    previous = _tracked_iteration(args.save)
     needed = save_failure.checkpoint_bytes(
         args, model, checkpoint_dir(args.save, previous) if previous is not None else None)
     save_failure.warn_if_short(args, iteration, needed, _rank())
@@ -535,11 +532,9 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         torch.distributed.barrier()
         _write_manifest(staging)
         if _rank() == 0:
-            tracked = _tracked_iteration(args.save)
             _move_into_place(staging, final)
             _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
             print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
-            _drop_unretained(args, tracked, iteration)
     except (KeyboardInterrupt, SystemExit):
         save_failure.remove_partial(staging)  # Ctrl-C: never leave a half-written save
         raise
@@ -549,6 +544,8 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
             save_failure.remove_partial(staging)
             raise stop_signals.Interrupted(signum) from None
         save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
+    if _rank() == 0:  # after the save: a problem here is no failed save
+        _drop_unretained(args, previous, iteration)
     torch.distributed.barrier()
 
 
