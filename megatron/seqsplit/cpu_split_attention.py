@@ -41,7 +41,8 @@ def split_causal_attention_cpu(q, k, v, softmax_scale):
     The queries are the last ``lq`` positions of the keys; no dropout."""
     if not q.shape[2] < k.shape[2]:
         raise ValueError(f"a split has a prefix: need lq < lk, got {q.shape[2]} and {k.shape[2]}")
-    return _SplitCausal.apply(q, k, v, softmax_scale)
+    # every query sees the whole prefix: one part, all batch rows and queries from key 0
+    return _SplitAttention.apply(q, k, v, softmax_scale, None, None)
 
 
 def split_document_attention_cpu(q, k, v, softmax_scale, own_bias, prefix_rows):
@@ -50,7 +51,7 @@ def split_document_attention_cpu(q, k, v, softmax_scale, own_bias, prefix_rows):
     row, (rows, first_key) from ``prefix_visibility``."""
     if not q.shape[2] < k.shape[2]:
         raise ValueError(f"a split has a prefix: need lq < lk, got {q.shape[2]} and {k.shape[2]}")
-    return _SplitDocuments.apply(q, k, v, softmax_scale, own_bias, tuple(prefix_rows))
+    return _SplitAttention.apply(q, k, v, softmax_scale, own_bias, tuple(prefix_rows))
 
 
 def prefix_visibility(document_ids, q_length):
@@ -75,47 +76,30 @@ def _merge(out_own, lse_own, out_prefix, lse_prefix):
     return out.to(out_own.dtype), lse
 
 
-class _SplitCausal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale):
-        prefix = k.shape[2] - q.shape[2]
-        own = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=softmax_scale)
-        before = _flash_forward(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False,
-                                scale=softmax_scale)
-        out, lse = _merge(*own, *before)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale = softmax_scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        prefix = k.shape[2] - q.shape[2]
-        grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
-        dq_own, dk_own, dv_own = _flash_backward(
-            grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, True,
-            scale=ctx.softmax_scale)
-        dq_prefix, dk_prefix, dv_prefix = _flash_backward(
-            grad_out, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False,
-            scale=ctx.softmax_scale)
-        return (dq_own + dq_prefix, torch.cat([dk_prefix, dk_own], dim=2),
-                torch.cat([dv_prefix, dv_own], dim=2), None)
+def _prefix_parts(q, prefix_rows):
+    """(batch rows, query count, first key) of each unmasked prefix call: the whole batch
+    and every query over the whole prefix without documents (``prefix_rows`` None), else
+    per batch row the queries of the document open at the split's start."""
+    if prefix_rows is None:
+        return [(slice(None), q.shape[2], 0)]
+    return [(slice(j, j + 1), rows, first) for j, (rows, first) in enumerate(prefix_rows) if rows]
 
 
-class _SplitDocuments(torch.autograd.Function):
+class _SplitAttention(torch.autograd.Function):
+    """The own block (causal, or ``own_bias`` with documents) and the unmasked prefix
+    parts, merged by LSE; backward runs each part's fused backward with the merged
+    output and LSE."""
+
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, own_bias, prefix_rows):
         prefix = k.shape[2] - q.shape[2]
-        out, lse = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, False,
+        out, lse = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, own_bias is None,
                                   attn_mask=own_bias, scale=softmax_scale)
-        for j, (rows, first) in enumerate(prefix_rows):
-            if rows:
-                part = (j, slice(None), slice(0, rows))
-                before = _flash_forward(q[j:j + 1, :, :rows], k[j:j + 1, :, first:prefix],
-                                        v[j:j + 1, :, first:prefix], 0.0, False,
-                                        scale=softmax_scale)
-                merged_out, merged_lse = _merge(out[part][None], lse[part][None], *before)
-                out[part], lse[part] = merged_out[0], merged_lse[0]
+        for batch, rows, first in _prefix_parts(q, prefix_rows):
+            part = (batch, slice(None), slice(0, rows))
+            before = _flash_forward(q[part], k[batch, :, first:prefix], v[batch, :, first:prefix],
+                                    0.0, False, scale=softmax_scale)
+            out[part], lse[part] = _merge(out[part], lse[part], *before)
         ctx.save_for_backward(q, k, v, out, lse, own_bias)
         ctx.softmax_scale, ctx.prefix_rows = softmax_scale, prefix_rows
         return out
@@ -126,17 +110,15 @@ class _SplitDocuments(torch.autograd.Function):
         prefix = k.shape[2] - q.shape[2]
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
         dq, dk_own, dv_own = _flash_backward(
-            grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, False,
+            grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, own_bias is None,
             attn_mask=own_bias, scale=ctx.softmax_scale)
         dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
         dk[:, :, prefix:], dv[:, :, prefix:] = dk_own, dv_own
-        for j, (rows, first) in enumerate(ctx.prefix_rows):
-            if rows:
-                rows_of = lambda t: t[j:j + 1, :, :rows]  # noqa: E731 - the row's queries
-                dq_prefix, dk_prefix, dv_prefix = _flash_backward(
-                    rows_of(grad_out), rows_of(q), k[j:j + 1, :, first:prefix],
-                    v[j:j + 1, :, first:prefix], rows_of(out), lse[j:j + 1, :, :rows], 0.0,
-                    False, scale=ctx.softmax_scale)
-                dq[j:j + 1, :, :rows] += dq_prefix
-                dk[j:j + 1, :, first:prefix], dv[j:j + 1, :, first:prefix] = dk_prefix, dv_prefix
+        for batch, rows, first in _prefix_parts(q, ctx.prefix_rows):
+            part = (batch, slice(None), slice(0, rows))
+            dq_prefix, dk_prefix, dv_prefix = _flash_backward(
+                grad_out[part], q[part], k[batch, :, first:prefix], v[batch, :, first:prefix],
+                out[part], lse[part], 0.0, False, scale=ctx.softmax_scale)
+            dq[part] += dq_prefix
+            dk[batch, :, first:prefix], dv[batch, :, first:prefix] = dk_prefix, dv_prefix
         return dq, dk, dv, None, None, None
