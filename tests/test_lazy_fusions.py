@@ -76,7 +76,7 @@ def test_a_module_is_compiled_at_once(recording):
 
 
 @pytest.mark.distributed  # a fresh interpreter: megatron-core imported after the trainer
-def test_importing_the_trainer_loads_no_compiler():
+def test_importing_the_trainer_loads_no_compiler_and_no_wandb_code():
     check = (
         "import sys, torch\n"
         "original = torch.compile\n"
@@ -89,6 +89,12 @@ def test_importing_the_trainer_loads_no_compiler():
         "assert not loaded, loaded[:5]\n"
         "from megatron.core.fusions.fused_bias_geglu import geglu\n"
         "assert geglu.__wrapped__.__module__ == 'megatron.core.fusions.fused_bias_geglu'\n"
+        # megatron-core's `import wandb` ran none of wandb's code (lazy_imports)...
+        "ran = sorted(m for m in sys.modules if m.startswith('wandb.'))\n"
+        "assert 'wandb' in sys.modules and not ran, ran[:5]\n"
+        # ... which runs when a name of it is read, as --wandb-project does
+        "import wandb\n"
+        "assert callable(wandb.init) and 'wandb.sdk' in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", check], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -1005,7 +1005,9 @@ def _check_exit_flags(args):
         _require(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name (as in "
                                       "Megatron-LM)")
         try:
-            import wandb  # noqa: F401
+            import wandb
+
+            wandb.init  # noqa: B018 - runs its code here: lazy_imports defers it to a name's read
         except ImportError:
             raise ArgumentError("--wandb-project needs the wandb package: pip install wandb "
                                 "(or drop the flag)")
