@@ -168,9 +168,10 @@ def test_gpu_checks_skips_with_the_reason_what_the_budget_cannot_fit(tmp_path):
     rows = _rows((out / "summary.md").read_text())
     assert sorted(os.listdir(out)) == ["gpu_checks_logs.tar.gz", "summary.md"]
     assert rows["tests"][0] == rows["train_fp32_s1"][0] == rows["kv_cache_16384"][0] == "skipped"
-    assert rows["train_fp32_verdict"] == (
-        "skipped", "0", "fp32: not compared, train_fp32_s1 train_fp32_s4_buffer "
-        "train_fp32_s4_chunked skipped (budget)")
+    exit_, seconds, result = rows["train_fp32_verdict"]
+    assert exit_ == "skipped" and seconds.isdigit()  # its seconds: the machine's load, not asserted
+    assert result == ("fp32: not compared, train_fp32_s1 train_fp32_s4_buffer "
+                      "train_fp32_s4_chunked skipped (budget)")
 
 
 @pytest.mark.distributed
