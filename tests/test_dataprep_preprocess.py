@@ -251,11 +251,37 @@ def test_failure_at_commit_leaves_no_pair_and_no_temporaries(tmp_path, gpt2_args
     write_jsonl(tmp_path / "in.jsonl", [{"text": "new text"}] * 3)
     # an OSError is one line naming the output (issue 30 pt 6), not a traceback
     assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args) == 1
+    out = tmp_path / "out_text_document"
+    # the old .idx had gone when the rename failed: the line says so, not "nothing written"
     assert (f"error: writing {tmp_path / 'out'}_text_document.{{bin,idx}} failed: disk full "
-            f"(simulated); temporary files removed") in capsys.readouterr().err
+            f"(simulated); temporary files removed, the previous {out}.idx was already "
+            f"removed (the .bin beside it is no dataset without it): rerun to write both: "
+            f"free space or choose another --output-prefix\n") in capsys.readouterr().err
     # The old .idx is removed before anything is renamed: the old .bin alone is no dataset,
     # and no new .bin can ever sit beside an .idx that does not describe it.
     assert outputs(tmp_path) == ["in.jsonl", "out_text_document.bin"]
+
+
+def test_failure_after_one_output_was_published_names_it(tmp_path, gpt2_args, monkeypatch,
+                                                         capsys):
+    """Two keys, the second's rename fails after the first pair is in place: the line
+    names the pair written in full instead of "nothing written"."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"title": "a title", "body": "a body"}] * 3)
+    real_replace = os.replace
+
+    def failing_replace(a, b):
+        if str(b).endswith("body_document.bin"):
+            raise OSError("disk full (simulated)")
+        return real_replace(a, b)
+
+    monkeypatch.setattr(writer_module.os, "replace", failing_replace)
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                          "--json-keys", "title", "body") == 1
+    title = tmp_path / "out_title_document"
+    err = capsys.readouterr().err
+    assert (f"failed: disk full (simulated); temporary files removed, {title}.bin and "
+            f"{title}.idx written in full: free space") in err, err
+    assert outputs(tmp_path) == ["in.jsonl", "out_title_document.bin", "out_title_document.idx"]
 
 
 def test_worker_crash_cleans_up(tmp_path, gpt2_args, monkeypatch):

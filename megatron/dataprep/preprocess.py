@@ -370,9 +370,11 @@ def run(args, sources, tokenizer):
             writer.finalize()
         for writer in writers.values():
             writer.publish()
-    except BaseException:
+    except BaseException as exc:
         for writer in writers.values():
             writer.abort()
+        # what the error line says is left: "nothing written" unless publishing had begun
+        exc.outputs_left = [left for left in (w.left_behind() for w in writers.values()) if left]
         raise
     report.summary({k: output_prefix(args, k) for k in args.json_keys})
     return report
@@ -432,6 +434,11 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
+def _outputs_left(exc) -> str:
+    """"nothing written", or what a failure while publishing left (`run`)."""
+    return "; ".join(getattr(exc, "outputs_left", ())) or "nothing written"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -450,12 +457,12 @@ def main(argv=None) -> int:
         outputs = ", ".join(f"{output_prefix(args, key)}.{{bin,idx}}" for key in args.json_keys)
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"{PROG}: error: writing {outputs} failed: {exc.strerror or exc}{where}; "
-              f"temporary files removed, nothing written: free space or choose another "
+              f"temporary files removed, {_outputs_left(exc)}: free space or choose another "
               f"--output-prefix", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         what = "stopped by SIGTERM" if isinstance(exc, _Terminated) else "interrupted"
-        print(f"{PROG}: {what}; temporary files removed, nothing written", file=sys.stderr)
+        print(f"{PROG}: {what}; temporary files removed, {_outputs_left(exc)}", file=sys.stderr)
         return 128 + signal.SIGTERM if isinstance(exc, _Terminated) else 130
     finally:
         signal.signal(signal.SIGTERM, old_term)

@@ -31,6 +31,8 @@ class AtomicIndexedWriter:
         self._builder = IndexedDatasetBuilder(self._tmp_bin, dtype=dtype)
         self.documents = 0
         self.tokens = 0
+        self.removed_previous_index = False  # publish removed an older .idx of this prefix
+        self.published = False
 
     def add_document(self, ids: numpy.ndarray, sequence_lengths: Sequence[int]) -> None:
         """One document made of consecutive sequences (one, or one per sentence)."""
@@ -46,9 +48,21 @@ class AtomicIndexedWriter:
     def publish(self) -> None:
         if os.path.exists(self.idx_path):
             os.remove(self.idx_path)
+            self.removed_previous_index = True
         os.replace(self._tmp_bin, self.bin_path)
         os.replace(self._tmp_idx, self.idx_path)
         _fsync(os.path.dirname(os.path.abspath(self.idx_path)))
+        self.published = True
+
+    def left_behind(self) -> str:
+        """What a failed run leaves of this output after `abort`, for its error line; ""
+        when nothing of it changed."""
+        if self.published:
+            return f"{self.bin_path} and {self.idx_path} written in full"
+        if self.removed_previous_index:
+            return (f"the previous {self.idx_path} was already removed (the .bin beside it is "
+                    f"no dataset without it): rerun to write both")
+        return ""
 
     def abort(self) -> None:
         """Drop everything not yet published; safe to call at any point."""
