@@ -4,7 +4,8 @@ iteration, validation loss, every parameter and every router's expert bias after
 steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile the
 sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
 sequence parallelism (experts split over TP as Megatron-LM's default), and with the
-experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms).
+experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms, and
+its parameters through its checkpoint loaded with EP=1).
 
 N: 4 experts, top-2, no load-balancing loss (the per-token part alone), on the MHA /
 learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers, hidden
@@ -19,15 +20,22 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
   together; all-to-all dispatcher.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from distributed import (
+    ROOT,
     GQA_ROPE_SWIGLU,
     TINY_MODEL,
+    TRACKER,
     Plan,
     assert_close_series,
     assert_params_close,
     init_run,
+    one_error_line,
 )
 from split_checks import check_split_units
 
@@ -76,6 +84,10 @@ CASES = {
 }
 
 
+EP_RELOADED = "X_ep2_checkpoint_loaded_at_ep1"
+EP_CHECKPOINT = []  # where plan() put the EP run's checkpoint
+
+
 def _splits(n):
     return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", "average"]
 
@@ -96,9 +108,22 @@ def plan(tmp, corpus):
     for name, (model, n, extra, world, _) in CASES.items():
         base = MODELS[model] + BATCH + starts[model]
         # with experts over EP ranks, the gathered parameters would miss the other
-        # ranks' experts: that run compares losses and grad norms (which see them all)
-        runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra,
-                            "params": "--expert-model-parallel-size" not in extra})
+        # ranks' experts: that run saves its checkpoint, which EP_RELOADED loads with
+        # every expert on each rank, and whose parameters are then compared
+        expert_parallel = "--expert-model-parallel-size" in extra
+        save = (["--save", str(tmp / "ep2_ckpt"), "--save-interval", str(ITERATIONS)]
+                if expert_parallel else [])
+        runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
+                            "params": not expert_parallel})
+    # after the EP run in the same launch: its checkpoint's weights resharded from EP 2 to
+    # EP 1 (pp=2 x dp=2), at its last iteration, so nothing trains: the final evaluation
+    # and the parameters are the EP run's (its optimizer state cannot follow: megatron-core
+    # chains one optimizer per parameter kind at EP > 1; checkpointing refuses that load)
+    EP_CHECKPOINT.append(tmp / "ep2_ckpt")
+    runs[4].append({"name": EP_RELOADED, "params": True,
+                    "argv": MODELS["X"] + BATCH + PP2 + ["--load", str(tmp / "ep2_ckpt"),
+                                                         "--no-load-optim", "--no-load-rng"],
+                    "after": [str(tmp / "ep2_ckpt" / TRACKER)]})
     return Plan(inits, runs)
 
 
@@ -128,6 +153,37 @@ def test_split_run_equals_unsplit_runs(results, name):
                             1e-5, f"{name} validation loss vs {what}")
         if run.get("params"):
             assert_params_close(run["params"], expected["params"])
+
+
+def test_expert_parallel_checkpoint_reshards_and_holds_the_unsplit_parameters(results):
+    """The EP=2 split run's parameters, through its checkpoint loaded with EP=1 (the
+    experts resharded over ranks): equal to s = 1 on pp=2 and to one process, and the
+    reloaded model's validation loss is the EP run's."""
+    ep_run, loaded = results["X_pp2_dp2_ep2_s3"], results[EP_RELOADED]
+    assert loaded["losses"] == []  # loaded at its last iteration: nothing trained
+    assert_close_series([loaded["final_validation_loss"]], [ep_run["final_validation_loss"]],
+                        1e-6, "validation loss after reloading at EP=1")
+    for other in ("X_pp2_s1", "ref_X"):
+        assert_params_close(loaded["params"], results[other]["params"])
+
+
+def test_expert_parallel_optimizer_state_at_another_ep_size_is_one_line(results):
+    """Loading that checkpoint's optimizer state at EP=1 (one process) stops before any
+    work with one line naming the change and --no-load-optim (megatron-core's loader
+    fails with a KeyError on every rank otherwise)."""
+    [ckpt] = EP_CHECKPOINT
+    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + MODELS["X"] + BATCH + [
+        "--train-iters", "3", "--load", str(ckpt)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode != 0
+    assert one_error_line(proc.stderr) == (
+        f"error: --load {ckpt / 'iter_0000002'}: its optimizer state is 2 chained "
+        f"optimizer(s) (saved with --expert-model-parallel-size 2) and this run builds 1 "
+        f"(--expert-model-parallel-size 1): megatron-core cannot load optimizer state across "
+        f"that change; keep the flag, or pass --no-load-optim to load the weights (they "
+        f"reshard)")
+    assert " iteration " not in proc.stdout
 
 
 def test_the_models_are_the_intended_ones(results):

@@ -322,6 +322,10 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "model_shape": {flag: getattr(args, flag) for flag in MODEL_SHAPE_FLAGS},
         "layout": list(_layout()),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
+        # megatron-core chains one optimizer per parameter kind with expert parallelism;
+        # its sharded keys then carry a chained_<i> prefix that another chain cannot load
+        "optimizer_parts": optimizer_parts(optimizer),
+        "expert_model_parallel_size": getattr(args, "expert_model_parallel_size", 1),
         # what --no-save-optim / --no-save-rng left out, so a load can say so
         "has_optimizer": with_optimizer,
         "has_rng": with_rng,
@@ -666,6 +670,24 @@ def _check_optimizer_kind(args, path, common):
           f"load the weights only")
 
 
+def optimizer_parts(optimizer) -> int:
+    """How many optimizers megatron-core chained (1: not a ChainedOptimizer)."""
+    return len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _check_optimizer_parts(args, path, common, optimizer):
+    saved = common.get("optimizer_parts")
+    if saved is None or saved == optimizer_parts(optimizer):
+        return
+    saved_ep = common.get("expert_model_parallel_size", "?")
+    _exit(f"--load {path}: its optimizer state is {saved} chained optimizer(s) (saved with "
+          f"--expert-model-parallel-size {saved_ep}) and this run builds "
+          f"{optimizer_parts(optimizer)} (--expert-model-parallel-size "
+          f"{getattr(args, 'expert_model_parallel_size', 1)}): megatron-core cannot load "
+          f"optimizer state across that change; keep the flag, or pass --no-load-optim to "
+          f"load the weights (they reshard)")
+
+
 def _check_schedule(args, path, scheduler, saved):
     """Megatron-LM's rule for a checkpoint's learning-rate schedule (schedule_check)."""
     if saved is None:  # not in the common state: megatron-core's own assert still applies
@@ -722,6 +744,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
               f"--no-load-optim or --finetune to load the weights only")
     if load_optim:
         _check_optimizer_kind(args, path, common)
+        _check_optimizer_parts(args, path, common, optimizer)
         _check_schedule(args, path, scheduler, common.get("opt_param_scheduler"))
     same_layout = list(common.get("layout", [])) == list(_layout())
     load_rng = (same_layout and not args.no_load_rng and not args.finetune
