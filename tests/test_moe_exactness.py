@@ -3,7 +3,8 @@ sequence splits reproduces pp=2 unsplit and a single process (loss and grad norm
 iteration, validation loss, every parameter and every router's expert bias after the
 steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile the
 sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
-sequence parallelism (experts split over TP as Megatron-LM's default), and with the
+sequence parallelism (experts split over TP as Megatron-LM's default), with selective
+recomputation, on packed documents (X on the corpus with every split case), and with the
 experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms, and
 its parameters through its checkpoint loaded with EP=1).
 
@@ -37,6 +38,8 @@ from distributed import (
     init_run,
     one_error_line,
 )
+from packed_documents import CASES as DOCUMENT_CASES
+from packed_documents import DOCUMENT_FLAGS, document_cases, with_corpus
 from split_checks import check_split_units
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
@@ -81,7 +84,13 @@ CASES = {
                         4, 1),
     "D_pp2_s3": ("D", 3, [], 2, 1),
     "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
+    "D_pp2_s3_selective": ("D", 3, ["--recompute-granularity", "selective"], 2, 1),
+    # X on packed documents (the corpus whose rows hold every split case)
+    "Xd_pp2_s3": ("Xd", 3, [], 2, 1),
 }
+# a model trained on packed documents: name -> the model it is, started from its init
+DOCUMENT_MODELS = {"Xd": "X"}
+DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
 
 
 EP_RELOADED = "X_ep2_checkpoint_loaded_at_ep1"
@@ -99,14 +108,16 @@ def plan(tmp, corpus):
     for model, flags in MODELS.items():
         run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}", flags + BATCH)
         inits.append(run)
+    bases = {model: MODELS[model] + BATCH + starts[model] for model in MODELS}
+    for model, same in DOCUMENT_MODELS.items():  # DOCS last: its --split wins over BATCH's
+        bases[model] = with_corpus(bases[same] + DOCS, corpus)
     runs = {1: [], 2: [], 4: []}
-    for model in MODELS:
-        base = MODELS[model] + BATCH + starts[model]
+    for model, base in bases.items():
         runs[2].append({"name": f"{model}_pp2_s1", "argv": base + PP2 + _splits(1),
                         "params": True})
         runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
     for name, (model, n, extra, world, _) in CASES.items():
-        base = MODELS[model] + BATCH + starts[model]
+        base = bases[model]
         # with experts over EP ranks, the gathered parameters would miss the other
         # ranks' experts: that run saves its checkpoint, which EP_RELOADED loads with
         # every expert on each rank, and whose parameters are then compared
@@ -153,6 +164,8 @@ def test_split_run_equals_unsplit_runs(results, name):
                             1e-5, f"{name} validation loss vs {what}")
         if run.get("params"):
             assert_params_close(run["params"], expected["params"])
+    if model in DOCUMENT_MODELS:
+        assert document_cases(run["forward_units"]) == set(DOCUMENT_CASES), name
 
 
 def test_expert_parallel_checkpoint_reshards_and_holds_the_unsplit_parameters(results):
