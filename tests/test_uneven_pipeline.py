@@ -8,7 +8,8 @@ A 6-layer model (tied embeddings: the first and last stages share the embedding)
   s = 2 against s = 1 and one process;
 loss, grad norm, validation loss and every parameter within 1e-5. The pp=4 s = 2 run
 saves its checkpoint, which an even pp=2 x dp=2 run then loads: the same parameters and
-validation loss (a checkpoint of unequal stages reshards into another layout).
+validation loss (a checkpoint of unequal stages reshards into another layout). A pp=4
+s = 3 run stopped after iteration 1 and resumed equals the uninterrupted one.
 The argument checks (Megatron-LM's and megatron-core's rules) run in process.
 """
 
@@ -49,6 +50,13 @@ def plan(tmp, corpus):
         if name == "pp4_s2":
             run["argv"] = run["argv"] + ["--save", str(saved), "--save-interval", "1000"]
         by_world[world].append(run)
+    # resume on the uneven layout: stop after iteration 1 (saving), go on from there
+    stopped = tmp / "pp4_s3_stopped"
+    resumed = MODEL + BATCH + PP4_UNEVEN + _splits(3)
+    by_world[4].append({"name": "pp4_s3_stopped", "argv": resumed + start + [
+        "--exit-interval", "1", "--save", str(stopped), "--save-interval", "1000"]})
+    by_world[4].append({"name": "pp4_s3_resumed", "after": [str(stopped / TRACKER)],
+                        "params": True, "argv": resumed + ["--load", str(stopped)]})
     # the same launch, after the save: even pp=2 x dp=2 loads it and trains no further
     by_world[4].append({"name": "pp2dp2_loaded", "after": [str(saved / TRACKER)],
                         "params": True, "argv": MODEL + BATCH + [
@@ -78,6 +86,18 @@ def test_uneven_split_run_equals_unsplit_runs(results, name):
         assert_close_series([run["final_validation_loss"]], [other["final_validation_loss"]],
                             1e-5, f"{name} validation loss vs {what}")
         assert_params_close(run["params"], other["params"])
+
+
+@pytest.mark.distributed
+def test_uneven_resume_equals_the_uninterrupted_run(results):
+    whole, first, rest = results["pp4_s3"], results["pp4_s3_stopped"], results["pp4_s3_resumed"]
+    assert len(first["losses"]) == len(rest["losses"]) == 1
+    assert_close_series(first["losses"] + rest["losses"], whole["losses"], 1e-5, "resumed loss")
+    assert_close_series(first["grad_norms"] + rest["grad_norms"], whole["grad_norms"], 1e-5,
+                        "resumed grad norm")
+    assert_close_series([rest["final_validation_loss"]], [whole["final_validation_loss"]],
+                        1e-5, "resumed validation loss")
+    assert_params_close(rest["params"], whole["params"])
 
 
 @pytest.mark.distributed
