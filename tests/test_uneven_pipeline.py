@@ -143,6 +143,9 @@ def test_flags_are_checked_up_front():
                                             "--num-layers-per-virtual-pipeline-stage"):
         parse(*PP2V2_UNEVEN[:2], *PP2V2_UNEVEN[4:], "--num-layers-per-virtual-pipeline-stage",
               "1", world=2)
+    with pytest.raises(ArgumentError, match="--slimpipe-attention-balance pairs the layers"):
+        parse(*PP4_UNEVEN, "--slimpipe-slices", "4", "--seq1f1b-kv-cache", "chunked",
+              "--slimpipe-attention-balance")
     with pytest.raises(ArgumentError, match="rank 0 holds 5 layers, not divisible by the 2"):
         parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
               "2", "--decoder-last-pipeline-num-layers", "1", world=2)

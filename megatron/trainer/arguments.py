@@ -1214,6 +1214,11 @@ def _validate_attention_balance(args):
              f"{flag} moves attention between pipeline ranks: it needs "
              "--pipeline-model-parallel-size >= 2")
     _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
+    # paired units exchange attention layer by layer, so both stages need the same layers
+    _require(args.decoder_first_pipeline_num_layers is None
+             and args.decoder_last_pipeline_num_layers is None,
+             f"{flag} pairs the layers of two pipeline stages one to one and needs equal "
+             "stages; drop it or --decoder-first/last-pipeline-num-layers")
 
 
 def _gcd(a, b):
