@@ -30,6 +30,7 @@ PP4_UNEVEN = ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-n
               "1", "--decoder-last-pipeline-num-layers", "1"]
 PP2V2_UNEVEN = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
                 "2", "--decoder-first-pipeline-num-layers", "2"]
+TIMELINE = []  # where the pp=4 s=2 run writes its timeline (set by `plan`)
 # name -> (world, layout, splits, chunks)
 CASES = {f"pp4_s{n}": (4, PP4_UNEVEN, n, 1) for n in (1, 2, 3)}
 CASES.update({f"pp2v2_s{n}": (2, PP2V2_UNEVEN, n, 2) for n in (1, 2)})
@@ -48,7 +49,9 @@ def plan(tmp, corpus):
         run = {"name": name, "argv": MODEL + BATCH + start + layout + _splits(n),
                "params": True}
         if name == "pp4_s2":
-            run["argv"] = run["argv"] + ["--save", str(saved), "--save-interval", "1000"]
+            run["argv"] = run["argv"] + ["--save", str(saved), "--save-interval", "1000",
+                                         "--timeline-file", str(tmp / "timeline.json")]
+            TIMELINE.append(tmp / "timeline.json")
         by_world[world].append(run)
     # resume on the uneven layout: stop after iteration 1 (saving), go on from there
     stopped = tmp / "pp4_s3_stopped"
@@ -86,6 +89,15 @@ def test_uneven_split_run_equals_unsplit_runs(results, name):
         assert_close_series([run["final_validation_loss"]], [other["final_validation_loss"]],
                             1e-5, f"{name} validation loss vs {what}")
         assert_params_close(run["params"], other["params"])
+
+
+@pytest.mark.distributed
+def test_uneven_timeline_names_each_stages_layers(results):
+    import json
+
+    timeline = json.loads(TIMELINE[0].read_text())
+    assert timeline["meta"]["stage_layers"] == [1, 2, 2, 1]
+    assert len(timeline["ranks"]) == 4 and all(timeline["ranks"])
 
 
 @pytest.mark.distributed
