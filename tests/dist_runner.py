@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 import megatron.trainer  # noqa: E402,F401 - before megatron-core, as pretrain_gpt.py (lazy_fusions)
 from megatron.core import parallel_state  # noqa: E402
+from megatron.pipeline_layers import chunk_layer_counts  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
 from megatron.trainer import training  # noqa: E402
@@ -55,11 +56,11 @@ def gather_full_parameters(args, model):
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pp_size, pp_rank = (args.pipeline_model_parallel_size,
                         parallel_state.get_pipeline_model_parallel_rank())
-    layers_per_chunk = args.num_layers // (pp_size * len(model))
+    chunk_layers = chunk_layer_counts(args.stage_layer_counts, len(model))
     local = {}
     for chunk_index, chunk in enumerate(model):
-        # chunk c of rank r is global stage c * pp + r
-        layer_offset = (chunk_index * pp_size + pp_rank) * layers_per_chunk
+        # chunk c of rank r is global stage c * pp + r (stages may hold unequal layer counts)
+        layer_offset = sum(chunk_layers[:chunk_index * pp_size + pp_rank])
         local.update(_chunk_parameters(args, _unwrap(chunk), layer_offset, tp_group, tp_size))
     everything = [None] * torch.distributed.get_world_size()
     keep = (parallel_state.get_data_parallel_rank() == 0

@@ -148,5 +148,7 @@ def test_bad_flag_exits_nonzero_on_every_rank_with_one_line():
     outputs = [proc.communicate(timeout=300) for proc in procs]
     assert [proc.returncode for proc in procs] == [2, 2]
     assert outputs[0][1].strip() == ("error: --num-layers (3) must be divisible by "
-                                     "--pipeline-model-parallel-size (2)"), outputs[0][1]
+                                     "--pipeline-model-parallel-size (2), or set "
+                                     "--decoder-first-pipeline-num-layers / "
+                                     "--decoder-last-pipeline-num-layers"), outputs[0][1]
     assert outputs[1][1].strip() == "" and "Traceback" not in outputs[0][1]

@@ -105,3 +105,12 @@ def test_qwen3_4b_example_is_planned_as_it_is():
         (36, 2560, 32)
     assert model["vocab_size"] == 151936 and out["splits"] == 4
     assert out["parallel"]["world_size"] == 8
+    # the seed port's PP=8: 36 = 3 + 6 x 5 + 3 (--decoder-first/last-pipeline-num-layers)
+    assert out["parallel"]["pipeline_model_parallel_size"] == 8
+    assert out["parallel"]["stage_layers"] == [3] + [5] * 6 + [3]
+    # the planner prices each stage by its own layers: the embedding stage's 3 layers
+    # and the vocabulary weigh less than a middle stage's 5 layers' activations
+    stages = out["stages"]
+    assert stages[0]["activations"] < stages[1]["activations"]
+    assert stages[0]["weights"] > stages[1]["weights"] < stages[-1]["weights"]
+    assert abs(out["peak_memory_gb"] - max(s["total"] for s in stages)) < 1e-3

@@ -8,8 +8,9 @@ activation + K/V peak within 3%. Configurations share two launches (2 and 4
 processes). Together they cover TP 1/2, SP on/off, GQA + SwiGLU + RMSNorm, RoPE and
 learned positions, hidden and attention dropout on/off, Seq1F1B s = 2, 3, 4, 8 with
 both balance methods, both K/V cache layouts, interleaved stages, SlimPipe v = 1, 2,
-selective / full (uniform) / full (block) recomputation, micro-batch size 2, and
-first, middle and last stages with a vocabulary whose logits dominate the last stage.
+selective / full (uniform) / full (block) recomputation, micro-batch size 2, uneven
+stages (--decoder-first/last-pipeline-num-layers), and first, middle and last stages
+with a vocabulary whose logits dominate the last stage.
 """
 
 import json
@@ -63,6 +64,11 @@ CONFIGS = {  # name -> (processes, flags after BASE)
                                       "--recompute-granularity", "full", "--recompute-method",
                                       "block", "--recompute-num-layers", "1"]
                                   + ROPE + NO_DROPOUT),
+    # uneven stages, 1 + 2 + 2 + 1 layers: each stage planned with its own layer count
+    "pp4_uneven_s2": (4, ["--num-layers", "6", "--pipeline-model-parallel-size", "4",
+                          "--decoder-first-pipeline-num-layers", "1",
+                          "--decoder-last-pipeline-num-layers", "1", "--global-batch-size", "4",
+                          "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
 }
 
 

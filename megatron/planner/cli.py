@@ -226,7 +226,9 @@ def config_from_args(args) -> PlanConfig:
             raise PlanError("give --num-layers-per-virtual-pipeline-stage or "
                             "--virtual-pipeline-model-parallel-size, not both")
         chunks = args.virtual_pipeline_model_parallel_size
-        if chunks < 1 or model.num_layers % (max(pp, 1) * chunks):
+        uneven = (t.decoder_first_pipeline_num_layers is not None
+                  or t.decoder_last_pipeline_num_layers is not None)  # checked by the trainer
+        if chunks < 1 or not uneven and model.num_layers % (max(pp, 1) * chunks):
             raise PlanError(f"--virtual-pipeline-model-parallel-size {chunks}: --num-layers "
                             f"{model.num_layers} must be divisible by PP {pp} x {chunks}")
     micro = args.micro_batch_size
@@ -279,6 +281,8 @@ def config_from_args(args) -> PlanConfig:
         tp=tp, pp=pp, dp=dp, num_chunks=chunks, micro_batch_size=micro,
         global_batch_size=gbs, sequence_parallel=t.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
+        stage_layers=(None if len(set(t.stage_layer_counts)) == 1
+                      else tuple(t.stage_layer_counts)),
     )
     return PlanConfig(
         model=model,
@@ -316,7 +320,9 @@ def report(pred: Prediction) -> str:
     )
     lines.append(
         f"layout: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.world_size} x {g.name}; "
-        f"virtual stages {p.num_chunks}; seq {c.seq_length}; micro-batch {p.micro_batch_size}; "
+        f"virtual stages {p.num_chunks}; "
+        + (f"layers per stage {'+'.join(map(str, p.stage_layers))}; " if p.stage_layers else "")
+        + f"seq {c.seq_length}; micro-batch {p.micro_batch_size}; "
         f"global batch {p.global_batch_size} ({p.num_microbatches} microbatches); "
         f"SP {'on' if p.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if p.distributed_optimizer else 'off'}; recompute {c.recompute.granularity or 'none'}"

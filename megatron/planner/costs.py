@@ -10,7 +10,7 @@ parallel size, ``t_sp`` = ``t`` with sequence parallelism and 1 without.
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron.model_shape import ModelShape
 from megatron.planner.gpus import GPU
@@ -50,6 +50,8 @@ class Parallel:
     global_batch_size: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    # layers of each pipeline rank (--decoder-first/last-pipeline-num-layers); None: even
+    stage_layers: Optional[Tuple[int, ...]] = None
 
     @property
     def num_microbatches(self) -> int:
@@ -98,7 +100,7 @@ class CostModel:
         self.recompute = recompute
         self.kv_layout = kv_layout
         self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
-        self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)
+        self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)  # even split
         self.vocab = model.padded_vocab_size(par.tp)
         self.shape = replace(model, vocab_size=self.vocab)  # as training builds it
 
@@ -118,6 +120,12 @@ class CostModel:
         norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
         return {"linear": (qkv + proj + fc1 + fc2) / t, "other": bias + norms}
 
+    def chunk_layers(self, rank: int) -> int:
+        """Layers in each model chunk of pipeline rank ``rank`` (stages may be uneven)."""
+        if self.par.stage_layers is None:
+            return self.layers_per_chunk
+        return self.par.stage_layers[rank] // self.par.num_chunks
+
     def is_first(self, rank: int, chunk: int) -> bool:
         return rank == 0 and chunk == 0
 
@@ -127,7 +135,7 @@ class CostModel:
     def rank_params(self, rank: int) -> float:
         """Parameters held by one GPU of pipeline rank ``rank``."""
         layer = sum(self.layer_params().values())
-        total = layer * self.layers_per_chunk * self.par.num_chunks
+        total = layer * self.chunk_layers(rank) * self.par.num_chunks
         h = self.model.hidden_size
         if rank == 0:
             total += self.vocab * h / self.par.tp  # input embedding
@@ -267,9 +275,10 @@ class CostModel:
             return 0.0
         return self.split_lengths[split] * self.model.head_dim * FP32
 
-    def stored_layer_bytes(self, split: int) -> float:
-        """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
-        n, rc = self.layers_per_chunk, self.recompute
+    def stored_layer_bytes(self, split: int, layers: Optional[int] = None) -> float:
+        """Activation bytes kept for backward by the ``layers`` layers of one chunk
+        (default: an even split's; recompute applied)."""
+        n, rc = layers or self.layers_per_chunk, self.recompute
         if rc.granularity == "full":
             k = min(rc.num_layers, n)
             if rc.method == "uniform":
@@ -277,9 +286,9 @@ class CostModel:
             return self._checkpoint_bytes(split, k) + (n - k) * self.layer_bytes(split)
         return n * self.layer_bytes(split)
 
-    def recompute_transient_bytes(self, split: int) -> float:
+    def recompute_transient_bytes(self, split: int, layers: Optional[int] = None) -> float:
         """Activations rebuilt during a backward with full recomputation."""
-        rc, n = self.recompute, self.layers_per_chunk
+        rc, n = self.recompute, layers or self.layers_per_chunk
         if rc.granularity != "full":
             return 0.0
         k = min(rc.num_layers, n)
@@ -304,7 +313,8 @@ class CostModel:
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
-        return self.stored_layer_bytes(unit.split) + self.edge_bytes(rank, unit.chunk, tokens)
+        return (self.stored_layer_bytes(unit.split, self.chunk_layers(rank))
+                + self.edge_bytes(rank, unit.chunk, tokens))
 
     # -------------------------------------------------------------------- KV cache
     def kv_bytes_per_token(self) -> float:
@@ -317,7 +327,7 @@ class CostModel:
         """What ``unit`` allocates and frees on ``rank`` (for the simulator)."""
         s, j = self.num_splits, unit.split
         act = self.activation_bytes(rank, unit)
-        n = self.layers_per_chunk
+        n = self.chunk_layers(rank)
         kv_tok = self.kv_bytes_per_token() * n
         at_start: Dict[str, float] = {}
         at_end: Dict[str, float] = {}
@@ -338,7 +348,7 @@ class CostModel:
         else:
             last = unit.microbatch == self.par.num_microbatches - 1
             at_end["activations"] = -act - (freqs if last else 0.0)
-            rebuilt = self.recompute_transient_bytes(j)
+            rebuilt = self.recompute_transient_bytes(j, n)
             if rebuilt:
                 transient["activations"] = rebuilt
             if s > 1:
@@ -380,7 +390,7 @@ class CostModel:
         (``ModelShape.forward_flops_parts`` of its layers, over the micro-batch and TP)."""
         gemm, attn = self.shape.forward_flops_parts(
             self.split_lengths[unit.split], self.offsets[unit.split],
-            layers=self.layers_per_chunk, lm_head=self.is_last(rank, unit.chunk))
+            layers=self.chunk_layers(rank), lm_head=self.is_last(rank, unit.chunk))
         share = self.par.micro_batch_size / self.par.tp
         return {"gemm": gemm * share, "attention": attn * share}
 
@@ -403,7 +413,7 @@ class CostModel:
         g = self.gpu
         fl = self.unit_flops(rank, unit)
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
-        n = self.layers_per_chunk
+        n = self.chunk_layers(rank)
         elementwise = 2 * n * self.layer_bytes(unit.split)
         return {
             "gemm": fl["gemm"] / (g.peak_bf16_flops * g.gemm_efficiency),
@@ -425,7 +435,7 @@ class CostModel:
         if rc.granularity == "selective":
             backward += f["attention"]
         elif rc.granularity == "full":
-            n = self.layers_per_chunk
+            n = self.chunk_layers(rank)
             k = min(rc.num_layers, n)
             share = 1.0 if rc.method == "uniform" else k / n
             fwd_layers = sum(f.values())
@@ -479,7 +489,7 @@ class CostModel:
         # l^2 (query, key) pairs, per layer
         l = self.split_lengths[0]
         first = self.forward_time_parts(0, Unit(FORWARD, 0, 0))["attention"]
-        chunk = first * l * l / ModelShape.causal_pairs(l) / self.layers_per_chunk
+        chunk = first * l * l / ModelShape.causal_pairs(l) / self.chunk_layers(0)
         return (kv_bytes / bw + self.gpu.p2p_latency_s) / chunk
 
     def exchange_time(self, asker_rank: int, helper_rank: int, unit: Unit,
@@ -505,7 +515,7 @@ class CostModel:
             there, back = 2 * q + kv + 2 * rows, q + kv
         bw = self.pipeline_link_bw(asker_rank, helper_rank)
         per_layer = (there + back) / bw + 2 * self.gpu.p2p_latency_s
-        return self.layers_per_chunk * per_layer
+        return self.chunk_layers(asker_rank) * per_layer
 
     def grad_sync_time(self, rank: int) -> float:
         """Data-parallel gradient reduction (and parameter all-gather), not overlapped."""

@@ -114,6 +114,8 @@ class Prediction:
                 "pipeline_model_parallel_size": p.pp,
                 "data_parallel_size": p.dp,
                 "virtual_pipeline_stages": p.num_chunks,
+                # layers of each pipeline rank (uneven with --decoder-first/last-...)
+                "stage_layers": list(p.stage_layers or [c.model.num_layers // p.pp] * p.pp),
                 "micro_batch_size": p.micro_batch_size,
                 "global_batch_size": p.global_batch_size,
                 "num_microbatches": p.num_microbatches,
@@ -170,12 +172,20 @@ def validate(c: PlanConfig) -> None:
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--num-query-groups {m.num_query_groups}"
         )
-    if m.num_layers % p.pp:
+    if p.stage_layers is not None:
+        # uneven stages: as many counts as ranks, summing to the model, each rank's
+        # count dividing among its chunks (the trainer checked the flags themselves)
+        if (len(p.stage_layers) != p.pp or sum(p.stage_layers) != m.num_layers
+                or any(n < 1 or n % p.num_chunks for n in p.stage_layers)):
+            raise PlanError(f"per-stage layers {list(p.stage_layers)} do not split "
+                            f"--num-layers {m.num_layers} over {p.pp} stages x "
+                            f"{p.num_chunks} virtual stages")
+    elif m.num_layers % p.pp:
         raise PlanError(
             f"--num-layers {m.num_layers} is not divisible by "
             f"--pipeline-model-parallel-size {p.pp}"
         )
-    if m.num_layers % (p.pp * p.num_chunks):
+    elif m.num_layers % (p.pp * p.num_chunks):
         raise PlanError(
             f"--num-layers {m.num_layers} is not divisible by pipeline size {p.pp} x "
             f"{p.num_chunks} virtual stages; change --num-layers-per-virtual-pipeline-stage"
@@ -212,7 +222,7 @@ def validate(c: PlanConfig) -> None:
     if rc.method not in ("uniform", "block"):
         raise PlanError(f"--recompute-method must be uniform or block, got {rc.method!r}")
     if rc.granularity == "full":
-        per_chunk = m.num_layers // (p.pp * p.num_chunks)
+        per_chunk = max(p.stage_layers or [m.num_layers // p.pp]) // p.num_chunks
         if rc.num_layers < 1 or rc.num_layers > per_chunk:
             raise PlanError(
                 f"--recompute-num-layers {rc.num_layers} must be in [1, {per_chunk}] "

@@ -15,8 +15,8 @@ Format (times in seconds, from any common origin; ``chunk`` is the virtual stage
 ``kind`` is ``"F"`` (forward) or ``"B"`` (backward). Optional record keys: ``wait``
 (seconds inside the unit spent waiting, e.g. for the partner of a SlimPipe attention
 redistribution pair; counted as bubble), ``role`` (``"ask"`` / ``"help"``) and
-``peer`` (the partner's pipeline rank) for paired units. ``meta`` is free-form; the
-drawing reads ``title``, ``schedule``, ``pp``, ``microbatches`` and ``splits`` when
+``peer`` (the partner's pipeline rank) for paired units. ``meta`` is free-form (a training run's
+also holds ``stage_layers``, the layers of each pipeline rank); the drawing reads ``title``, ``schedule``, ``pp``, ``microbatches`` and ``splits`` when
 present. ``to_chrome_trace`` converts a timeline to the Chrome trace event format
 (``chrome://tracing``, Perfetto): one process per pipeline rank, complete events in
 microseconds.

@@ -10,6 +10,7 @@ import sys
 
 # no torch or megatron-core here: the command line is checked before they load (seconds
 # to a minute on a busy node), see check_flags_early
+from megatron.pipeline_layers import UnevenSplitError, stage_layer_counts
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
@@ -241,6 +242,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    "--num-virtual-stages-per-pipeline-rank",
                    dest="virtual_pipeline_model_parallel_size", type=int, default=None,
                    help="interleaved schedule: model chunks per pipeline rank")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the first pipeline stage (default: an even "
+                        "split); the middle stages share the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the last pipeline stage (default: an even "
+                        "split); the middle stages share the rest evenly")
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    default=None, help="interleaved schedule: microbatches each chunk runs "
                                       "before the next chunk starts (default: the pp size)")
@@ -689,11 +696,14 @@ def _derive_parallel_layout(args, world_size):
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     _derive_batch_rampup(args)
 
-    _require(args.num_layers % pp == 0,
-             f"--num-layers ({args.num_layers}) must be divisible by "
-             f"--pipeline-model-parallel-size ({pp})")
     _resolve_pipeline_schedule(args)
     _validate_virtual_pipeline(args)
+    try:  # after the virtual stages: each rank's layers must divide among its chunks
+        args.stage_layer_counts = stage_layer_counts(
+            args.num_layers, pp, args.decoder_first_pipeline_num_layers,
+            args.decoder_last_pipeline_num_layers, args.virtual_pipeline_model_parallel_size)
+    except UnevenSplitError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _derive_batch_rampup(args):
@@ -1061,6 +1071,12 @@ def _validate_virtual_pipeline(args):
         _require(vp is None, "give --num-layers-per-virtual-pipeline-stage or "
                              "--virtual-pipeline-model-parallel-size, not both")
         _require(per_stage >= 1, "--num-layers-per-virtual-pipeline-stage must be >= 1")
+        # Megatron-LM's rule: a per-chunk layer count cannot describe unequal stages
+        _require(args.decoder_first_pipeline_num_layers is None
+                 and args.decoder_last_pipeline_num_layers is None,
+                 "with --decoder-first/last-pipeline-num-layers give the virtual stages as "
+                 "--num-virtual-stages-per-pipeline-rank, not "
+                 "--num-layers-per-virtual-pipeline-stage")
         _require(args.num_layers % (pp * per_stage) == 0,
                  f"--num-layers ({args.num_layers}) must be divisible by "
                  f"--pipeline-model-parallel-size ({pp}) x "
@@ -1071,7 +1087,9 @@ def _validate_virtual_pipeline(args):
         return
     _require(vp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vp}")
     _require(pp >= 2, "virtual pipeline stages need --pipeline-model-parallel-size >= 2")
-    _require(args.num_layers % (pp * vp) == 0,
+    _require(args.decoder_first_pipeline_num_layers is not None
+             or args.decoder_last_pipeline_num_layers is not None
+             or args.num_layers % (pp * vp) == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp}) x virtual stages ({vp})")
     args.virtual_pipeline_model_parallel_size = vp
@@ -1196,6 +1214,11 @@ def _validate_attention_balance(args):
              f"{flag} moves attention between pipeline ranks: it needs "
              "--pipeline-model-parallel-size >= 2")
     _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
+    # paired units exchange attention layer by layer, so both stages need the same layers
+    _require(args.decoder_first_pipeline_num_layers is None
+             and args.decoder_last_pipeline_num_layers is None,
+             f"{flag} pairs the layers of two pipeline stages one to one and needs equal "
+             "stages; drop it or --decoder-first/last-pipeline-num-layers")
 
 
 def _gcd(a, b):

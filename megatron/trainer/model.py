@@ -35,6 +35,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
     dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
+        # Megatron-LM's uneven split (None: even); megatron-core builds and numbers the layers
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,

@@ -406,7 +406,9 @@ def write_timeline(args, recorder):
             "splits": args.slimpipe_slices if slimpipe else args.seq1f1b_splits,
             "microbatches": args.num_microbatches,
             "pp": args.pipeline_model_parallel_size,
-            "vp": args.virtual_pipeline_model_parallel_size or 1, "seq_length": args.seq_length}
+            "vp": args.virtual_pipeline_model_parallel_size or 1, "seq_length": args.seq_length,
+            # layers of each pipeline rank: unequal with --decoder-first/last-pipeline-num-layers
+            "stage_layers": list(args.stage_layer_counts)}
     timeline = recorder.gather_and_write(
         args.timeline_file, group=parallel_state.get_pipeline_model_parallel_group(), meta=meta)
     if timeline is not None:

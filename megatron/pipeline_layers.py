@@ -1,0 +1,66 @@
+"""How many transformer layers each pipeline stage holds.
+
+Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers`` and
+``--decoder-last-pipeline-num-layers`` fix the first and last stages' layer counts and the
+remaining layers divide evenly among the middle stages (megatron-core's
+``TransformerConfig`` checks and ``get_num_layers_to_build``); without them every stage
+holds ``num_layers / pp``. The planner, the argument checks and the tests share this one
+rule, so the model megatron-core builds and what they assume cannot drift apart.
+"""
+
+
+class UnevenSplitError(ValueError):
+    """A layer split megatron-core would refuse; the message names the flags."""
+
+
+def stage_layer_counts(num_layers, pp, first=None, last=None, vp=None):
+    """Layers on each of the ``pp`` pipeline ranks (all of a rank's virtual stages together),
+    checked as megatron-core checks them (each rank's count divides by ``vp``)."""
+    if first is None and last is None:
+        if num_layers % pp:
+            raise UnevenSplitError(
+                f"--num-layers ({num_layers}) must be divisible by "
+                f"--pipeline-model-parallel-size ({pp}), or set "
+                f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+        counts = [num_layers // pp] * pp
+    else:
+        if pp < 2:
+            raise UnevenSplitError("--decoder-first/last-pipeline-num-layers need "
+                                   "--pipeline-model-parallel-size >= 2")
+        middle_layers, middle_stages = num_layers, pp
+        for flag, value in (("--decoder-first-pipeline-num-layers", first),
+                            ("--decoder-last-pipeline-num-layers", last)):
+            if value is not None:
+                if value <= 0:
+                    raise UnevenSplitError(f"{flag} must be > 0, got {value}")
+                middle_layers -= value
+                middle_stages -= 1
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+            raise UnevenSplitError(
+                f"--num-layers ({num_layers}) leaves {middle_layers} layers for "
+                f"{middle_stages} middle pipeline stages after --decoder-first/last-"
+                f"pipeline-num-layers; give every stage at least one layer")
+        if middle_stages and middle_layers % middle_stages:
+            raise UnevenSplitError(
+                f"the {middle_layers} layers left after --decoder-first/last-pipeline-num-"
+                f"layers must divide among the {middle_stages} middle pipeline stages")
+        middle = middle_layers // middle_stages if middle_stages else 0
+        counts = [middle] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    if vp is not None and vp > 1:
+        for rank, count in enumerate(counts):
+            if count % vp:
+                raise UnevenSplitError(
+                    f"pipeline rank {rank} holds {count} layers, not divisible by the "
+                    f"{vp} virtual pipeline stages per rank; change --num-layers, "
+                    f"--decoder-first/last-pipeline-num-layers or the virtual stage count")
+    return counts
+
+
+def chunk_layer_counts(counts, vp=None):
+    """Layers of each model chunk in pipeline order (chunk c of rank r is stage c*pp + r)."""
+    vp = vp or 1
+    return [counts[rank] // vp for _ in range(vp) for rank in range(len(counts))]
