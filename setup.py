@@ -32,6 +32,7 @@ setup(
         "megatron.cpu_support",
         "megatron.mcore_compat",
         "megatron.model_shape",
+        "megatron.pipeline_layers",
     ],
     install_requires=REQUIREMENTS,
     extras_require={"gpu": ["flash-attn", "transformer-engine"], "test": ["pytest", "pytest-xdist", "sentencepiece", "wandb"],

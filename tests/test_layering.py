@@ -1,7 +1,7 @@
 """The package's dependencies point one way, without cycles or reaching into another
 module's private names (read from the source, lazy imports inside functions included).
 
-Layers, lowest first: ``mcore_compat`` and ``model_shape`` (leaves), ``cpu_support``
+Layers, lowest first: ``mcore_compat``, ``model_shape`` and ``pipeline_layers`` (leaves), ``cpu_support``
 (reads ``mcore_compat``) <- ``seqsplit`` <-
 ``schedules`` <- ``trainer``; the ``planner`` reads ``schedules`` (and the trainer's
 argument parser, to take a training command line) and no runtime module reads it;
@@ -22,6 +22,8 @@ FORBIDDEN = {
                      "benchmarks", "dataprep"},
     "model_shape": {"mcore_compat", "seqsplit", "schedules", "trainer", "planner",
                     "benchmarks", "dataprep"},
+    "pipeline_layers": {"mcore_compat", "model_shape", "cpu_support", "seqsplit", "schedules",
+                        "trainer", "planner", "benchmarks", "dataprep"},
     "cpu_support": {"model_shape", "seqsplit", "schedules", "trainer", "planner",
                     "benchmarks", "dataprep"},
     "seqsplit": {"schedules", "trainer", "planner", "benchmarks"},
