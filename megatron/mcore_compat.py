@@ -68,6 +68,8 @@ CUDA_CALL_SITES = {
     "pipeline_parallel.p2p_communication": "receive buffers, shape handshake",
     "pipeline_parallel.schedules": "total_num_tokens on 'cuda'",
     "models.common.embeddings.rotary_pos_embedding": "inv_freq device",
+    "models.common.embeddings.yarn_rotary_pos_embedding": "MLA's YaRN moves its inverse "
+                                                         "frequencies to current_device()",
     "utils": "GlobalMemoryBuffer, l2 norm",
     "distributed.param_and_grad_buffer": "grad buffers",
     "distributed.distributed_data_parallel": "current_stream in grad sync",
