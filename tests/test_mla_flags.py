@@ -82,10 +82,15 @@ def test_split_attention_scales_by_the_query_key_head_size():
      "--multi-latent-attention rotates its decoupled part with RoPE/YaRN"),
     (MLA + ["--rotary-interleaved"], "--rotary-interleaved is not supported with"),
     (MLA + ["--q-lora-rank", "0"], "--q-lora-rank must be >= 1"),
+    (["--multi-latent-attention", "--qk-layernorm"],
+     "--qk-layernorm with --multi-latent-attention needs --q-lora-rank"),
     (MLA + ["--cache-mla-latents"], "--cache-mla-latents is refused: an inference-time MLA"),
     (MLA + ["--mla-down-proj-fusion"],
      "--mla-down-proj-fusion is refused: the fused MLA down-projection"),
     (MLA + ["--qk-clip"], "--qk-clip is refused: QK-clip"),
+    (MLA + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "slimpipe",
+            "--slimpipe-slices", "2", "--slimpipe-attention-balance"],
+     "--slimpipe-attention-balance does not exchange MLA's keys and values"),
     (MLA + ["--yarn-beta-fast", "16"], "--yarn-beta-fast is refused"),
 ])
 def test_mistakes_are_named(flags, message):

@@ -9,13 +9,16 @@ so here the attention's own embedding is asked for the split's offset.
 MLA also reads ``packed_seq_params`` as THD packing (``squeeze(1)`` of the batch axis when
 it is not None): the split context is kept from it and handed only to core attention,
 which is ``SplitCausalAttention`` (the KV caches keep MLA's keys and values, decompressed,
-at their own head sizes).
+at their own head sizes). megatron-core's own MLA up-projection recomputation
+(``recompute_modules`` "mla_up_proj") is not offered here (--recompute-modules takes
+core_attn only).
 """
 
 from megatron.core.extensions import transformer_engine as mcore_te
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from megatron.seqsplit.recompute import checkpoint_kernel_not_core_attention
 from megatron.seqsplit.split_context import SplitContext
 
 
@@ -29,11 +32,14 @@ def allow_mla_without_transformer_engine() -> None:
 
 
 class SplitMLASelfAttention(MLASelfAttention):
-    """megatron-core's ``MLASelfAttention`` whose RoPE follows a split's offset."""
+    """megatron-core's ``MLASelfAttention`` whose RoPE follows a split's offset; under
+    selective recomputation the attention kernel is checkpointed after the KV-cache write
+    (``recompute``), as for standard attention."""
 
     def __init__(self, *args, **kwargs):
         allow_mla_without_transformer_engine()
         super().__init__(*args, **kwargs)
+        checkpoint_kernel_not_core_attention(self)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,

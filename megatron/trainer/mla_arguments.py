@@ -74,9 +74,17 @@ def check_mla_args(args):
     if args.q_lora_rank is not None and args.q_lora_rank < 1:
         problems.append(f"--q-lora-rank must be >= 1, got {args.q_lora_rank} (leave it out "
                         "for no query compression)")
+    if args.qk_layernorm and args.q_lora_rank is None:
+        problems.append("--qk-layernorm with --multi-latent-attention needs --q-lora-rank: "
+                        "without a query latent megatron-core 0.16 normalises only the "
+                        "key/value latent and 0.19 a norm fused into the query projection "
+                        "(Transformer Engine only); give --q-lora-rank or drop --qk-layernorm")
     if args.rotary_interleaved:
         problems.append("--rotary-interleaved is not supported with --multi-latent-attention "
                         "(megatron-core's YaRN refuses it): drop it")
+    if getattr(args, "slimpipe_attention_balance", False):
+        problems.append("--slimpipe-attention-balance does not exchange MLA's keys and values "
+                        "(their head sizes differ): drop it with --multi-latent-attention")
     if args.use_rope_scaling:
         problems.append("--use-rope-scaling (Llama-3 RoPE) is not applied to MLA's rotary part "
                         "by megatron-core: drop it (MLA scales with --rope-type yarn)")
