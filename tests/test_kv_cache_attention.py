@@ -499,7 +499,7 @@ def test_split_attention_cuda_bf16(case):
                                    msg=name)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["sdpa/buffer", "sdpa/chunked"])  # CPU's: sdpa
 def test_value_head_size_differs_from_query_key(case):
     """MLA: values of head size 5 beside query-key heads of 8, split and unsplit, both
     cache layouts; the cache keeps V at its own size (not padded to the key's)."""
