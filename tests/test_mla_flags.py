@@ -88,6 +88,8 @@ def test_split_attention_scales_by_the_query_key_head_size():
     (MLA + ["--mla-down-proj-fusion"],
      "--mla-down-proj-fusion is refused: the fused MLA down-projection"),
     (MLA + ["--qk-clip"], "--qk-clip is refused: QK-clip"),
+    (MLA + ["--tensor-model-parallel-size", "2"],
+     "--multi-latent-attention with --tensor-model-parallel-size > 1 is not supported yet"),
     (MLA + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "slimpipe",
             "--slimpipe-slices", "2", "--slimpipe-attention-balance"],
      "--slimpipe-attention-balance does not exchange MLA's keys and values"),
