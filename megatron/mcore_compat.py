@@ -68,6 +68,8 @@ CUDA_CALL_SITES = {
     "pipeline_parallel.p2p_communication": "receive buffers, shape handshake",
     "pipeline_parallel.schedules": "total_num_tokens on 'cuda'",
     "models.common.embeddings.rotary_pos_embedding": "inv_freq device",
+    "models.common.embeddings.yarn_rotary_pos_embedding": "MLA's YaRN moves its inverse "
+                                                         "frequencies to current_device()",
     "utils": "GlobalMemoryBuffer, l2 norm",
     "distributed.param_and_grad_buffer": "grad buffers",
     "distributed.distributed_data_parallel": "current_stream in grad sync",
@@ -112,8 +114,40 @@ TABLE = (
            "SeqSplitGPTModel calls rotary_pos_emb(length, offset=split offset)",
            "self", "max_seq_len", "offset"),
     _mcore("models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
-           "the local (no Transformer Engine) layer spec we swap attention and norms in",
-           "normalization"),
+           "the local (no Transformer Engine) layer spec we swap attention and norms in; "
+           "multi_latent_attention=True gives MLASelfAttention's spec",
+           "multi_latent_attention", "normalization"),
+    # --- multi-latent attention (megatron/seqsplit/mla.py) ------------------------------
+    _mcore("transformer.multi_latent_attention:MLASelfAttention.get_query_key_value_tensors",
+           "overridden by SplitMLASelfAttention (private): MLA's forward calls it with these "
+           "arguments; it makes MLA's own rotary table, which the override shifts to the "
+           "split's offset, and reads packed_seq_params as THD packing (so it gets None)",
+           "self", "hidden_states", "key_value_states", "position_ids", "packed_seq_params",
+           "inference_context"),
+    _mcore("transformer.multi_latent_attention:MLASelfAttention.__init__",
+           "SplitMLASelfAttention subclasses it; reads self.rotary_pos_emb, "
+           "self.checkpoint_core_attention and self.core_attention after super().__init__",
+           "self", "config", "submodules", "layer_number"),
+    _mcore("transformer.multi_latent_attention:HAVE_TE",
+           "set False without Transformer Engine: on 0.16 it is True whenever the imports "
+           "from extensions.transformer_engine succeed (a MagicMock stands in for TE "
+           "there) and MLA's constructor then calls isinstance(..., <mock>)"),
+    _mcore("extensions.transformer_engine:HAVE_TE",
+           "whether Transformer Engine imported: MLA's HAVE_TE follows it"),
+    _mcore("models.common.embeddings.yarn_rotary_pos_embedding:YarnRotaryEmbedding.forward",
+           "MLA's YaRN table, called through the split's offset (same call as RoPE's); "
+           "returns (embedding, mscale)",
+           "self", "max_seq_len", "offset", "packed_seq"),
+    _mcore("transformer.multi_latent_attention:MLASelfAttentionSubmodules",
+           "the MLA spec's q_layernorm/kv_layernorm become SequenceParallelTorchNorm and its "
+           "core_attention SplitCausalAttention (built with k_channels, v_channels; the "
+           "field order differs between 0.16 and 0.19: core_attention is not checked here, "
+           "tests/test_mla_flags.py builds the spec)",
+           "q_layernorm", "kv_layernorm"),
+    _mcore("transformer.transformer_config:MLATransformerConfig",
+           "the config of an MLA model: --q-lora-rank ... --mscale-all-dim are its fields",
+           "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+           "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim"),
     _mcore("transformer.transformer_block:get_num_layers_to_build",
            "layers of this pipeline stage / virtual stage for the block spec",
            "config", "vp_stage"),

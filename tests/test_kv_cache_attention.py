@@ -497,3 +497,29 @@ def test_split_attention_cuda_bf16(case):
     for name, g_, w_ in zip(["out", "dq", "dk", "dv"], got, want):
         torch.testing.assert_close(g_, w_, rtol=0, atol=3e-2 * max(1.0, w_.abs().max().item()),
                                    msg=name)
+
+
+@pytest.mark.parametrize("case", ["sdpa/buffer", "sdpa/chunked"])  # CPU's: sdpa
+def test_value_head_size_differs_from_query_key(case):
+    """MLA: values of head size 5 beside query-key heads of 8, split and unsplit, both
+    cache layouts; the cache keeps V at its own size (not padded to the key's)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, b, h, dv = [3, 4, 2], 2, 4, 5
+    L = sum(lengths)
+    q, k = (torch.randn(L, b, h, D, generator=gen, dtype=DTYPE) for _ in range(2))
+    v, w = (torch.randn(L, b, h, dv, generator=gen, dtype=DTYPE) for _ in range(2))
+    store = KVCacheStore()
+    run = SplitRun(q, k, v, w, lengths, store, case)
+    for j in range(len(lengths)):
+        run.forward(j)
+    # K [L, b, h, 8] and V [L, b, h, 5] (buffer) or the same per chunk (chunked)
+    assert store.cached_bytes() == L * b * h * (D + dv) * 8
+    for j in reversed(range(len(lengths))):
+        run.backward(j)
+    want = reference_grads(q, k, v, w)
+    assert want[0].shape[-1] == dv
+    assert_close(run.results(), want)
+    unsplit = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention_of(case)(*unsplit, split=None, store=None, layer_key=0)
+    out.backward(w)
+    assert_close((out.detach(), *(t.grad for t in unsplit)), want)

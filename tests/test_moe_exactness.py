@@ -15,10 +15,19 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
 * X (Mixtral-style): every layer MoE, softmax router, aux_loss (coefficient 1, large so
   that a split-local statistic would show: it changes the grad norm threefold) and
   z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather dispatcher;
-* D (DeepSeek-V3-style): first layer dense (--moe-layer-freq "[0]*1+[1]*3"), a shared
+* D (DeepSeek-V3-style): multi-latent attention (query and key/value low-rank latents
+  with their norms, query-key head 8 + 4 rotary, value head 6; YaRN with scaling factor
+  4 and mscale-all-dim 1), first layer dense (--moe-layer-freq "[0]*1+[1]*3"), a shared
   expert, sigmoid router with expert bias (updated each step), group-limited routing
   (4 groups, 2 chosen) with a top-k scaling factor, seq_aux_loss and global_aux_loss
-  together; all-to-all dispatcher.
+  together; all-to-all dispatcher. With s = 3 under selective recomputation, s = 4 under
+  full recomputation, and interleaved with the chunked KV cache.
+
+Multi-latent attention (issue #29 point 3) also on M, a dense MLA model without query
+compression and plain RoPE, with the chunked KV cache. Its weights are initialised with
+std 0.25 so that attention depends on positions: with each split's rotary part rotated
+from position 0 instead of its offset, a 2-layer M's first loss is 6.482 instead of
+6.519 (at the default std 0.02 the difference is 2e-6, below the tolerance).
 """
 
 import os
@@ -44,6 +53,11 @@ from split_checks import check_split_units
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
+ROPE_SWIGLU = ["--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
+               "--untie-embeddings-and-output-weights"]
+# MLA: query-key head 8 + 4 rotary, value head 6 (differ: the caches keep both sizes)
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
        "--disable-bias-linear"]
 MODELS = {
@@ -53,13 +67,18 @@ MODELS = {
     "X": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1",
         "--moe-z-loss-coeff", "0.1"],
-    "D": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
+    "D": TINY_MODEL + ROPE_SWIGLU + MLA + ["--q-lora-rank", "16", "--qk-layernorm",
+                                           "--rotary-scaling-factor", "4",
+                                           "--mscale-all-dim", "1"] + MOE + [
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "24",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.002", "--moe-router-num-groups", "4",
         "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
         "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
         "--moe-aux-loss-coeff", "1", "0.5", "--moe-token-dispatcher-type", "alltoall"],
+    # dense MLA, no query compression, plain RoPE; init std 0.25: positions matter
+    "M": TINY_MODEL + ROPE_SWIGLU + MLA + ["--rope-type", "rope", "--disable-bias-linear",
+                                          "--init-method-std", "0.25"],
 }
 ITERATIONS, MICROBATCHES = 2, 4
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
@@ -82,11 +101,14 @@ CASES = {
     # rank routing its sequence-parallel share of the split
     "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                         4, 1),
-    "D_pp2_s3": ("D", 3, [], 2, 1),
-    "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
+    # selective recomputation: MLA's attention kernel checkpointed after the cache write
     "D_pp2_s3_selective": ("D", 3, ["--recompute-granularity", "selective"], 2, 1),
+    "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
     # X on packed documents (the corpus whose rows hold every split case)
     "Xd_pp2_s3": ("Xd", 3, [], 2, 1),
+    "D_pp2_vp2_s3_chunked": ("D", 3, ["--virtual-pipeline-model-parallel-size", "2",
+                                      "--seq1f1b-kv-cache", "chunked"], 2, 2),
+    "M_pp2_s3_chunked": ("M", 3, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
 }
 # a model trained on packed documents: name -> the model it is, started from its init
 DOCUMENT_MODELS = {"Xd": "X"}
@@ -204,7 +226,16 @@ def test_the_models_are_the_intended_ones(results):
     expert, and expert biases that the steps moved (aux-loss-free balancing ran)."""
     import torch
 
+    for model in ("D", "M"):  # MLA: with and without query compression
+        names = torch.load(results[f"ref_{model}"]["params"])
+        for part, count in (("linear_q_down_proj", 4 if model == "D" else 0),
+                            ("linear_q_proj", 0 if model == "D" else 4),
+                            ("linear_kv_down_proj", 4), ("linear_kv_up_proj", 4),
+                            ("kv_layernorm", 4 if model == "D" else 0), ("linear_qkv", 0)):
+            assert len([n for n in names if f".{part}." in n]) == count, (model, part)
     for model in MODELS:
+        if model == "M":
+            continue
         if model == "N":  # 4 experts, top-2, MHA with learned positions
             names = torch.load(results["ref_N"]["params"])
             assert len([n for n in names if n.endswith("router.weight")]) == 4

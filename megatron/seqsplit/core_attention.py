@@ -21,7 +21,9 @@ from megatron.seqsplit.split_context import SplitContext
 
 
 class SplitCausalAttention(MegatronModule):
-    """Drop-in ``core_attention`` submodule (same constructor as ``DotProductAttention``)."""
+    """Drop-in ``core_attention`` submodule (same constructor as ``DotProductAttention``;
+    also MLA's, which adds ``k_channels``/``v_channels``: keys and values of different
+    head sizes, kept at their own sizes in the KV caches)."""
 
     def __init__(
         self,
@@ -35,6 +37,8 @@ class SplitCausalAttention(MegatronModule):
         pg_collection=None,
         backend_name: str = "auto",
         kv_cache: str = "buffer",
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         if attention_type != "self" or attn_mask_type != AttnMaskType.causal:
@@ -45,7 +49,9 @@ class SplitCausalAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        head_dim = config.kv_channels
+        # MLA passes its query-key head size (k_channels) and its value head size
+        # (v_channels), which differ; the scale follows the query-key size
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
         # chosen once, at build time ("auto" routes each call by its own tensors, so it
         # follows the run's device, not whether a GPU exists)

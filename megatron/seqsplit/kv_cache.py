@@ -106,7 +106,8 @@ class KVCacheStore:
             self.release(entry_id)
 
 
-def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor) -> _Entry:
+def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor,
+                  value: torch.Tensor) -> _Entry:
     entry = store.lookup(entry_id)
     if entry is None:
         if split.split_index != 0:
@@ -116,9 +117,13 @@ def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor) -> _E
                 "already freed (recomputing with a reentrant checkpoint needs "
                 "KVCacheStore(forward_only=False))"
             )
-        shape = (split.seq_length,) + tuple(key.shape[1:])
-        entry = store.insert(entry_id, _Entry(key.new_empty(shape), key.new_empty(shape)))
-    if tuple(key.shape[1:]) != tuple(entry.key.shape[1:]) or split.offset > entry.filled:
+        # keys and values at their own head sizes (MLA: query-key != value head size)
+        entry = store.insert(entry_id, _Entry(
+            key.new_empty((split.seq_length,) + tuple(key.shape[1:])),
+            value.new_empty((split.seq_length,) + tuple(value.shape[1:]))))
+    if (tuple(key.shape[1:]) != tuple(entry.key.shape[1:])
+            or tuple(value.shape[1:]) != tuple(entry.value.shape[1:])
+            or split.offset > entry.filled):
         raise RuntimeError(
             f"split {split.split_index} of microbatch {split.microbatch_id} (offset "
             f"{split.offset}, K/V {tuple(key.shape)}) does not continue the cached prefix "
@@ -200,8 +205,8 @@ def split_causal_attention(
 ):
     """Causal attention of one split over its microbatch's cached prefix.
 
-    query [l, b, hq, d], key/value [l, b, g, d] (RoPE applied, groups not expanded);
-    returns [l, b, hq, d]. `split` has microbatch_id, split_index, num_splits, offset,
+    query [l, b, hq, d], key [l, b, g, d], value [l, b, g, dv] (RoPE applied, groups
+    not expanded; dv != d for MLA); returns [l, b, hq, dv]. `split` has microbatch_id, split_index, num_splits, offset,
     length, seq_length and optionally document_ids [b, >= offset + length] (packed
     documents: per-document causal attention); None (or num_splits == 1) means
     attention over the given query/key/value alone, with `backend`.
@@ -225,7 +230,7 @@ def split_causal_attention(
                 f"length {split.length} at offset {split.offset} of {split.seq_length}"
             )
         entry_id = (split.microbatch_id, layer_key)
-        entry = _buffer_entry(store, entry_id, split, key)
+        entry = _buffer_entry(store, entry_id, split, key, value)
         tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if tracked:
             release = partial(store.release, entry_id)
@@ -234,8 +239,15 @@ def split_causal_attention(
             k_all, v_all = _write_and_expose(entry, key, value, split.offset)
         store.release_after_last_forward(entry_id, split, tracked)
     documents = key_documents(split, k_all.shape[0], query.device)
+    v_dim = v_all.shape[-1]
+    if v_dim != key.shape[-1]:
+        # MLA: the value head is smaller than the query-key head, and the fused kernels
+        # (torch's CPU and CUDA flash, flash-attn 2) need one head size. Zero columns
+        # added to V give zero output columns and the same other columns, so the output
+        # is cut back to v_dim; only this call's V copy is padded, not the cache
+        v_all = torch.nn.functional.pad(v_all, (0, key.shape[-1] - v_dim))
     out = backend(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
         softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents,
     )
-    return out.permute(2, 0, 1, 3).contiguous()
+    return out[..., :v_dim].permute(2, 0, 1, 3).contiguous()

@@ -15,7 +15,8 @@ gradient of every chunk is exact without ever holding the full ``lq x lk`` score
 chunk and per block of queries (``max_block_elements`` bounds their transient size), and
 no mask is ever saved. Fully masked chunks are skipped.
 
-Layouts: q [b, hq, lq, d]; chunks [b, g, l_c, d] with hq % g == 0 (GQA reads the groups,
+Layouts: q [b, hq, lq, d]; key chunks [b, g, l_c, d], value chunks [b, g, l_c, dv] (dv = d but
+for MLA) with hq % g == 0 (GQA reads the groups,
 never expanded heads); document_ids [b, lk] or None. Scores and softmax statistics are
 float32 for half inputs (float64 stays float64). Matmuls take half inputs (P and dS
 rounded to half, as flash-attn does) and keep their products in the statistics dtype.
@@ -112,14 +113,19 @@ class _Chunks:
         self.keys, self.values = list(keys), list(values)
         self.starts, start = [], 0
         for k, v in zip(self.keys, self.values):
-            if k.shape != v.shape or k.dim() != 4:
-                raise ValueError(f"key/value chunks must be [b, g, l, d] alike; got {k.shape}, {v.shape}")
+            if k.shape[:3] != v.shape[:3] or k.dim() != 4 or v.dim() != 4:
+                raise ValueError(f"key/value chunks must be [b, g, l, d] and [b, g, l, dv]; "
+                                 f"got {k.shape}, {v.shape}")
             self.starts.append(start)
             start += k.shape[2]
         self.total = start
 
     def lengths(self):
         return [k.shape[2] for k in self.keys]
+
+    @property
+    def value_dim(self):  # MLA's value head size differs from the query-key one
+        return self.values[0].shape[3]
 
 
 def _check(q, chunks: _Chunks, document_ids, query_start):
@@ -289,14 +295,17 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
     b, hq, lq, d = q.shape
     first = chunks.total - lq if query_start is None else query_start
     flash = installed_flash_forward(q) if flash_forward is AUTO else flash_forward
-    causal = _flash_causal_flags(first, lq, chunks) if flash and document_ids is None else None
+    # flash-attn 2 needs one head size for q, k and v (MLA's differ)
+    causal = (_flash_causal_flags(first, lq, chunks)
+              if flash and document_ids is None and chunks.value_dim == d else None)
     if causal is not None:
         return _flash_partial(flash, q, chunks, causal, softmax_scale)
     g = chunks.keys[0].shape[1]
     r = hq // g
     stat = stat_dtype(q.dtype)
     q5 = q.reshape(b, g, r, lq, d)
-    out = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
+    dv = chunks.value_dim
+    out = torch.zeros(b, g, r, lq, dv, dtype=stat, device=q.device)
     lse = torch.full((b, g, r, lq), float("-inf"), dtype=stat, device=q.device)
     tiny = torch.finfo(stat).min
     blocks = _query_blocks(q, chunks.lengths(), max_block_elements)
@@ -315,14 +324,14 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
             row_sum = probs.sum(dim=-1)
             # P rounded to the value dtype (as flash-attn does), the product is not
             part = _matmul_stat(probs.to(value.dtype).view(b, g, r * n, -1), value)
-            part = part.view(b, g, r, n, d) / row_sum.clamp_min(torch.finfo(stat).tiny)[..., None]
+            part = part.view(b, g, r, n, dv) / row_sum.clamp_min(torch.finfo(stat).tiny)[..., None]
             part_lse = row_max[..., 0] + row_sum.log()  # -inf where a row sees nothing here
             new_lse = torch.logaddexp(acc_lse, part_lse)
             safe = new_lse.clamp_min(tiny)[..., None]
             acc_out.mul_(torch.exp(acc_lse[..., None] - safe)).add_(
                 part * torch.exp(part_lse[..., None] - safe))
             acc_lse.copy_(new_lse)
-    return out.view(b, hq, lq, d), lse.view(b, hq, lq)
+    return out.view(b, hq, lq, dv), lse.view(b, hq, lq)
 
 
 def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale,
@@ -339,7 +348,8 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     r = hq // g
     stat = stat_dtype(q.dtype)
     q5 = q.reshape(b, g, r, lq, d)
-    do5 = grad_out.reshape(b, g, r, lq, d)
+    dv = chunks.value_dim
+    do5 = grad_out.reshape(b, g, r, lq, dv)
     lse5 = lse.reshape(b, g, r, lq)
     delta = (grad_out.to(stat) * out.to(stat)).sum(-1).reshape(b, g, r, lq)
     dq = torch.zeros(b, g, r, lq, d, dtype=stat, device=q.device)
@@ -351,7 +361,7 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
     for block, (i0, i1) in enumerate(blocks):
         n = i1 - i0
         q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)  # unscaled, q's dtype
-        do_rows = do5[:, :, :, i0:i1].reshape(b, g, r * n, d)
+        do_rows = do5[:, :, :, i0:i1].reshape(b, g, r * n, dv)
         row_lse = lse5[:, :, :, i0:i1, None]
         row_delta = delta[:, :, :, i0:i1, None]
         for c, (key, value, start) in enumerate(zip(chunks.keys, chunks.values, chunks.starts)):

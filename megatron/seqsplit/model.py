@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron.seqsplit.core_attention import SplitCausalAttention
+from megatron.seqsplit.mla import SplitMLASelfAttention
 from megatron.seqsplit.moe import (
     SplitRouter,
     SplitTransformerLayer,
@@ -86,22 +87,28 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 
 
 def _swap_torch_norms(submodules):
-    for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
+    for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm",
+                 "kv_layernorm"):
         if getattr(submodules, name, None) is WrappedTorchNorm:
             setattr(submodules, name, SequenceParallelTorchNorm)
 
 
 def _split_aware_layer_spec(normalization, attention_backend, kv_cache, qk_layernorm,
-                            residual_post_layernorm=False, num_experts=None,
-                            moe_grouped_gemm=False):
+                            residual_post_layernorm=False, multi_latent_attention=False,
+                            num_experts=None, moe_grouped_gemm=False):
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                    normalization=normalization, qk_layernorm=qk_layernorm)
+                                    normalization=normalization, qk_layernorm=qk_layernorm,
+                                    multi_latent_attention=multi_latent_attention)
     if residual_post_layernorm:
         if num_experts is not None:  # both replace the layer class; no combined one yet
             raise ValueError("--apply-residual-connection-post-layernorm is not supported with "
                              "--num-experts: drop one of them")
         spec.module = PostNormResidualLayer
-    spec.submodules.self_attention.module = SplitSelfAttention
+    # MLA: its own rotary part follows the split (mla.py); selective recomputation of
+    # core attention keeps megatron-core's checkpoint (SplitSelfAttention's is for the
+    # fused-QKV attention)
+    spec.submodules.self_attention.module = (SplitMLASelfAttention if multi_latent_attention
+                                             else SplitSelfAttention)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SplitCausalAttention,
         params={"backend_name": attention_backend, "kv_cache": kv_cache})
@@ -146,9 +153,11 @@ def split_aware_local_spec(config, normalization: str = "LayerNorm",
     `residual_post_layernorm` (--apply-residual-connection-post-layernorm): residuals taken
     after the norms (post_norm_residual).
     With ``config.num_moe_experts`` the layers ``config.moe_layer_freq`` marks are
-    mixture-of-experts layers whose router is split-exact (``megatron.seqsplit.moe``)."""
+    mixture-of-experts layers whose router is split-exact (``megatron.seqsplit.moe``).
+    With ``config.multi_latent_attention`` the attention is MLA (``megatron.seqsplit.mla``)."""
     build = functools.partial(_split_aware_layer_spec, normalization, attention_backend,
-                              kv_cache, qk_layernorm, residual_post_layernorm)
+                              kv_cache, qk_layernorm, residual_post_layernorm,
+                              getattr(config, "multi_latent_attention", False))
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     if config.num_moe_experts is None:
         return TransformerBlockSubmodules(layer_specs=[build()] * count,

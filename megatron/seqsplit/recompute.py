@@ -48,15 +48,22 @@ class RecomputedAttentionKernel:
         return f"RecomputedAttentionKernel({self.backend!r})"
 
 
+def checkpoint_kernel_not_core_attention(attention) -> None:
+    """On a built megatron-core attention (standard or MLA): with selective recomputation
+    of ``core_attn`` and a split-aware core attention (anything with a ``backend``
+    attribute: the kernel it calls), checkpoint the kernel instead of the whole core
+    attention."""
+    attention.checkpoint_attention_kernel = (
+        attention.checkpoint_core_attention and hasattr(attention.core_attention, "backend"))
+    if attention.checkpoint_attention_kernel:
+        attention.checkpoint_core_attention = False
+        attention.core_attention.backend = RecomputedAttentionKernel(
+            attention.core_attention.backend)
+
+
 class SplitSelfAttention(SelfAttention):
-    """megatron-core's ``SelfAttention``; with selective recomputation of ``core_attn``
-    and a split-aware core attention (anything with a ``backend`` attribute: the kernel
-    it calls), the kernel is checkpointed instead of the whole core attention."""
+    """megatron-core's ``SelfAttention`` with ``checkpoint_kernel_not_core_attention``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.checkpoint_attention_kernel = (
-            self.checkpoint_core_attention and hasattr(self.core_attention, "backend"))
-        if self.checkpoint_attention_kernel:
-            self.checkpoint_core_attention = False
-            self.core_attention.backend = RecomputedAttentionKernel(self.core_attention.backend)
+        checkpoint_kernel_not_core_attention(self)

@@ -13,6 +13,7 @@ import sys
 from megatron.pipeline_layers import UnevenSplitError, stage_layer_counts
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
+from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
@@ -469,6 +470,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "training (implies --no-load-optim, as in Megatron-LM)")
 
     add_moe_arguments(parser)
+    add_mla_arguments(parser)
     add_no_op_flags(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
@@ -503,6 +505,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_exit_flags(args),
         lambda: _validate_seq1f1b(args),
         lambda: problems.extend(check_moe_args(args, cuda_available)),
+        lambda: problems.extend(check_mla_args(args)),
         lambda: _validate_slimpipe(args),
         lambda: _check_rampup_layouts(args),
     )

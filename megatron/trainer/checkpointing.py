@@ -78,7 +78,26 @@ MODEL_SHAPE_FLAGS = (
     # the math of attention and the MLP: a checkpoint trained with them means other weights
     "qk_layernorm", "add_qkv_bias", "squared_relu", "rotary_interleaved", "use_rope_scaling",
     "rope_scaling_factor", "apply_residual_connection_post_layernorm",
+    "num_experts", "multi_latent_attention",
 )
+# flags that shape the model only when their gate (a MODEL_SHAPE_FLAGS entry) is set: saved
+# then, so a dense model's unused MoE/MLA defaults never stop a resume
+GATED_SHAPE_FLAGS = {
+    "num_experts": ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                    "moe_layer_freq", "moe_router_topk", "moe_router_score_function"),
+    "multi_latent_attention": ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                               "qk_pos_emb_head_dim", "v_head_dim"),
+}
+
+
+def model_shape(args) -> dict:
+    """What a checkpoint records of the model's shape (compared at load, restored by
+    --use-checkpoint-args)."""
+    shape = {flag: getattr(args, flag, None) for flag in MODEL_SHAPE_FLAGS}
+    for gate, flags in GATED_SHAPE_FLAGS.items():
+        if shape[gate]:
+            shape.update({flag: getattr(args, flag) for flag in flags})
+    return shape
 
 
 class CheckpointError(RuntimeError):
@@ -319,7 +338,7 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
-        "model_shape": {flag: getattr(args, flag) for flag in MODEL_SHAPE_FLAGS},
+        "model_shape": model_shape(args),
         "layout": list(_layout()),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
         # megatron-core chains one optimizer per parameter kind with expert parallelism;
@@ -650,11 +669,9 @@ def _warn_of_newer(args, iteration):
 
 
 def _check_model_shape(args, path, common):
-    saved_shape = common.get("model_shape", {})
-    differ = [f"--{flag.replace('_', '-')} saved {saved_shape[flag]!r}, now "
-              f"{getattr(args, flag)!r}"
-              for flag in MODEL_SHAPE_FLAGS
-              if flag in saved_shape and saved_shape[flag] != getattr(args, flag)]
+    saved_shape, now = common.get("model_shape", {}), model_shape(args)
+    differ = [f"--{flag.replace('_', '-')} saved {saved_shape[flag]!r}, now {now[flag]!r}"
+              for flag in now if flag in saved_shape and saved_shape[flag] != now[flag]]
     if differ:
         _exit(f"--load {path} holds another model shape: " + "; ".join(differ))
 

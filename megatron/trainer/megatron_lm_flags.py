@@ -9,6 +9,7 @@ no-op. tests/test_megatron_lm_flag_coverage.py checks every flag of Megatron-LM'
 parser (and of the original Seq1F1B fork's) against these tables.
 """
 
+from megatron.trainer.mla_arguments import MLA_FLAGS
 from megatron.trainer.moe_arguments import MOE_FLAGS
 
 # flag -> (takes a value: False, True or "+" for one or more as in Megatron-LM; reason
@@ -179,8 +180,8 @@ SIZE_ONE_FLAGS = {
 _MOE = ("this mixture-of-experts option is not implemented here (the implemented MoE "
         "flags are listed in --help under 'mixture of experts'); drop it or train this "
         "model with Megatron-LM")
-_MLA = ("multi-latent attention is not built here yet (issue #29); use "
-        "--group-query-attention")
+_MLA_INFERENCE = ("an inference-time MLA option (latent cache, absorbed decode): "
+                  "training here keeps the decompressed K/V; drop it")
 _ENCODER = ("encoder-decoder and encoder models are not built here (decoder-only GPT); "
             "drop the flag or use Megatron-LM")
 _OTHER_MODEL = ("this model family is not built here (decoder-only GPT only); "
@@ -202,9 +203,6 @@ REFUSED_FLAGS = {
     "--decoder-num-layers": _ENCODER,
     "--decoder-seq-length": _ENCODER,
     "--pipeline-model-parallel-split-rank": _ENCODER,
-    "--multi-latent-attention": _MLA,
-    "--q-lora-rank": _MLA,
-    "--kv-lora-rank": _MLA,
     "--hybrid-": "Mamba/hybrid models are not built here (transformer GPT only)",
     "--mamba-": "Mamba/hybrid models are not built here (transformer GPT only)",
     "--spec": "custom layer specs are not loaded from the command line here",
@@ -256,16 +254,18 @@ for _reason, _flags in (
                "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
                "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
                "--apply-query-key-layer-scaling --window-size --window-attn-skip-freq "
-               "--no-rope-freq --rope-type --softmax-type --qk-l2-norm --attention-output-gate "
+               "--no-rope-freq --softmax-type --qk-l2-norm --attention-output-gate "
                "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "
                "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
                "--embedding-weights-in-fp32 "
                "--disable-bf16-reduced-precision-matmul --yarn- --no-yarn- "
                "--relative-attention-"),
-    (_MLA, "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor "
-           "--mscale --mscale-all-dim --cache-mla-latents --mla-down-proj-fusion --qk-clip "
-           "--qk-clip-"),
+    (_MLA_INFERENCE, "--cache-mla-latents"),
+    ("the fused MLA down-projection is a Transformer Engine kernel, not used here (the "
+     "unfused projections compute the same model); drop it", "--mla-down-proj-fusion"),
+    ("QK-clip (MuonClip's rescaling of query/key weights after each step) is not "
+     "implemented; drop it", "--qk-clip --qk-clip-"),
     (_MOE, "--overlap-moe-expert-parallel-comm --delay-wgrad-compute "
            "--overlap-dispatch-backward-with-experts-wgrad --ep-overlap-early-attn-memory-release "
            "--use-fused-weighted-squared-relu --high-priority-a2a-comm-stream "
@@ -385,7 +385,7 @@ for _reason, _flags in (
 
 def refusal_for(flag: str):
     """The reason a Megatron-LM flag is refused here, or None."""
-    if flag in MOE_FLAGS:  # implemented, though under a refused prefix
+    if flag in MOE_FLAGS or flag in MLA_FLAGS:  # implemented (MoE's under a refused prefix)
         return None
     if flag in REFUSED_FLAGS:
         return REFUSED_FLAGS[flag]

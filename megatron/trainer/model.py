@@ -5,9 +5,10 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.activations import squared_relu
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.trainer import device
+from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
 from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
 
@@ -33,7 +34,8 @@ def activation_func(args):
 def transformer_config_from_args(args) -> TransformerConfig:
     on_gpu = device.on_cuda(args)
     dtype = params_dtype(args)
-    return TransformerConfig(
+    mla = mla_config_fields(args)
+    return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=args.num_layers,
         # Megatron-LM's uneven split (None: even); megatron-core builds and numbers the layers
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -93,6 +95,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         timers=None,
         expert_tensor_parallel_size=args.tensor_model_parallel_size,  # Megatron-LM's default
         **moe_config_fields(args),
+        **mla,
     )
 
 

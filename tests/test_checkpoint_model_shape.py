@@ -1,0 +1,61 @@
+"""What a checkpoint records of the model's shape and how a load compares it
+(checkpointing.model_shape / _check_model_shape), without processes: MoE and MLA sizes
+count only when their gate (--num-experts, --multi-latent-attention) is set, so a dense
+model's unused defaults never stop a resume."""
+
+from argparse import Namespace
+
+import pytest
+
+from megatron.trainer import checkpointing
+from megatron.trainer.checkpointing import GATED_SHAPE_FLAGS, MODEL_SHAPE_FLAGS, model_shape
+
+GATED = {flag for flags in GATED_SHAPE_FLAGS.values() for flag in flags}
+
+
+def _args(**changes):
+    values = {flag: None for flag in MODEL_SHAPE_FLAGS + tuple(GATED)}
+    values.update(num_layers=2, hidden_size=8, num_attention_heads=2, multi_latent_attention=False,
+                  kv_lora_rank=32, qk_head_dim=128, moe_ffn_hidden_size=16, moe_router_topk=2)
+    values.update(changes)
+    return Namespace(**values)
+
+
+def _load_problem(saved, now):
+    """The line a load of a checkpoint saved with `saved` args prints under `now`, or None."""
+    try:
+        checkpointing._check_model_shape(now, "ckpt/iter_0000002",
+                                         {"model_shape": model_shape(saved)})
+    except SystemExit as stop:
+        return str(stop.code)
+    return None
+
+
+@pytest.fixture(autouse=True)
+def rank_zero(monkeypatch):
+    monkeypatch.setattr(checkpointing, "_rank", lambda: 0)
+
+
+def test_a_dense_model_records_no_moe_or_mla_sizes():
+    shape = model_shape(_args())
+    assert set(shape) == set(MODEL_SHAPE_FLAGS) and not GATED & set(shape)
+    # a dense run given another (unused) MLA rank resumes
+    assert _load_problem(_args(), _args(kv_lora_rank=64)) is None
+
+
+def test_moe_and_mla_sizes_are_compared_when_gated_on():
+    moe = _args(num_experts=8)
+    assert _load_problem(moe, _args(num_experts=8, moe_ffn_hidden_size=32)) == (
+        "error: --load ckpt/iter_0000002 holds another model shape: --moe-ffn-hidden-size "
+        "saved 16, now 32")
+    assert "--num-experts saved 8, now None" in _load_problem(moe, _args())
+    mla = _args(multi_latent_attention=True)
+    assert "--qk-head-dim saved 128, now 192" in _load_problem(
+        mla, _args(multi_latent_attention=True, qk_head_dim=192))
+    assert _load_problem(mla, _args(multi_latent_attention=True)) is None
+
+
+def test_an_older_checkpoint_without_the_new_entries_still_loads():
+    old = {"model_shape": {f: v for f, v in model_shape(_args()).items()
+                           if f not in ("num_experts", "multi_latent_attention")}}
+    checkpointing._check_model_shape(_args(num_experts=8), "ckpt", old)  # nothing to compare
