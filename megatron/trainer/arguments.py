@@ -431,6 +431,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="load a checkpoint of this project whose checksums.json is missing "
                         "(its files cannot be verified; without this flag it is refused). "
                         "Megatron-LM's checkpoints, which have none, load without it")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=["assume_ok_unexpected", "log_unexpected", "log_all",
+                            "raise_unexpected", "raise_all", "return_unexpected",
+                            "return_all", "ignore_all"],
+                   help="as Megatron-LM: megatron-core's handling of keys that the model "
+                        "asks for but the checkpoint lacks (unexpected) or the checkpoint "
+                        "has but the model does not ask for (missing); with log_*, "
+                        "return_* and ignore_all the weights the checkpoint lacks keep "
+                        "their initial values")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load; start at iteration 0 "
                         "without optimizer or RNG state")

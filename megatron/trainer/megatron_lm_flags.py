@@ -370,7 +370,7 @@ for _reason, _flags in (
                "--save-activations-interval --save-tokens-per-expert-interval "
                "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "
                "--pretrained-checkpoint --ckpt-step --use-mp-args-from-checkpoint-args "
-               "--ckpt-convert- --dist-ckpt-strictness --dist-ckpt-save-pre-mcore-014 "
+               "--ckpt-convert- --dist-ckpt-save-pre-mcore-014 "
                "--override-ckpt-iteration --lazy-mpu-init --use-tp-pp-dp-mapping "
                "--ddp-reduce-scatter-with-fp32-accumulation "
                "--ddp-param-name-patterns-for-fp32-local-accumulation "
