@@ -175,6 +175,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    metavar="START INCREMENT SAMPLES",
                    help="grow the global batch from START by INCREMENT over SAMPLES samples "
                         "(needs --train-samples), as Megatron-LM")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   metavar='"THRESHOLD:BATCH ..."',
+                   help="as Megatron-LM: the global batch is BATCH from THRESHOLD tokens on "
+                        "(K/M/B/T suffixes; first threshold 0; tokens // --seq-length "
+                        "samples); instead of --global-batch-size, with --train-samples")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--decoupled-lr", type=float, default=None,
@@ -685,6 +690,7 @@ def _derive_parallel_layout(args, world_size):
     args.data_parallel_size = world_size // (tp * pp)
     dp = args.data_parallel_size
 
+    _take_step_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     _require(args.global_batch_size >= 1,
@@ -705,10 +711,44 @@ def _derive_parallel_layout(args, world_size):
     _validate_virtual_pipeline(args)
 
 
+def _take_step_schedule(args):
+    """--step-batch-size-schedule: parsed into args.step_batch_schedule; its last batch
+    is the run's --global-batch-size (as megatron-core's calculator reports it)."""
+    args.step_batch_schedule = None
+    if args.step_batch_size_schedule is None:
+        return
+    from megatron.trainer.batch_schedule import ScheduleError, parse_schedule
+
+    _require(args.global_batch_size is None,
+             "--step-batch-size-schedule and --global-batch-size exclude each other (as in "
+             "Megatron-LM): the schedule gives the batch; keep one")
+    _require(args.rampup_batch_size is None,
+             "--step-batch-size-schedule and --rampup-batch-size exclude each other; keep one")
+    _require(args.train_samples is not None,
+             "--step-batch-size-schedule needs --train-samples instead of --train-iters (its "
+             "iterations have different batch sizes, so the run's length and learning-rate "
+             "schedule are counted in samples)")
+    try:
+        args.step_batch_schedule = parse_schedule(args.step_batch_size_schedule,
+                                                  args.seq_length)
+    except ScheduleError as error:
+        raise ArgumentError(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: "
+                            f"{error}") from None
+    args.global_batch_size = args.step_batch_schedule[-1][1]
+
+
 def _derive_batch_rampup(args):
     """--rampup-batch-size START INCREMENT SAMPLES: the global batch sizes the run will
     use (megatron-core's calculator decides them), each checked against the layout."""
     args.rampup_global_batch_sizes = [args.global_batch_size]
+    if args.step_batch_schedule is not None:
+        unit = args.micro_batch_size * args.data_parallel_size
+        sizes = [batch for _, batch in args.step_batch_schedule]
+        wrong = [batch for batch in sizes if batch % unit]
+        _require(not wrong, f"--step-batch-size-schedule: the global batches {wrong} are not "
+                            f"multiples of --micro-batch-size x data-parallel size ({unit})")
+        args.rampup_global_batch_sizes = sizes[:-1] + [args.global_batch_size]
+        return
     if args.rampup_batch_size is None:
         return
     values = args.rampup_batch_size
@@ -750,7 +790,9 @@ def _check_rampup_layouts(args):
                 check_interleaved_shape(pp, batch // unit, vp,
                                         args.microbatch_group_size_per_virtual_pipeline_stage)
         except ValueError as err:
-            raise ArgumentError(f"--rampup-batch-size: the global batch {batch} on the way "
+            flag = ("--step-batch-size-schedule" if args.step_batch_schedule is not None
+                    else "--rampup-batch-size")
+            raise ArgumentError(f"{flag}: the global batch {batch} on the way "
                                 f"does not suit the schedule: {err}")
 
 
@@ -883,6 +925,10 @@ def _derive_training_length(args):
 def _iterations_for_samples(args):
     """Iterations that --train-samples takes, with the batch sizes the ramp-up uses
     (megatron-core's calculator, as Megatron-LM counts them)."""
+    if args.step_batch_schedule is not None:
+        from megatron.trainer.batch_schedule import iterations_for_samples
+
+        return iterations_for_samples(args.step_batch_schedule, args.train_samples)
     if args.rampup_batch_size is None:
         return args.train_samples // args.global_batch_size
     from megatron.trainer.data import rampup_calculator

@@ -229,8 +229,6 @@ REFUSED_FLAGS = {
     "--async-save": ("asynchronous saves are not supported: checkpoints are written "
                      "synchronously, verified and then published; drop it"),
     "--yaml-cfg": "YAML configuration files are not read here; pass the flags",
-    "--step-batch-size-schedule": ("batch-size schedules by tokens are not supported; use "
-                                   "--rampup-batch-size START INCREMENT SAMPLES"),
     "--optimizer-cpu-offload": "optimizer CPU offload is not supported here",
     "--enable-cuda-graph": ("CUDA graphs do not fit the sequence-split schedules (shapes "
                             "change per split); drop it"),
