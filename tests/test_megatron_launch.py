@@ -219,6 +219,9 @@ def test_megatron_ci_gpt3_15b_release(ci_runs):
     pytest.importorskip("wandb", reason="the config logs to wandb (pip install wandb)")
     proc, output, directory = ci_runs["15b_release"]
     assert_trained(proc, output, printed=[2])  # --log-interval 100: the last one
+    # --step-batch-size-schedule: batch 2, then 6 from 256 tokens (2 samples) on
+    assert re.search(r"iteration +2/ +2 \| consumed samples: +8 \|.*global batch size: +6 \|",
+                     output), output[-3000:]
     assert_ci_logging(output, directory, iterations=[2])
     assert glob.glob(str(directory / "wandb" / "wandb" / "offline-run-*"))
     assert _saved_at(directory / "ckpt") == "2"
@@ -349,6 +352,16 @@ def test_step_batch_size_schedule_as_megatron_lm():
         with pytest.raises(ArgumentErrors, match=f"--step-batch-size-schedule.*{says}"):
             parse_args(base + ["--step-batch-size-schedule", schedule] + extra,
                        world_size=1, cuda_available=False)
+
+
+def test_rerun_mode_disabled_only():
+    """--rerun-mode disabled is this trainer's NaN/inf stop (Megatron-LM's disabled mode);
+    the modes that re-run iterations are refused with the reason."""
+    assert parse("--rerun-mode", "disabled").rerun_mode == "disabled"
+    for mode in ("validate_results", "report_stats"):
+        with pytest.raises(ArgumentErrors, match=f"--rerun-mode {mode}: re-running .* "
+                                                 f"not implemented.*use --rerun-mode disabled"):
+            parse("--rerun-mode", mode)
 
 
 def test_iteration_based_schedule_counts_samples():

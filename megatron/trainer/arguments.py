@@ -422,6 +422,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save (with --save) and exit 0 after the iteration during which this "
                         "many minutes of the run have passed (decided on all ranks together)")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"],
+                   default="disabled",
+                   help="Megatron-LM's rerun engine: only disabled (a NaN/inf stops the run, "
+                        "as Megatron-LM's disabled mode) is implemented; validate_results "
+                        "and report_stats are refused")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
                    help="stop at the first NaN/inf loss or gradient, before the optimizer "
                         "step and without saving (default)")
@@ -508,6 +513,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_data_flags(args, check_files),
         lambda: _check_checkpoint_flags(args, check_files),
         lambda: _check_exit_flags(args),
+        lambda: _check_rerun_mode(args),
         lambda: _validate_seq1f1b(args),
         lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: _validate_slimpipe(args),
@@ -1039,6 +1045,23 @@ def _check_checkpoint_flags(args, check_files):
                  f"iterations must be saved ones")
     if args.skip_train:
         args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
+
+
+_RERUN_REFUSED = {
+    "validate_results": "re-running an iteration that met a NaN/inf (to tell a transient "
+                        "fault from a persistent one) is not implemented: it would replay "
+                        "the iteration's data and RNG through the sequence-split schedule",
+    "report_stats": "re-running every iteration to report the variability of its results "
+                    "is not implemented",
+}
+
+
+def _check_rerun_mode(args):
+    """--rerun-mode: Megatron-LM's disabled mode is this trainer's NaN/inf check."""
+    if args.rerun_mode in _RERUN_REFUSED:
+        raise ArgumentError(f"--rerun-mode {args.rerun_mode}: {_RERUN_REFUSED[args.rerun_mode]}; "
+                            f"use --rerun-mode disabled (a NaN/inf loss or gradient stops "
+                            f"the run with --check-for-nan-in-loss-and-grad, the default)")
 
 
 def _check_exit_flags(args):

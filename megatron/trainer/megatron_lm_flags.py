@@ -315,7 +315,7 @@ for _reason, _flags in (
      "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector-"),
     ("Megatron-LM's rerun engine (result validation, error injection, spiky-loss and "
      "large-gradient checks) is not implemented; the NaN/inf check is "
-     "(--check-for-nan-in-loss-and-grad)", "--rerun-mode --error-injection-rate "
+     "(--check-for-nan-in-loss-and-grad)", "--error-injection-rate "
      "--error-injection-type --check-for-spiky-loss --check-for-large-grads "
      "--result-rejected-tracker-filename"),
     (_OTHER_MODEL, "--titles-data-path --query-in-block-prob --use-one-sent-docs "

@@ -9,9 +9,9 @@
 #   nccl -> gloo, --bf16 dropped (CPU trains in fp32), the NCCL/cuBLAS environment left out;
 # * data: the test corpus and its GPT-2 BPE files (paths from the environment); --load
 #   keeps its path under $CHECKPOINT_LOAD_PATH, where the test puts no 4B checkpoint;
-# * dropped because refused here: --rerun-mode validate_results (Megatron-LM's rerun
-#   engine is not implemented), --async-save and --use-persistent-ckpt-worker (saves are
-#   synchronous).
+# * dropped because refused here: --rerun-mode validate_results (re-running an iteration
+#   that met a NaN/inf is not implemented; only --rerun-mode disabled, the NaN/inf stop,
+#   is), --async-save and --use-persistent-ckpt-worker (saves are synchronous).
 ARGS=(
     --rotary-base 500
     --finetune
