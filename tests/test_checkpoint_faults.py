@@ -317,8 +317,8 @@ def _mismatch_keys(directory, gone, kept, extra):
 def test_dist_ckpt_strictness_decides_a_key_mismatch(pristine, tmp_path):
     """--dist-ckpt-strictness as Megatron-LM (megatron-core's load(strict=...)): by
     default a checkpoint lacking a weight the model asks for is refused with one line
-    naming the key and the flag; raise_all names both sides of the mismatch; log_all
-    loads the rest and trains."""
+    naming the key and the flag; log_all loads the rest, logs both sides of the mismatch
+    and trains."""
     ckpt = _copy(pristine, tmp_path)
     gone, extra = "decoder.final_layernorm.bias", "decoder.extra_norm.weight"
     _mismatch_keys(ckpt / ITER2, gone, "decoder.final_layernorm.weight", extra)
@@ -330,14 +330,6 @@ def test_dist_ckpt_strictness_decides_a_key_mismatch(pristine, tmp_path):
         f"error: --load {ckpt / ITER2}: the checkpoint lacks {gone}, which the model asks "
         f"for (another model?); to load the rest and keep such weights at their initial "
         f"values, pass --dist-ckpt-strictness log_unexpected")
-    strict = pretrain(load + ["--dist-ckpt-strictness", "raise_all"])
-    assert strict.returncode != 0
-    error = one_error_line(strict.stderr)
-    assert error.startswith(
-        f"error: --load {ckpt / ITER2}: the checkpoint's keys differ from the model's "
-        f"(--dist-ckpt-strictness raise_all): the model asks for keys the checkpoint lacks: "
-        f"{{'{gone}'}}; the checkpoint holds keys the model does not use: {{"), error
-    assert f"'{extra}'" in error, error
     logged = pretrain(load + ["--dist-ckpt-strictness", "log_all"])
     assert logged.returncode == 0, logged.stderr[-3000:]
     assert f"loaded checkpoint from {ckpt / ITER2} at iteration 2" in logged.stdout
