@@ -297,6 +297,46 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_pa
         f"--no-load-optim to load the weights only")
 
 
+def _mismatch_keys(directory, gone, kept, extra):
+    """Rewrite a checkpoint's torch_dist index: `gone` disappears (the model asks for a
+    key the checkpoint lacks) and `extra` appears, stored as `kept` (a key the model does
+    not ask for). checksums.json goes (the index changed)."""
+    import dataclasses
+    import pickle
+    index = directory / ".metadata"
+    metadata = pickle.loads(index.read_bytes())
+    del metadata.state_dict_metadata[gone]
+    metadata.state_dict_metadata[extra] = metadata.state_dict_metadata[kept]
+    for where, info in list(metadata.storage_data.items()):
+        if where.fqn == kept:
+            metadata.storage_data[dataclasses.replace(where, fqn=extra)] = info
+    index.write_bytes(pickle.dumps(metadata))
+    (directory / "checksums.json").unlink()
+
+
+def test_dist_ckpt_strictness_decides_a_key_mismatch(pristine, tmp_path):
+    """--dist-ckpt-strictness as Megatron-LM (megatron-core's load(strict=...)): by
+    default a checkpoint lacking a weight the model asks for is refused with one line
+    naming the key and the flag; log_all loads the rest, logs both sides of the mismatch
+    and trains."""
+    ckpt = _copy(pristine, tmp_path)
+    gone, extra = "decoder.final_layernorm.bias", "decoder.extra_norm.weight"
+    _mismatch_keys(ckpt / ITER2, gone, "decoder.final_layernorm.weight", extra)
+    load = BASE + ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim",
+                   "--load-unverified-checkpoint"]
+    refused = pretrain(load)
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --load {ckpt / ITER2}: the checkpoint lacks {gone}, which the model asks "
+        f"for (another model?); to load the rest and keep such weights at their initial "
+        f"values, pass --dist-ckpt-strictness log_unexpected")
+    logged = pretrain(load + ["--dist-ckpt-strictness", "log_all"])
+    assert logged.returncode == 0, logged.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt / ITER2} at iteration 2" in logged.stdout
+    assert re.search(r"iteration +3/ +3 \| .*lm loss: \d", logged.stdout), logged.stdout[-2000:]
+    assert gone in logged.stderr and extra in logged.stderr, logged.stderr[-3000:]
+
+
 def _manifest_holds(directory):
     """Every file of a saved checkpoint still has the size and hash its manifest says."""
     import hashlib

@@ -219,6 +219,9 @@ def test_megatron_ci_gpt3_15b_release(ci_runs):
     pytest.importorskip("wandb", reason="the config logs to wandb (pip install wandb)")
     proc, output, directory = ci_runs["15b_release"]
     assert_trained(proc, output, printed=[2])  # --log-interval 100: the last one
+    # --step-batch-size-schedule: batch 2, then 6 from 256 tokens (2 samples) on
+    assert re.search(r"iteration +2/ +2 \| consumed samples: +8 \|.*global batch size: +6 \|",
+                     output), output[-3000:]
     assert_ci_logging(output, directory, iterations=[2])
     assert glob.glob(str(directory / "wandb" / "wandb" / "offline-run-*"))
     assert _saved_at(directory / "ckpt") == "2"
@@ -319,6 +322,48 @@ def test_train_samples_and_rampup_count_iterations_as_megatron_lm():
     assert args.rampup_global_batch_sizes == [2, 4, 6, 8]
 
 
+def test_step_batch_size_schedule_as_megatron_lm():
+    """--step-batch-size-schedule: thresholds in tokens (K suffix, // --seq-length 64),
+    the last batch is the global batch, and --train-samples 40 takes 9 iterations
+    (Megatron-LM's update_train_iters: 2 2 2 4 4 6 8 8 8); where megatron-core has the
+    calculator (0.19+), its batch at every consumed count is ours."""
+    from megatron.trainer.batch_schedule import batch_at
+
+    base = [a for a in BASE if a not in ("--train-iters", "1")] + ["--train-samples", "40"]
+    text = "0:2 0.384K:4 704:6 1024:8"
+    args = parse_args(base + ["--step-batch-size-schedule", text], world_size=1,
+                      cuda_available=False)
+    assert args.step_batch_schedule == [(0, 2), (6, 4), (11, 6), (16, 8)]
+    assert (args.global_batch_size, args.train_iters) == (8, 9)
+    assert args.rampup_global_batch_sizes == [2, 4, 6, 8]
+    from megatron.core import num_microbatches_calculator as calculators
+    if hasattr(calculators, "StepBatchsizeNumMicroBatchesCalculator"):
+        theirs = calculators.StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size=1, data_parallel_size=1, decrease_batch_size_if_needed=False,
+            rank=1, schedule=text, seq_length=64)
+        for consumed in range(40):
+            theirs.update(consumed, False)
+            assert theirs.get_current_global_batch_size() == \
+                batch_at(args.step_batch_schedule, consumed), consumed
+    for extra, says in ((["--global-batch-size", "8"], "exclude each other"),
+                        (["--micro-batch-size", "4"], r"the global batches \[2, 6\] are not"),
+                        ([], "the first threshold must be 0")):
+        schedule = "64:2 128:4" if not extra else text
+        with pytest.raises(ArgumentErrors, match=f"--step-batch-size-schedule.*{says}"):
+            parse_args(base + ["--step-batch-size-schedule", schedule] + extra,
+                       world_size=1, cuda_available=False)
+
+
+def test_rerun_mode_disabled_only():
+    """--rerun-mode disabled is this trainer's NaN/inf stop (Megatron-LM's disabled mode);
+    the modes that re-run iterations are refused with the reason."""
+    assert parse("--rerun-mode", "disabled").rerun_mode == "disabled"
+    for mode in ("validate_results", "report_stats"):
+        with pytest.raises(ArgumentErrors, match=f"--rerun-mode {mode}: re-running .* "
+                                                 f"not implemented.*use --rerun-mode disabled"):
+            parse("--rerun-mode", mode)
+
+
 def test_iteration_based_schedule_counts_samples():
     args = parse("--global-batch-size", "4", "--lr-warmup-iters", "1", "--lr-decay-iters", "1",
                  "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "1")
@@ -398,14 +443,20 @@ def test_rampup_decoupled_lr_and_workers_in_training(tmp_path):
     base = _without(TINY_MODEL, "--lr-warmup-iters") + ["--untie-embeddings-and-output-weights"]
     ramp = ["--train-samples", "40", "--global-batch-size", "8",
             "--rampup-batch-size", "2", "2", "16"]
+    # the same batches as a step schedule (thresholds in tokens of --seq-length 48)
+    steps = ["--train-samples", "40", "--step-batch-size-schedule", "0:2 288:4 528:6 768:8"]
     results = run_configs(tmp_path, 1, [
         {"name": "initial", "argv": base + ["--train-iters", "0"], "params": True},
         {"name": "ramp", "argv": base + ramp, "params": True},
+        {"name": "steps", "argv": base + steps},
         {"name": "ramp_workers", "argv": base + ramp + ["--num-workers", "2"]},
         {"name": "decoupled", "argv": base + ramp + ["--decoupled-lr", "0"], "params": True},
     ])
     assert results["ramp"]["losses"] == results["ramp_workers"]["losses"]
     assert len(results["ramp"]["losses"]) == 8
+    # Megatron-LM counts a last iteration past --train-samples for a step schedule
+    assert len(results["steps"]["losses"]) == 9
+    assert results["steps"]["losses"][:8] == results["ramp"]["losses"]
     initial, ramped, frozen = (torch.load(results[name]["params"])
                                for name in ("initial", "ramp", "decoupled"))
     edges = [name for name in initial if "word_embeddings" in name or "output_layer" in name]

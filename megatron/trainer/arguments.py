@@ -177,6 +177,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    metavar="START INCREMENT SAMPLES",
                    help="grow the global batch from START by INCREMENT over SAMPLES samples "
                         "(needs --train-samples), as Megatron-LM")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   metavar='"THRESHOLD:BATCH ..."',
+                   help="as Megatron-LM: the global batch is BATCH from THRESHOLD tokens on "
+                        "(K/M/B/T suffixes; first threshold 0; tokens // --seq-length "
+                        "samples); instead of --global-batch-size, with --train-samples")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--decoupled-lr", type=float, default=None,
@@ -425,6 +430,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save (with --save) and exit 0 after the iteration during which this "
                         "many minutes of the run have passed (decided on all ranks together)")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"],
+                   default="disabled",
+                   help="Megatron-LM's rerun engine: only disabled (a NaN/inf stops the run, "
+                        "as Megatron-LM's disabled mode) is implemented; validate_results "
+                        "and report_stats are refused")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
                    help="stop at the first NaN/inf loss or gradient, before the optimizer "
                         "step and without saving (default)")
@@ -439,6 +449,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="load a checkpoint of this project whose checksums.json is missing "
                         "(its files cannot be verified; without this flag it is refused). "
                         "Megatron-LM's checkpoints, which have none, load without it")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=["assume_ok_unexpected", "log_unexpected", "log_all",
+                            "raise_unexpected", "raise_all", "return_unexpected",
+                            "return_all", "ignore_all"],
+                   help="as Megatron-LM: megatron-core's handling of keys that the model "
+                        "asks for but the checkpoint lacks (unexpected) or the checkpoint "
+                        "has but the model does not ask for (missing); with log_*, "
+                        "return_* and ignore_all the weights the checkpoint lacks keep "
+                        "their initial values")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load; start at iteration 0 "
                         "without optimizer or RNG state")
@@ -503,6 +522,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_data_flags(args, check_files),
         lambda: _check_checkpoint_flags(args, check_files),
         lambda: _check_exit_flags(args),
+        lambda: _check_rerun_mode(args),
         lambda: _validate_seq1f1b(args),
         lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: problems.extend(check_mla_args(args)),
@@ -686,6 +706,7 @@ def _derive_parallel_layout(args, world_size):
     args.data_parallel_size = world_size // (tp * pp)
     dp = args.data_parallel_size
 
+    _take_step_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     _require(args.global_batch_size >= 1,
@@ -709,10 +730,44 @@ def _derive_parallel_layout(args, world_size):
         raise ArgumentError(str(error)) from None
 
 
+def _take_step_schedule(args):
+    """--step-batch-size-schedule: parsed into args.step_batch_schedule; its last batch
+    is the run's --global-batch-size (as megatron-core's calculator reports it)."""
+    args.step_batch_schedule = None
+    if args.step_batch_size_schedule is None:
+        return
+    from megatron.trainer.batch_schedule import ScheduleError, parse_schedule
+
+    _require(args.global_batch_size is None,
+             "--step-batch-size-schedule and --global-batch-size exclude each other (as in "
+             "Megatron-LM): the schedule gives the batch; keep one")
+    _require(args.rampup_batch_size is None,
+             "--step-batch-size-schedule and --rampup-batch-size exclude each other; keep one")
+    _require(args.train_samples is not None,
+             "--step-batch-size-schedule needs --train-samples instead of --train-iters (its "
+             "iterations have different batch sizes, so the run's length and learning-rate "
+             "schedule are counted in samples)")
+    try:
+        args.step_batch_schedule = parse_schedule(args.step_batch_size_schedule,
+                                                  args.seq_length)
+    except ScheduleError as error:
+        raise ArgumentError(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: "
+                            f"{error}") from None
+    args.global_batch_size = args.step_batch_schedule[-1][1]
+
+
 def _derive_batch_rampup(args):
     """--rampup-batch-size START INCREMENT SAMPLES: the global batch sizes the run will
     use (megatron-core's calculator decides them), each checked against the layout."""
     args.rampup_global_batch_sizes = [args.global_batch_size]
+    if args.step_batch_schedule is not None:
+        unit = args.micro_batch_size * args.data_parallel_size
+        sizes = [batch for _, batch in args.step_batch_schedule]
+        wrong = [batch for batch in sizes if batch % unit]
+        _require(not wrong, f"--step-batch-size-schedule: the global batches {wrong} are not "
+                            f"multiples of --micro-batch-size x data-parallel size ({unit})")
+        args.rampup_global_batch_sizes = sizes[:-1] + [args.global_batch_size]
+        return
     if args.rampup_batch_size is None:
         return
     values = args.rampup_batch_size
@@ -754,7 +809,9 @@ def _check_rampup_layouts(args):
                 check_interleaved_shape(pp, batch // unit, vp,
                                         args.microbatch_group_size_per_virtual_pipeline_stage)
         except ValueError as err:
-            raise ArgumentError(f"--rampup-batch-size: the global batch {batch} on the way "
+            flag = ("--step-batch-size-schedule" if args.step_batch_schedule is not None
+                    else "--rampup-batch-size")
+            raise ArgumentError(f"{flag}: the global batch {batch} on the way "
                                 f"does not suit the schedule: {err}")
 
 
@@ -887,6 +944,10 @@ def _derive_training_length(args):
 def _iterations_for_samples(args):
     """Iterations that --train-samples takes, with the batch sizes the ramp-up uses
     (megatron-core's calculator, as Megatron-LM counts them)."""
+    if args.step_batch_schedule is not None:
+        from megatron.trainer.batch_schedule import iterations_for_samples
+
+        return iterations_for_samples(args.step_batch_schedule, args.train_samples)
     if args.rampup_batch_size is None:
         return args.train_samples // args.global_batch_size
     from megatron.trainer.data import rampup_calculator
@@ -997,6 +1058,23 @@ def _check_checkpoint_flags(args, check_files):
                  f"iterations must be saved ones")
     if args.skip_train:
         args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
+
+
+_RERUN_REFUSED = {
+    "validate_results": "re-running an iteration that met a NaN/inf (to tell a transient "
+                        "fault from a persistent one) is not implemented: it would replay "
+                        "the iteration's data and RNG through the sequence-split schedule",
+    "report_stats": "re-running every iteration to report the variability of its results "
+                    "is not implemented",
+}
+
+
+def _check_rerun_mode(args):
+    """--rerun-mode: Megatron-LM's disabled mode is this trainer's NaN/inf check."""
+    if args.rerun_mode in _RERUN_REFUSED:
+        raise ArgumentError(f"--rerun-mode {args.rerun_mode}: {_RERUN_REFUSED[args.rerun_mode]}; "
+                            f"use --rerun-mode disabled (a NaN/inf loss or gradient stops "
+                            f"the run with --check-for-nan-in-loss-and-grad, the default)")
 
 
 def _check_exit_flags(args):

@@ -56,6 +56,7 @@ import torch
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron.trainer import save_failure, stop_signals
@@ -716,10 +717,49 @@ def _check_schedule(args, path, scheduler, saved):
         print(note, flush=True)
 
 
-def _unreadable(root, path, error):
+# --dist-ckpt-strictness values under which every key the model asks for was loaded
+STRICT_LOADS = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
+
+
+_ABSENT_KEY = re.compile(r"([\w./]+) from model not in state dict")
+_KEY_SET = re.compile(r"(Unexpected|Missing) keys \(for [a-z ]+\): (\{[^}]*\})")
+
+
+def _key_mismatch(path, error, strictness):
+    """A load refused for keys the checkpoint lacks or holds beyond the model's: one
+    line naming them and the flag, else None (another fault)."""
+    text = str(error) + "".join(str(e) for _, e in getattr(error, "failures", {}).items())
+    absent = _ABSENT_KEY.search(text)
+    if absent and strictness == "assume_ok_unexpected":
+        return (f"--load {path}: the checkpoint lacks {absent.group(1)}, which the model "
+                f"asks for (another model?); to load the rest and keep such weights at "
+                f"their initial values, pass --dist-ckpt-strictness log_unexpected")
+    found = dict(_KEY_SET.findall(text))
+    if strictness.startswith("raise_") and found:
+        return (f"--load {path}: the checkpoint's keys differ from the model's "
+                f"(--dist-ckpt-strictness {strictness}): the model asks for keys the "
+                f"checkpoint lacks: {found.get('Unexpected', '{}')}; the checkpoint holds "
+                f"keys the model does not use: {found.get('Missing', '{}')}"[:4000])
+    return None
+
+
+def _unreadable(root, path, error, strictness=None):
+    if strictness is not None:
+        mismatch = _key_mismatch(path, error, strictness)
+        if mismatch:
+            return mismatch
     detail = str(error).strip().splitlines()
     detail = detail[-1] if detail else type(error).__name__
     return _damaged(root, path, f"{type(error).__name__}: {detail[:300]}")
+
+
+def _note_mismatch(path, missing, unexpected):
+    """--dist-ckpt-strictness return_*: Megatron-LM hands the keys to its caller; here
+    rank 0 names them, so a partial load is never silent."""
+    if _rank() == 0 and (missing or unexpected):
+        print(f"  warning: {path}: keys the model asks for but the checkpoint lacks "
+              f"(left at their initial values): {sorted(unexpected)}; keys in the "
+              f"checkpoint the model does not use: {sorted(missing)}", flush=True)
 
 
 def load_checkpoint(args, model, optimizer, scheduler):
@@ -768,12 +808,19 @@ def load_checkpoint(args, model, optimizer, scheduler):
                 and common.get("has_rng", True))
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=load_optim)
+    strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     try:
-        state = dist_checkpointing.load(template, path)
-    except Exception as error:
-        _exit(_unreadable(args.load, path, error))
+        state = dist_checkpointing.load(template, path, strict=strictness)
+    except (Exception, CheckpointException) as error:  # the latter is a BaseException
+        _exit(_unreadable(args.load, path, error, strictness))
+    if strictness.startswith("return_"):  # the keys come back instead of being logged
+        state, missing, unexpected = state
+        _note_mismatch(path, missing, unexpected)
+    # keys the checkpoint lacks were taken out of the request by the modes that allow
+    # it; those weights keep their initial values (Megatron-LM's non-strict fallback)
+    strict_model = strictness in STRICT_LOADS
     for i, chunk in enumerate(model):
-        unwrap_model(chunk).load_state_dict(state[_model_key(model, i)])
+        unwrap_model(chunk).load_state_dict(state[_model_key(model, i)], strict=strict_model)
     if load_optim:
         _load_optimizer(args, model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -101,10 +101,15 @@ class GlobalBatchSizes:
         self.unit = args.micro_batch_size * args.data_parallel_size
         self.constant = args.global_batch_size // self.unit
         self.calculator = None
+        self.steps = getattr(args, "step_batch_schedule", None)
         if args.rampup_batch_size is not None:
             self.calculator = rampup_calculator(args, torch.distributed.get_rank())
 
     def microbatches_at(self, consumed_samples: int) -> int:
+        if self.steps is not None:  # --step-batch-size-schedule
+            from megatron.trainer.batch_schedule import batch_at
+
+            return batch_at(self.steps, consumed_samples) // self.unit
         if self.calculator is None:
             return self.constant
         self.calculator.update(consumed_samples, True)

@@ -227,8 +227,6 @@ REFUSED_FLAGS = {
     "--async-save": ("asynchronous saves are not supported: checkpoints are written "
                      "synchronously, verified and then published; drop it"),
     "--yaml-cfg": "YAML configuration files are not read here; pass the flags",
-    "--step-batch-size-schedule": ("batch-size schedules by tokens are not supported; use "
-                                   "--rampup-batch-size START INCREMENT SAMPLES"),
     "--optimizer-cpu-offload": "optimizer CPU offload is not supported here",
     "--enable-cuda-graph": ("CUDA graphs do not fit the sequence-split schedules (shapes "
                             "change per split); drop it"),
@@ -317,7 +315,7 @@ for _reason, _flags in (
      "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector-"),
     ("Megatron-LM's rerun engine (result validation, error injection, spiky-loss and "
      "large-gradient checks) is not implemented; the NaN/inf check is "
-     "(--check-for-nan-in-loss-and-grad)", "--rerun-mode --error-injection-rate "
+     "(--check-for-nan-in-loss-and-grad)", "--error-injection-rate "
      "--error-injection-type --check-for-spiky-loss --check-for-large-grads "
      "--result-rejected-tracker-filename"),
     (_OTHER_MODEL, "--titles-data-path --query-in-block-prob --use-one-sent-docs "
@@ -370,7 +368,7 @@ for _reason, _flags in (
                "--save-activations-interval --save-tokens-per-expert-interval "
                "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "
                "--pretrained-checkpoint --ckpt-step --use-mp-args-from-checkpoint-args "
-               "--ckpt-convert- --dist-ckpt-strictness --dist-ckpt-save-pre-mcore-014 "
+               "--ckpt-convert- --dist-ckpt-save-pre-mcore-014 "
                "--override-ckpt-iteration --lazy-mpu-init --use-tp-pp-dp-mapping "
                "--ddp-reduce-scatter-with-fp32-accumulation "
                "--ddp-param-name-patterns-for-fp32-local-accumulation "

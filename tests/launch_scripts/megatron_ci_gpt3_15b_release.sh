@@ -4,17 +4,17 @@
 # 2-process CPU test:
 # * shapes: layers 32 -> 4, hidden 6144 -> 64, heads 48 -> 4, query groups 8 -> 2,
 #   sequence 4096 -> 128, micro-batch 4 -> 1, samples 19531250 -> 8 (2 iterations), the
-#   learning-rate samples and --eval-iters 32 -> 1 to match;
+#   learning-rate samples and --eval-iters 32 -> 1 to match; --step-batch-size-schedule
+#   "0:384 200B:768 400B:1152" (tokens) -> "0:2 256:6 400K:8" (batches 2 then 6; the
+#   last step is not reached in 8 samples);
 # * layout: TP 8 x PP 1 -> TP 1 x PP 2, and --seq1f1b-splits 2 added;
 # * data-loader processes: --num-workers 6 -> 1 (2 CPU cores for both ranks);
 # * hardware: --transformer-impl transformer_engine -> local, --bf16 dropped (CPU trains
 #   in fp32), the NCCL/TE environment variables left out;
 # * data: the test corpus with its GPT-2 BPE vocabulary instead of the Nemotron blend and
 #   its 256k GPTSentencePieceTokenizer model (paths from the environment);
-# * dropped because refused here: --step-batch-size-schedule (batch-size schedules by
-#   tokens; the first stage's batch is given as --global-batch-size 4), --async-save and
-#   --use-persistent-ckpt-worker (saves are synchronous), --save-retain-interval
-#   (issue 28 point 4, another change).
+# * dropped because refused here: --async-save and --use-persistent-ckpt-worker (saves
+#   are synchronous).
 ARGS=(
     --distributed-timeout-minutes 60
     --tensor-model-parallel-size 1
@@ -26,7 +26,7 @@ ARGS=(
     --sequence-parallel
     --disable-bias-linear
     --micro-batch-size 1
-    --global-batch-size 4
+    --step-batch-size-schedule "0:2 256:6 400K:8"
     --train-samples 8
     --manual-gc
     --transformer-impl local
@@ -69,6 +69,7 @@ ARGS=(
     --save $CHECKPOINT_SAVE_PATH
     --load $CHECKPOINT_LOAD_PATH
     --save-interval 1000
+    --save-retain-interval 5000
     --init-method-std 0.0134
     --log-timers-to-tensorboard
     --log-memory-to-tensorboard

@@ -9,10 +9,9 @@
 #   nccl -> gloo, --bf16 dropped (CPU trains in fp32), the NCCL/cuBLAS environment left out;
 # * data: the test corpus and its GPT-2 BPE files (paths from the environment); --load
 #   keeps its path under $CHECKPOINT_LOAD_PATH, where the test puts no 4B checkpoint;
-# * dropped because refused here: --rerun-mode validate_results (Megatron-LM's rerun
-#   engine is not implemented), --async-save and --use-persistent-ckpt-worker (saves are
-#   synchronous), --override-opt_param-scheduler and --dist-ckpt-strictness (issue 28
-#   point 4, another change).
+# * dropped because refused here: --rerun-mode validate_results (re-running an iteration
+#   that met a NaN/inf is not implemented; only --rerun-mode disabled, the NaN/inf stop,
+#   is), --async-save and --use-persistent-ckpt-worker (saves are synchronous).
 ARGS=(
     --rotary-base 500
     --finetune
@@ -57,8 +56,10 @@ ARGS=(
     --split 949,50,1
     --no-gradient-accumulation-fusion
     --save-interval 1
+    --override-opt_param-scheduler
     --eval-interval 1000
     --ckpt-format torch_dist
+    --dist-ckpt-strictness log_all
     --dist-ckpt-optim-fully-reshardable
     --save $CHECKPOINT_SAVE_PATH
     --load $CHECKPOINT_LOAD_PATH/model/mcore_gpt/gpt3_4b_pyt/25.03.05_bf16_rerun-enabled_v2
