@@ -70,6 +70,7 @@ class ModelShape:
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
     vocab_divisible_by: int = 128  # --make-vocab-size-divisible-by (x TP)
+    max_position_embeddings: int | None = None  # rows of learned position embeddings
     # mixture of experts (Megatron-LM's --num-experts ... flags); None: dense
     num_experts: int | None = None
     moe_topk: int = 2
@@ -113,6 +114,7 @@ class ModelShape:
             position_embedding_type=args.position_embedding_type,
             attention_dropout=args.attention_dropout > 0,
             vocab_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+            max_position_embeddings=getattr(args, "max_position_embeddings", None),
         )
         return cls(**{**fields, **_moe_fields(args), **_mla_fields(args)})
 
@@ -178,7 +180,14 @@ class ModelShape:
         layers = sum(self.attention_linear_params() + self.mlp_linear_params(i, active)
                      + 2 * norm + mla_norms for i in range(self.num_layers))
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
+        embeddings += self.position_embedding_params()
         return layers + embeddings + norm
+
+    def position_embedding_params(self) -> int:
+        """Learned absolute position embeddings (RoPE has no weights)."""
+        if self.position_embedding_type != "learned_absolute":
+            return 0
+        return (self.max_position_embeddings or 0) * self.hidden_size
 
     def kv_values_per_token(self) -> int:
         """Values the K/V cache keeps per token and layer: keys and values of every

@@ -73,10 +73,70 @@ def test_training_checks_apply(capsys):
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
 
 
-def test_moe_models_are_refused_until_the_planner_models_experts():
-    """A dense prediction of an MoE command line would mislead: refused with the reason."""
-    with pytest.raises(PlanError, match="does not model mixture-of-experts"):
-        plan(TRAINING + ["--num-experts", "8", "--disable-bias-linear"])
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",
+       "--disable-bias-linear", "--swiglu", "--use-distributed-optimizer",
+       "--world-size", "32"]  # TP 2 x PP 4 x DP 4
+
+
+def test_moe_expert_memory_follows_expert_parallelism():
+    """Each GPU holds E / EP experts (weights, fp32 gradients); the distributed optimizer
+    shards dense states over DP and expert states over DP / EP; dense memory is the
+    same at every EP."""
+    ep1, ep2, ep4 = (plan(TRAINING + MOE + ["--expert-model-parallel-size", str(ep)]).cost
+                     for ep in (1, 2, 4))
+    h, f, t = 1024, 512, 2
+    expert = 3 * h * f // t  # one expert's weights on one TP rank (SwiGLU)
+    layers = 2  # 8 layers over PP 4, all MoE
+    for cost, ep in ((ep1, 1), (ep2, 2), (ep4, 4)):
+        parts = cost.rank_param_parts(1)
+        assert parts["experts"] == layers * 8 // ep * expert
+        assert parts["dense"] == ep1.rank_param_parts(1)["dense"]
+        static = cost.static_memory(1)
+        assert static["weights"] == 4 * (parts["dense"] + parts["experts"])  # fp32 run
+        assert static["optimizer"] == pytest.approx(
+            8 * (parts["dense"] / 4 + parts["experts"] / (4 // ep)))
+
+
+def test_moe_flops_count_active_parameters_and_dispatch_volume():
+    """FLOPs grow with top-k, not with the number of experts; the alltoall dispatcher
+    moves k copies of (EP - 1) / EP of the tokens each way, allgather the tokens of the
+    EP x TP group; active parameters and the experts line are reported."""
+    shape = lambda extra: plan(TRAINING + MOE + extra).cost.shape
+    few, many = shape([]), shape(["--num-experts", "64"])
+    # only the router grows with the experts (2 h E)
+    assert many.layer_flops_per_token() - few.layer_flops_per_token() == 2 * 1024 * (64 - 8)
+    top4 = shape(["--moe-router-topk", "4"])
+    assert top4.layer_flops_per_token() - few.layer_flops_per_token() == 2 * 2 * 3 * 1024 * 512
+    assert many.parameter_count() - few.parameter_count() == 8 * 56 * (3 * 1024 * 512 + 1024)
+    assert many.parameter_count(active=True) - few.parameter_count(active=True) == 8 * 56 * 1024
+    a2a = plan(TRAINING + MOE + ["--expert-model-parallel-size", "4",
+                                 "--moe-token-dispatcher-type", "alltoall"])
+    tokens = a2a.split_lengths[0]
+    assert a2a.cost.moe_comm_bytes(tokens) == 2 * 2 * tokens * 2 * 1024 * 3 / 4
+    ag = plan(TRAINING + MOE + ["--expert-model-parallel-size", "4"])  # allgather, SP on
+    assert ag.cost.moe_comm_bytes(tokens) == 2 * tokens * 2 * 1024 * 7 / 2
+    from megatron.planner.cli import report
+    text = report(a2a)
+    assert "active per token" in text and "8 experts of FFN 512, top-2" in text
+    assert "EP 4 (2 experts per GPU), alltoall dispatcher" in text
+
+
+def test_mla_flags_give_its_shape_and_cache():
+    """--multi-latent-attention and its sizes (read by the planner): projections' weights,
+    attention FLOPs per pair, and a K/V cache of decompressed keys (qk + rope head dims)
+    and values per head."""
+    mla = ["--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128",
+           "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64"]
+    pred = plan(TRAINING + mla)
+    shape = pred.cost.shape
+    h, a = 1024, 16
+    assert shape.attention_linear_params() == (h * 256 + 256 * a * 96 + h * (128 + 32)
+                                               + 128 * a * (64 + 64) + a * 64 * h)
+    assert shape.layer_flops_per_pair() == 2 * a * (96 + 64)
+    assert shape.kv_values_per_token() == a * (96 + 64)
+    assert pred.cost.kv_bytes_per_token() == 4 * a * (96 + 64) / 2  # fp32, TP 2
+    with pytest.raises(PlanError, match="--kv-lora-rank: expected an integer"):
+        plan(TRAINING + ["--multi-latent-attention", "--kv-lora-rank", "x"])
 
 
 def test_vocabulary_padding_follows_the_flag():

@@ -148,6 +148,7 @@ class CostModel:
         h = self.model.hidden_size
         if rank == 0:
             dense += self.vocab * h / self.par.tp  # input embedding
+            dense += self.model.position_embedding_params()  # replicated over TP
         if rank == self.par.pp - 1:
             dense += self.vocab * h / self.par.tp  # untied output layer
             dense += 2 * h if self.model.normalization == "LayerNorm" else h
@@ -268,11 +269,11 @@ class CostModel:
         the ``top-k`` dispatched copies of each token (the experts' inputs and outputs,
         kept for the probability-weighted combine), the experts' MLP activations over
         those ``k T`` copies, their fp32 probabilities, and the shared expert's MLP.
-        With TP the allgather dispatcher gives every TP rank all tokens of its group
-        (``tokens x t_sp``) and each expert's FFN / t."""
+        ``tokens`` are the unit's tokens (all of them with SP too: the dispatcher gathers
+        the sequence-parallel shards); each expert's FFN is split over TP."""
         m, t, e = self.model, self.par.tp, self.act_bytes
         h, k, E = m.hidden_size, m.moe_topk, m.num_experts
-        local = tokens * self.par.tp_sp  # tokens of the TP group (SP gathers them)
+        local = tokens
         per_act = 5 if m.swiglu else 2
         router = local * E * FP32 * 2  # logits, scores
         dispatched = k * local * (2 * h * e + FP32)  # expert input, output; probability
