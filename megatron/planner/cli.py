@@ -365,9 +365,10 @@ def _model_lines(pred: Prediction) -> List[str]:
         lines.append(
             f"experts: {moe} of {m.num_layers} layers MoE, {m.num_experts} experts of FFN "
             f"{m.expert_ffn}, top-{m.moe_topk}{shared}; EP {p.ep} ({m.num_experts // p.ep} "
-            f"experts per GPU), {p.moe_dispatcher} dispatcher moves "
-            + "/".join(f"{v:.2f}" for v in volume)
-            + " MiB per MoE layer and split forward (as much backward)")
+            f"experts per GPU), {p.moe_dispatcher} dispatcher "
+            + ("moves " + "/".join(f"{v:.2f}" for v in volume)
+               + " MiB per MoE layer and split forward (as much backward)" if any(volume)
+               else "moves nothing (one expert-parallel rank, no TP)"))
     return lines
 
 
