@@ -147,21 +147,58 @@ def test_vocabulary_padding_follows_the_flag():
 
 
 @pytest.mark.distributed  # runs the example script (a bash process)
-def test_qwen3_4b_example_is_planned_as_it_is():
+def test_qwen3_4b_example_is_planned_as_it_is(capsys):
     """examples/train_qwen3_4b_seq1f1b.sh with PLAN=1 hands its training flags unchanged
-    to tools/plan.py: Megatron-LM's Qwen3-4B shape at 16k tokens with 4 Seq1F1B splits."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PLAN="1", PYTHON=sys.executable, PLAN_ARGS="--json")
-    proc = subprocess.run(["bash", os.path.join(root, "examples", "train_qwen3_4b_seq1f1b.sh")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    to tools/plan.py: Megatron-LM's Qwen3-4B shape at 16k tokens with 4 Seq1F1B splits
+    (planned in-process: a Python process would cost seconds of start-up)."""
+    assert main(_example_argv("train_qwen3_4b_seq1f1b.sh") + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     model = out["model"]
     assert (model["num_layers"], model["hidden_size"], model["num_attention_heads"]) == \
         (36, 2560, 32)
     assert model["vocab_size"] == 151936 and out["splits"] == 4
     assert out["parallel"]["world_size"] == 8
+
+
+def _example_argv(script):
+    """The flags an example hands to tools/plan.py under PLAN=1, printed by bash itself
+    (PYTHON=printf: no Python process), to plan here in-process."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PLAN="1", PYTHON="printf %s\\n")
+    proc = subprocess.run(["bash", os.path.join(root, "examples", script)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.splitlines()
+    assert words[0] == "tools/plan.py"
+    return words[1:]
+
+
+@pytest.mark.distributed  # runs the example scripts (bash processes)
+def test_moe_examples_are_planned_as_they_are(capsys):
+    """The DeepSeek-V3-style and Mixtral-style scripts' flags are accepted unchanged and
+    planned with their experts (and MLA), fitting an 80 GB GPU as their comments say."""
+    from megatron.planner.cli import report
+
+    deepseek = _example_argv("train_deepseek_v3_style_seq1f1b.sh")
+    assert main(deepseek + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, par = out["model"], out["parallel"]
+    assert (model["num_experts"], model["moe_topk"], model["moe_layer_freq"][:4]) == \
+        (256, 8, [0, 0, 0, 1])
+    assert model["multi_latent_attention"] and model["kv_lora_rank"] == 512
+    assert (par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]) == (2, 4)
+    assert out["parameters"]["active"] < out["parameters"]["total"] / 4
+    assert out["splits"] == 4 and not out["oom"]
+
+    mixtral = plan(_example_argv("train_mixtral_style_seq1f1b.sh"))
+    shape = mixtral.config.model
+    assert (shape.num_experts, shape.moe_topk, shape.num_layers) == (8, 2, 32)
+    assert mixtral.config.parallel.ep == 4 and mixtral.config.parallel.world_size == 32
+    assert not mixtral.oom
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active (the published counts)
+    assert round(shape.parameter_count() / 1e9, 1) == 46.7
+    assert round(shape.parameter_count(active=True) / 1e9, 1) == 12.9
+    assert "alltoall dispatcher moves" in report(mixtral)
