@@ -95,10 +95,10 @@ def plan(tmp, corpus):
         runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
     for name, (model, n, extra, world, _) in CASES.items():
         base = MODELS[model] + BATCH + starts[model]
-        # with experts over EP ranks, the gathered parameters would miss the other
-        # ranks' experts: that run compares losses and grad norms (which see them all)
+        # with experts over EP ranks the gathered parameters hold every rank's experts
+        # under their global indices (tests/dist_runner.py): compared as the others
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra,
-                            "params": "--expert-model-parallel-size" not in extra})
+                            "params": True})
     return Plan(inits, runs)
 
 
