@@ -136,7 +136,7 @@ class ModelShape:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
-    def _gates(self) -> int:
+    def mlp_matrices(self) -> int:
         """Weight matrices per MLP: fc1 (doubled with SwiGLU) and fc2."""
         return 3 if self.swiglu else 2
 
@@ -157,17 +157,17 @@ class ModelShape:
 
     def expert_params(self) -> int:
         """Weights of one routed expert."""
-        return self._gates * self.hidden_size * self.expert_ffn
+        return self.mlp_matrices * self.hidden_size * self.expert_ffn
 
     def mlp_linear_params(self, layer: int, active: bool = False) -> int:
         """Weights of one layer's MLP: dense, or (MoE) router + experts + shared expert,
         with ``active`` only the ``top-k`` experts a token runs through."""
         h = self.hidden_size
         if not self.is_moe_layer(layer):
-            return self._gates * h * self.ffn_hidden_size
+            return self.mlp_matrices * h * self.ffn_hidden_size
         experts = self.moe_topk if active else self.num_experts
         return (self.router_params() + experts * self.expert_params()
-                + self._gates * h * self.moe_shared_ffn_hidden_size)
+                + self.mlp_matrices * h * self.moe_shared_ffn_hidden_size)
 
     def parameter_count(self, active: bool = False) -> int:
         """Weights of the whole model (embeddings, norms; biases left out), all experts

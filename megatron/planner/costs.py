@@ -114,7 +114,7 @@ class CostModel:
         moe = m.is_moe_layer(layer)
         linear = m.attention_linear_params()
         if moe:
-            linear += m._gates * h * m.moe_shared_ffn_hidden_size
+            linear += m.mlp_matrices * h * m.moe_shared_ffn_hidden_size
         else:
             linear += m.mlp_linear_params(layer)
         bias = 0
