@@ -13,8 +13,8 @@
 # FFN 18432, experts 2048). Plain RoPE (base 10000) stands in for DeepSeek-V3's YaRN
 # scaling. Selective recomputation of core attention.
 #
-# The MLA flags are read by tools/plan.py already; training them needs the trainer's
-# multi-latent attention (issue #29 point 3): until then pretrain_gpt.py refuses them.
+# The MLA flags need the trainer's multi-latent attention (issue #29 point 3, branch
+# mla); tools/plan.py reads them itself where the trainer does not know them yet.
 #
 #   TOKENIZER_MODEL=/path/to/DeepSeek-V3 DATA_PATH=/data/corpus_text_document \
 #       bash examples/train_deepseek_v3_style_seq1f1b.sh     # 8 GPUs on this node
@@ -23,15 +23,20 @@
 # PLAN=1 hands the same flags to tools/plan.py (with --world-size and --gpu $GPU,
 # default h100-80g) instead of training. Everything else comes from the environment:
 # GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, CHECKPOINT_PATH,
-# TENSORBOARD_DIR, TRAIN_ITERS, EP (1: expert parallelism divides the data-parallel
-# ranks, 1 at 8 GPUs; with NNODES=2, EP=2 halves the experts per GPU), GLOBAL_BATCH_SIZE
-# (16: 16 microbatches per pipeline and iteration at DP=1).
+# TENSORBOARD_DIR, TRAIN_ITERS, TP (2, with sequence parallelism), EP (DP: expert
+# parallelism over the data-parallel ranks, 1 at TP=2 on 8 GPUs, 2 at TP=1), GLOBAL_BATCH_SIZE
+# (16: 16 microbatches per pipeline and iteration at DP=1). Where the trainer refuses
+# multi-latent attention under TP > 1 (megatron-core's local MLA spec does not sum the
+# rotary key's gradient over TP ranks: docs/megatron_lm.md), TP=1 bash ... trains PP=4 x
+# DP=2 with EP=2 on the same 8 GPUs (tools/plan.py: 41 GB peak on an 80 GB H100;
+# TP=2: 31 GB).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 SEQ_LENGTH=16384
+TP=${TP:-2}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/deepseek_v3_style_seq1f1b}
 
 MODEL_ARGS=(
@@ -76,7 +81,7 @@ MOE_ARGS=(
     --moe-aux-loss-coeff 1e-4
     --moe-token-dispatcher-type alltoall
     --moe-grouped-gemm
-    --expert-model-parallel-size ${EP:-1}
+    --expert-model-parallel-size ${EP:-$((GPUS_PER_NODE * NNODES / (4 * TP)))}
 )
 TRAINING_ARGS=(
     --seq-length $SEQ_LENGTH
@@ -97,8 +102,8 @@ TRAINING_ARGS=(
     --recompute-modules core_attn
 )
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 2
-    --sequence-parallel
+    --tensor-model-parallel-size $TP
+    $([ "$TP" -gt 1 ] && echo --sequence-parallel || true)
     --pipeline-model-parallel-size 4
     --use-distributed-optimizer
     --seq1f1b-splits 4

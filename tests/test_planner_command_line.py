@@ -160,14 +160,14 @@ def test_qwen3_4b_example_is_planned_as_it_is(capsys):
     assert out["parallel"]["world_size"] == 8
 
 
-def _example_argv(script):
+def _example_argv(script, **env):
     """The flags an example hands to tools/plan.py under PLAN=1, printed by bash itself
     (PYTHON=printf: no Python process), to plan here in-process."""
     import os
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PLAN="1", PYTHON="printf %s\\n")
+    env = dict(os.environ, PLAN="1", PYTHON="printf %s\\n", **env)
     proc = subprocess.run(["bash", os.path.join(root, "examples", script)], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -192,6 +192,10 @@ def test_moe_examples_are_planned_as_they_are(capsys):
     assert (par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]) == (2, 4)
     assert out["parameters"]["active"] < out["parameters"]["total"] / 4
     assert out["splits"] == 4 and not out["oom"]
+    # TP=1 (where MLA under TP is refused): PP=4 x DP=2 with the experts over EP=2
+    tp1 = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", TP="1"))
+    assert (tp1.config.parallel.tp, tp1.config.parallel.ep) == (1, 2) and not tp1.oom
+    assert not tp1.config.parallel.sequence_parallel
 
     mixtral = plan(_example_argv("train_mixtral_style_seq1f1b.sh"))
     shape = mixtral.config.model

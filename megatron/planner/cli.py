@@ -368,7 +368,7 @@ def _model_lines(pred: Prediction) -> List[str]:
             f"experts per GPU), {p.moe_dispatcher} dispatcher "
             + ("moves " + "/".join(f"{v:.2f}" for v in volume)
                + " MiB per MoE layer and split forward (as much backward)" if any(volume)
-               else "moves nothing (one expert-parallel rank, no TP)"))
+               else "moves nothing between expert-parallel ranks (EP 1)"))
     return lines
 
 

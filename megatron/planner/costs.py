@@ -130,7 +130,7 @@ class CostModel:
             experts = m.num_experts // self.par.ep * m.expert_params() / t
         return {"linear": linear / t, "other": bias + norms, "experts": experts}
 
-    def chunk_layers(self, rank: int, chunk: int) -> range:
+    def layer_indices(self, rank: int, chunk: int) -> range:
         """Global indices of the layers of virtual stage ``chunk`` on pipeline ``rank``
         (Megatron's interleaved assignment)."""
         first = (chunk * self.par.pp + rank) * self.layers_per_chunk
@@ -141,7 +141,7 @@ class CostModel:
         DP by the distributed optimizer) and ``experts`` (over DP / EP)."""
         dense = experts = 0.0
         for chunk in range(self.par.num_chunks):
-            for layer in self.chunk_layers(rank, chunk):
+            for layer in self.layer_indices(rank, chunk):
                 p = self.layer_params(layer)
                 dense += p["linear"] + p["other"]
                 experts += p["experts"]
@@ -297,7 +297,7 @@ class CostModel:
 
     def chunk_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> List[float]:
         """``layer_bytes`` of each layer of virtual stage ``chunk`` on ``rank``."""
-        return [self.layer_bytes(split, layer) for layer in self.chunk_layers(rank, chunk)]
+        return [self.layer_bytes(split, layer) for layer in self.layer_indices(rank, chunk)]
 
     def full_layer_bytes(self, tokens: float, layer: int = 0) -> float:
         """Activation bytes of one layer for ``tokens`` tokens of an unsplit sequence."""
@@ -440,7 +440,7 @@ class CostModel:
         gemm, attn = self.shape.forward_flops_parts(
             self.split_lengths[unit.split], self.offsets[unit.split],
             layers=self.layers_per_chunk, lm_head=self.is_last(rank, unit.chunk),
-            first_layer=self.chunk_layers(rank, unit.chunk)[0])
+            first_layer=self.layer_indices(rank, unit.chunk)[0])
         share = self.par.micro_batch_size / self.par.tp
         return {"gemm": gemm * share, "attention": attn * share}
 
@@ -495,7 +495,7 @@ class CostModel:
             "elementwise": elementwise / (g.hbm_bw * g.hbm_efficiency),
             "tp_comm": n * self._tp_comm_time(tokens),
             "moe_comm": sum(self.model.is_moe_layer(layer)
-                            for layer in self.chunk_layers(rank, unit.chunk))
+                            for layer in self.layer_indices(rank, unit.chunk))
                         * self.moe_comm_time(tokens),
             "overhead": n * g.layer_overhead_s,
         }
