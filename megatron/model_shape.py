@@ -13,6 +13,13 @@ FLOPs (2 per multiply-accumulate), forward pass, per layer:
     per causal (query, key) pair:  4 * hq * d   (QK^T and AV)
 
 plus the LM head, 2 * h * vocab per token (the embedding lookup costs no FLOPs).
+
+Mixture of experts (``num_experts``): an MoE layer's MLP term counts the parameters a
+token uses (the router ``h E``, ``top-k`` experts of ``moe_ffn`` and the shared expert),
+so FLOPs follow the active parameters; ``--moe-layer-freq`` decides which layers are
+MoE (the others keep the dense MLP). Multi-latent attention (``multi_latent_attention``):
+the linear term is twice its projections' parameters (q down/up or q, kv down/up,
+output) and a (query, key) pair costs ``2 hq (dqk + dpe) + 2 hq dv``.
 Backward is 2x forward, so an iteration is 3x its forward, as Megatron-LM counts
 (recomputation is not counted).
 
@@ -63,6 +70,20 @@ class ModelShape:
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
     vocab_divisible_by: int = 128  # --make-vocab-size-divisible-by (x TP)
+    max_position_embeddings: int | None = None  # rows of learned position embeddings
+    # mixture of experts (Megatron-LM's --num-experts ... flags); None: dense
+    num_experts: int | None = None
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_shared_ffn_hidden_size: int = 0  # --moe-shared-expert-intermediate-size
+    moe_layer_freq: int | tuple = 1  # N, or one 0 (dense) / 1 (MoE) per layer
+    # multi-latent attention (--multi-latent-attention and its sizes, Megatron-LM defaults)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
     @classmethod
     def from_args(cls, args, *, vocab_size: int | None = None, name: str = "custom"):
@@ -76,7 +97,7 @@ class ModelShape:
             if vocab_size is None:
                 raise ValueError("ModelShape.from_args: args has no padded_vocab_size yet "
                                  "(the trainer sets it from the tokenizer); pass vocab_size")
-        return cls(
+        fields = dict(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads,
@@ -93,11 +114,88 @@ class ModelShape:
             position_embedding_type=args.position_embedding_type,
             attention_dropout=args.attention_dropout > 0,
             vocab_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+            max_position_embeddings=getattr(args, "max_position_embeddings", None),
         )
+        return cls(**{**fields, **_moe_fields(args), **_mla_fields(args)})
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    # ------------------------------------------------------------ MoE and MLA
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has experts, as --moe-layer-freq says."""
+        if self.num_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer])
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices per MLP: fc1 (doubled with SwiGLU) and fc2."""
+        return 3 if self.swiglu else 2
+
+    def attention_linear_params(self) -> int:
+        """Weights of one layer's attention projections (no biases, no norms)."""
+        h, a = self.hidden_size, self.num_attention_heads
+        if not self.multi_latent_attention:
+            d, g = self.head_dim, self.num_query_groups
+            return h * (a * d + 2 * g * d) + a * d * h
+        qk = self.qk_head_dim + self.qk_pos_emb_head_dim
+        q = (h * self.q_lora_rank + self.q_lora_rank * a * qk) if self.q_lora_rank else h * a * qk
+        kv_down = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
+        kv_up = self.kv_lora_rank * a * (self.qk_head_dim + self.v_head_dim)
+        return q + kv_down + kv_up + a * self.v_head_dim * h
+
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts if self.num_experts else 0
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert."""
+        return self.mlp_matrices * self.hidden_size * self.expert_ffn
+
+    def mlp_linear_params(self, layer: int, active: bool = False) -> int:
+        """Weights of one layer's MLP: dense, or (MoE) router + experts + shared expert,
+        with ``active`` only the ``top-k`` experts a token runs through."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return self.mlp_matrices * h * self.ffn_hidden_size
+        experts = self.moe_topk if active else self.num_experts
+        return (self.router_params() + experts * self.expert_params()
+                + self.mlp_matrices * h * self.moe_shared_ffn_hidden_size)
+
+    def parameter_count(self, active: bool = False) -> int:
+        """Weights of the whole model (embeddings, norms; biases left out), all experts
+        or (``active``) those one token uses."""
+        h = self.hidden_size
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        mla_norms = 0
+        if self.multi_latent_attention:
+            mla_norms = self.kv_lora_rank + (self.q_lora_rank or 0)
+        layers = sum(self.attention_linear_params() + self.mlp_linear_params(i, active)
+                     + 2 * norm + mla_norms for i in range(self.num_layers))
+        embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
+        embeddings += self.position_embedding_params()
+        return layers + embeddings + norm
+
+    def position_embedding_params(self) -> int:
+        """Learned absolute position embeddings (RoPE has no weights)."""
+        if self.position_embedding_type != "learned_absolute":
+            return 0
+        return (self.max_position_embeddings or 0) * self.hidden_size
+
+    def kv_values_per_token(self) -> int:
+        """Values the K/V cache keeps per token and layer: keys and values of every
+        query group; MLA keeps decompressed keys (dqk + dpe) and values (dv) per head."""
+        if self.multi_latent_attention:
+            a = self.num_attention_heads
+            return a * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim)
+        return 2 * self.num_query_groups * self.head_dim
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Megatron pads the vocabulary to a multiple of ``vocab_divisible_by * tp``."""
@@ -111,36 +209,41 @@ class ModelShape:
         ``l o + l (l + 1) / 2`` (each query sees the prefix, the earlier queries and itself)."""
         return length * offset + length * (length + 1) / 2
 
-    def layer_flops_per_token(self) -> float:
-        """Forward FLOPs per token of one layer's linear layers (position-independent)."""
-        h, d = self.hidden_size, self.head_dim
-        q_out = 2 * h * self.num_attention_heads * d  # Q projection + output projection
-        kv = 2 * h * self.num_query_groups * d  # K and V projections (GQA: g groups)
-        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
-        return 2 * (q_out + kv + mlp)
+    def layer_flops_per_token(self, layer: int | None = None) -> float:
+        """Forward FLOPs per token of layer ``layer``'s linear layers (position-independent):
+        twice the weights a token multiplies (attention projections, MLP or active
+        experts). ``None``: the mean over the layers (all alike in a dense model)."""
+        if layer is None:
+            return sum(map(self.layer_flops_per_token, range(self.num_layers))) / self.num_layers
+        return 2 * (self.attention_linear_params() + self.mlp_linear_params(layer, active=True))
 
     def layer_flops_per_pair(self) -> float:
         """Forward FLOPs of one layer per causal (query, key) pair: QK^T and AV."""
-        return 2 * 2 * self.num_attention_heads * self.head_dim
+        a = self.num_attention_heads
+        if self.multi_latent_attention:
+            return 2 * a * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim)
+        return 2 * 2 * a * self.head_dim
 
     def lm_head_flops_per_token(self) -> float:
         return 2 * self.hidden_size * self.vocab_size
 
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs per token that do not depend on the position: all layers + LM head."""
-        return self.num_layers * self.layer_flops_per_token() + self.lm_head_flops_per_token()
+        return (sum(map(self.layer_flops_per_token, range(self.num_layers)))
+                + self.lm_head_flops_per_token())
 
     def attention_flops_per_pair(self) -> float:
         """Forward FLOPs per causal (query, key) pair over all layers."""
         return self.num_layers * self.layer_flops_per_pair()
 
     def forward_flops_parts(self, length: int, offset: int = 0, *, layers: int | None = None,
-                            lm_head: bool = True) -> tuple[float, float]:
+                            lm_head: bool = True, first_layer: int = 0) -> tuple[float, float]:
         """(linear, attention) forward FLOPs of ``length`` tokens after ``offset`` earlier
-        ones (a split, a slice, a planner unit) through ``layers`` layers (default all),
-        with or without the LM head."""
+        ones (a split, a slice, a planner unit) through ``layers`` layers (default all)
+        from ``first_layer`` on, with or without the LM head."""
         n = self.num_layers if layers is None else layers
-        linear = n * self.layer_flops_per_token() * length
+        linear = sum(map(self.layer_flops_per_token, range(first_layer, first_layer + n)))
+        linear *= length
         if lm_head:
             linear += self.lm_head_flops_per_token() * length
         return linear, n * self.layer_flops_per_pair() * self.causal_pairs(length, offset)
@@ -158,3 +261,24 @@ class ModelShape:
         per_sequence = (self.linear_flops_per_token() * seq_length
                         + self.attention_flops_per_pair() * pairs)
         return 3 * num_sequences * per_sequence
+
+
+def _moe_fields(args) -> dict:
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    freq = args.moe_layer_freq
+    return dict(num_experts=args.num_experts, moe_topk=args.moe_router_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                moe_shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
+                moe_layer_freq=freq if isinstance(freq, int) else tuple(freq))
+
+
+def _mla_fields(args) -> dict:
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    # MLA has a K and V per head (no query groups); the activation terms that read
+    # head_dim see the query-key head size
+    return dict(multi_latent_attention=True, num_query_groups=args.num_attention_heads,
+                kv_channels=args.qk_head_dim + args.qk_pos_emb_head_dim, q_lora_rank=args.q_lora_rank,
+                kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)

@@ -42,6 +42,7 @@ from megatron.trainer.initialize import destroy_groups_except  # noqa: E402
 from megatron.trainer.training import pretrain  # noqa: E402
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def _unwrap(module):
@@ -62,10 +63,21 @@ def gather_full_parameters(args, model):
         # chunk c of rank r is global stage c * pp + r (stages may hold unequal layer counts)
         layer_offset = sum(chunk_layers[:chunk_index * pp_size + pp_rank])
         local.update(_chunk_parameters(args, _unwrap(chunk), layer_offset, tp_group, tp_size))
+    # experts over EP ranks: local expert i of EP rank r is global expert r * E / EP + i;
+    # each EP rank's experts come from its expert-data-parallel rank 0
+    experts = {name: local.pop(name) for name in list(local) if ".local_experts." in name}
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if ep > 1:
+        first = parallel_state.get_expert_model_parallel_rank() * (args.num_experts // ep)
+        experts = {_EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + first}.", n): t
+                   for n, t in experts.items()}
+    tp_first = parallel_state.get_tensor_model_parallel_rank() == 0
+    keep = dict(local) if tp_first and parallel_state.get_data_parallel_rank() == 0 else {}
+    if tp_first and (ep == 1 and parallel_state.get_data_parallel_rank() == 0
+                     or ep > 1 and parallel_state.get_expert_data_parallel_rank() == 0):
+        keep.update(experts)
     everything = [None] * torch.distributed.get_world_size()
-    keep = (parallel_state.get_data_parallel_rank() == 0
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
-    torch.distributed.all_gather_object(everything, local if keep else {})
+    torch.distributed.all_gather_object(everything, keep)
     if torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
         return None
     merged = {}

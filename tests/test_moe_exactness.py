@@ -140,14 +140,14 @@ def plan(tmp, corpus):
         runs[1].append({"name": f"ref_{model}", "argv": base, "params": True})
     for name, (model, n, extra, world, _) in CASES.items():
         base = bases[model]
-        # with experts over EP ranks, the gathered parameters would miss the other
-        # ranks' experts: that run saves its checkpoint, which EP_RELOADED loads with
-        # every expert on each rank, and whose parameters are then compared
+        # with experts over EP ranks the gathered parameters hold every rank's experts
+        # under their global indices (tests/dist_runner.py): compared as the others; that
+        # run also saves its checkpoint, which EP_RELOADED loads at EP=1
         expert_parallel = "--expert-model-parallel-size" in extra
         save = (["--save", str(tmp / "ep2_ckpt"), "--save-interval", str(ITERATIONS)]
                 if expert_parallel else [])
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
-                            "params": not expert_parallel})
+                            "params": True})
     # after the EP run in the same launch: its checkpoint's weights resharded from EP 2 to
     # EP 1 (pp=2 x dp=2), at its last iteration, so nothing trains: the final evaluation
     # and the parameters are the EP run's (its optimizer state cannot follow: megatron-core

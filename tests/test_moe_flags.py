@@ -107,6 +107,8 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
      "--moe-router-num-groups and --moe-router-group-topk go together"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "flex"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"],
+     "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
      "--expert-tensor-parallel-size 2 is refused: only the tensor-parallel size (1"),
 ])

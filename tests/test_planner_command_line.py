@@ -73,10 +73,71 @@ def test_training_checks_apply(capsys):
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
 
 
-def test_moe_models_are_refused_until_the_planner_models_experts():
-    """A dense prediction of an MoE command line would mislead: refused with the reason."""
-    with pytest.raises(PlanError, match="does not model mixture-of-experts"):
-        plan(TRAINING + ["--num-experts", "8", "--disable-bias-linear"])
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",
+       "--disable-bias-linear", "--swiglu", "--use-distributed-optimizer",
+       "--world-size", "32"]  # TP 2 x PP 4 x DP 4
+
+
+def test_moe_expert_memory_follows_expert_parallelism():
+    """Each GPU holds E / EP experts (weights, fp32 gradients); the distributed optimizer
+    shards dense states over DP and expert states over DP / EP; dense memory is the
+    same at every EP."""
+    ep1, ep2, ep4 = (plan(TRAINING + MOE + ["--expert-model-parallel-size", str(ep)]).cost
+                     for ep in (1, 2, 4))
+    h, f, t = 1024, 512, 2
+    expert = 3 * h * f // t  # one expert's weights on one TP rank (SwiGLU)
+    layers = 2  # 8 layers over PP 4, all MoE
+    for cost, ep in ((ep1, 1), (ep2, 2), (ep4, 4)):
+        parts = cost.rank_param_parts(1)
+        assert parts["experts"] == layers * 8 // ep * expert
+        assert parts["dense"] == ep1.rank_param_parts(1)["dense"]
+        static = cost.static_memory(1)
+        assert static["weights"] == 4 * (parts["dense"] + parts["experts"])  # fp32 run
+        assert static["optimizer"] == pytest.approx(
+            8 * (parts["dense"] / 4 + parts["experts"] / (4 // ep)))
+
+
+def test_moe_flops_count_active_parameters_and_dispatch_volume():
+    """FLOPs grow with top-k, not with the number of experts; the alltoall dispatcher
+    moves k copies of (EP - 1) / EP of the tokens each way, allgather the tokens of the
+    EP x TP group; active parameters and the experts line are reported."""
+    shape = lambda extra: plan(TRAINING + MOE + extra).cost.shape
+    few, many = shape([]), shape(["--num-experts", "64"])
+    # only the router grows with the experts (2 h E)
+    assert many.layer_flops_per_token() - few.layer_flops_per_token() == 2 * 1024 * (64 - 8)
+    top4 = shape(["--moe-router-topk", "4"])
+    assert top4.layer_flops_per_token() - few.layer_flops_per_token() == 2 * 2 * 3 * 1024 * 512
+    assert many.parameter_count() - few.parameter_count() == 8 * 56 * (3 * 1024 * 512 + 1024)
+    assert many.parameter_count(active=True) - few.parameter_count(active=True) == 8 * 56 * 1024
+    a2a = plan(TRAINING + MOE + ["--expert-model-parallel-size", "4",
+                                 "--moe-token-dispatcher-type", "alltoall"])
+    tokens = a2a.split_lengths[0]
+    assert a2a.cost.moe_comm_bytes(tokens) == 2 * 2 * tokens * 2 * 1024 * 3 / 4
+    ag = plan(TRAINING + MOE + ["--expert-model-parallel-size", "4"])  # allgather, SP on
+    assert ag.cost.moe_comm_bytes(tokens) == 2 * tokens * 2 * 1024 * 7 / 2
+    from megatron.planner.cli import report
+    text = report(a2a)
+    assert "active per token" in text and "8 experts of FFN 512, top-2" in text
+    assert "EP 4 (2 experts per GPU), alltoall dispatcher" in text
+
+
+def test_mla_flags_give_its_shape_and_cache():
+    """--multi-latent-attention and its sizes (read by the planner): projections' weights,
+    attention FLOPs per pair, and a K/V cache of decompressed keys (qk + rope head dims)
+    and values per head."""
+    mla = ["--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128",
+           "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64"]
+    pred = plan(TRAINING + mla + ["--tensor-model-parallel-size", "1"])  # MLA: TP 1 only
+    shape = pred.cost.shape
+    h, a = 1024, 16
+    assert shape.attention_linear_params() == (h * 256 + 256 * a * 96 + h * (128 + 32)
+                                               + 128 * a * (64 + 64) + a * 64 * h)
+    assert shape.layer_flops_per_pair() == 2 * a * (96 + 64)
+    assert shape.kv_values_per_token() == a * (96 + 64)
+    assert pred.cost.kv_bytes_per_token() == 4 * a * (96 + 64)  # fp32, TP 1
+    with pytest.raises(PlanError, match="--kv-lora-rank"):
+        plan(TRAINING + ["--multi-latent-attention", "--kv-lora-rank", "x",
+                         "--tensor-model-parallel-size", "1"])
 
 
 def test_vocabulary_padding_follows_the_flag():
@@ -87,19 +148,12 @@ def test_vocabulary_padding_follows_the_flag():
 
 
 @pytest.mark.distributed  # runs the example script (a bash process)
-def test_qwen3_4b_example_is_planned_as_it_is():
+def test_qwen3_4b_example_is_planned_as_it_is(capsys):
     """examples/train_qwen3_4b_seq1f1b.sh with PLAN=1 hands its training flags unchanged
-    to tools/plan.py: Megatron-LM's Qwen3-4B shape at 16k tokens with 4 Seq1F1B splits."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PLAN="1", PYTHON=sys.executable, PLAN_ARGS="--json")
-    proc = subprocess.run(["bash", os.path.join(root, "examples", "train_qwen3_4b_seq1f1b.sh")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    to tools/plan.py: Megatron-LM's Qwen3-4B shape at 16k tokens with 4 Seq1F1B splits
+    (planned in-process: a Python process would cost seconds of start-up)."""
+    assert main(_example_argv("train_qwen3_4b_seq1f1b.sh") + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     model = out["model"]
     assert (model["num_layers"], model["hidden_size"], model["num_attention_heads"]) == \
         (36, 2560, 32)
@@ -114,3 +168,57 @@ def test_qwen3_4b_example_is_planned_as_it_is():
     assert stages[0]["activations"] < stages[1]["activations"]
     assert stages[0]["weights"] > stages[1]["weights"] < stages[-1]["weights"]
     assert abs(out["peak_memory_gb"] - max(s["total"] for s in stages)) < 1e-3
+
+
+def _example_argv(script, **env):
+    """The flags an example hands to tools/plan.py under PLAN=1, printed by bash itself
+    (PYTHON=printf: no Python process), to plan here in-process."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PLAN="1", PYTHON="printf %s\\n", **env)
+    proc = subprocess.run(["bash", os.path.join(root, "examples", script)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.splitlines()
+    assert words[0] == "tools/plan.py"
+    return words[1:]
+
+
+@pytest.mark.distributed  # runs the example scripts (bash processes)
+def test_moe_examples_are_planned_as_they_are(capsys):
+    """The DeepSeek-V3-style and Mixtral-style scripts' flags are accepted unchanged and
+    planned with their experts (and MLA), fitting an 80 GB GPU as their comments say."""
+    from megatron.planner.cli import report
+
+    deepseek = _example_argv("train_deepseek_v3_style_seq1f1b.sh")
+    assert main(deepseek + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, par = out["model"], out["parallel"]
+    assert (model["num_experts"], model["moe_topk"], model["moe_layer_freq"][:4]) == \
+        (256, 8, [0, 0, 0, 1])
+    assert model["multi_latent_attention"] and model["kv_lora_rank"] == 512
+    assert (par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]) == (1, 4)
+    assert (par["expert_model_parallel_size"], par["data_parallel_size"]) == (2, 2)
+    assert out["parameters"]["active"] < out["parameters"]["total"] / 4
+    assert out["splits"] == 4 and not out["oom"]
+    # TP=2, the port's layout: planned, or refused by name where the trainer does not
+    # take MLA under TP yet
+    try:
+        tp2 = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", TP="2"))
+    except PlanError as error:
+        assert "--multi-latent-attention with --tensor-model-parallel-size" in str(error)
+    else:
+        assert (tp2.config.parallel.tp, tp2.config.parallel.ep) == (2, 1) and not tp2.oom
+        assert tp2.config.parallel.sequence_parallel
+
+    mixtral = plan(_example_argv("train_mixtral_style_seq1f1b.sh"))
+    shape = mixtral.config.model
+    assert (shape.num_experts, shape.moe_topk, shape.num_layers) == (8, 2, 32)
+    assert mixtral.config.parallel.ep == 4 and mixtral.config.parallel.world_size == 32
+    assert not mixtral.oom
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active (the published counts)
+    assert round(shape.parameter_count() / 1e9, 1) == 46.7
+    assert round(shape.parameter_count(active=True) / 1e9, 1) == 12.9
+    assert "alltoall dispatcher moves" in report(mixtral)

@@ -11,6 +11,12 @@ both balance methods, both K/V cache layouts, interleaved stages, SlimPipe v = 1
 selective / full (uniform) / full (block) recomputation, micro-batch size 2, uneven
 stages (--decoder-first/last-pipeline-num-layers), and first, middle and last stages
 with a vocabulary whose logits dominate the last stage.
+
+Mixture of experts (in the 4-process launch): EP = 2 with the alltoall dispatcher, a
+shared expert, a first dense layer (--moe-layer-freq), the sigmoid router with expert
+bias and seq_aux_loss; and the allgather dispatcher with aux_loss and z-loss, whose
+final parameters also check the planner's total parameter count. Treating the MoE
+layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
 """
 
 import json
@@ -35,6 +41,9 @@ LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--swiglu",
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+       "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+       "--global-batch-size", "4", "--moe-aux-loss-coeff", "1e-2"]
 
 CONFIGS = {  # name -> (processes, flags after BASE)
     "1f1b_dropout_mbs2": (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
@@ -69,7 +78,17 @@ CONFIGS = {  # name -> (processes, flags after BASE)
                           "--decoder-first-pipeline-num-layers", "1",
                           "--decoder-last-pipeline-num-layers", "1", "--global-batch-size", "4",
                           "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
+    "moe_ep2_alltoall_s4": (4, PP2 + MOE + [
+        "--seq1f1b-splits", "4", "--expert-model-parallel-size", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
+        "64", "--moe-layer-freq", "[0]*1+[1]*3", "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type",
+        "seq_aux_loss"] + ROPE + NO_DROPOUT),
+    "moe_allgather_s2_zloss": (4, PP2 + MOE + [
+        "--seq1f1b-splits", "2", "--moe-z-loss-coeff", "1e-3",
+        "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "2"]),
 }
+PARAMS = {"moe_allgather_s2_zloss"}  # runs whose final parameters come back
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +97,12 @@ def measured(tmp_path_factory):
     out = {}
     for world in (2, 4):
         runs = [{"name": name, "argv": BASE + flags + ["--activation-memory-file",
-                                                       str(tmp / f"{name}.json")]}
+                                                       str(tmp / f"{name}.json")],
+                 "params": name in PARAMS}
                 for name, (procs, flags) in CONFIGS.items() if procs == world]
-        run_configs(tmp, world, runs)
+        results = run_configs(tmp, world, runs)
+        for name in PARAMS & results.keys():
+            out[f"{name}.params"] = results[name]["params"]
         for run in runs:
             stages = json.loads((tmp / f"{run['name']}.json").read_text())["stages"]
             out[run["name"]] = [s["activation_peak_bytes"] for s in stages]
@@ -99,3 +121,24 @@ def test_planner_matches_probe_per_stage(measured, name):
     assert len(actual) == len(predicted)
     for stage, (a, p) in enumerate(zip(actual, predicted)):
         assert abs(p - a) <= 0.03 * a, f"{name} stage {stage}: planned {p}, measured {a}"
+
+
+def test_planner_counts_the_moe_models_parameters(measured):
+    """ModelShape's total parameter count (router, experts, shared expert, dense layers
+    of --moe-layer-freq, tied embedding over the padded vocabulary) equals the trained
+    model's; active parameters are fewer by the experts a token does not use."""
+    import torch
+
+    name = "moe_allgather_s2_zloss"
+    params = torch.load(measured[f"{name}.params"])
+    trained = sum(t.numel() for n, t in params.items() if not n.endswith("expert_bias"))
+    procs, flags = CONFIGS[name]
+    cost = predict(config_from_args(parse(BASE + flags + ["--gpu", "cpu", "--world-size",
+                                                          str(procs)]))).cost
+    shape = cost.shape  # the padded vocabulary, as built
+    assert shape.parameter_count() == trained
+    experts = sum(t.numel() for n, t in params.items() if ".local_experts." in n)
+    moe_layers = 2  # --moe-layer-freq 2 of 4 layers
+    unused = experts * (4 - 2) // 4  # 2 of 4 experts per token
+    assert shape.parameter_count(active=True) == trained - unused
+    assert moe_layers * 4 * shape.expert_params() == experts

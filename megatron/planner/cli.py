@@ -101,6 +101,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     defaults = vars(ap.parse_args([]))
     ns = argparse.Namespace(**{k: _UNSET for k in defaults})
     ap.parse_args(_rewrite_auto(sys.argv[1:] if argv is None else list(argv)), namespace=ns)
+    if getattr(ap, "problems", None):  # the trainer's parser records bad values, goes on
+        raise PlanError("; ".join(ap.problems))
     given = {k for k, v in vars(ns).items() if v is not _UNSET}
     for k, v in defaults.items():
         if getattr(ns, k) is _UNSET:
@@ -184,12 +186,6 @@ def _training_args(args) -> argparse.Namespace:
         validate_args(t, world, cuda_available=cuda, check_files=False)
     except ArgumentError as err:
         raise PlanError(str(err)) from None
-    if getattr(t, "num_experts", None) is not None:
-        # ModelShape has no experts yet: a dense prediction of an MoE model would mislead
-        raise PlanError("--num-experts: the planner does not model mixture-of-experts layers "
-                        "yet (expert memory, active vs total parameters, all-to-all volume); "
-                        "plan the dense model with --ffn-hidden-size set to the active MLP "
-                        "width, or measure with --activation-memory-file")
     t.kv_cache_layout = layout or t.seq1f1b_kv_cache
     return t
 
@@ -283,6 +279,8 @@ def config_from_args(args) -> PlanConfig:
         distributed_optimizer=args.use_distributed_optimizer,
         stage_layers=(None if len(set(t.stage_layer_counts)) == 1
                       else tuple(t.stage_layer_counts)),
+        ep=getattr(t, "expert_model_parallel_size", 1) or 1,
+        moe_dispatcher=getattr(t, "moe_token_dispatcher_type", "allgather"),
     )
     return PlanConfig(
         model=model,
@@ -309,6 +307,41 @@ def _fmt_time(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.1f} ms"
 
 
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _model_lines(pred: Prediction) -> List[str]:
+    """Parameters (total and active per token), and for MoE / MLA their shape lines."""
+    m, p = pred.config.model, pred.config.parallel
+    total, active = m.parameter_count(), m.parameter_count(active=True)
+    lines = [f"parameters: {_count(total)} total, {_count(active)} active per token "
+             f"({active / total:.1%}; FLOPs count the active ones)"]
+    if m.multi_latent_attention:
+        lines.append(
+            f"multi-latent attention: q LoRA rank {m.q_lora_rank or 'none'}, kv LoRA rank "
+            f"{m.kv_lora_rank}, head dims qk {m.qk_head_dim} + rope {m.qk_pos_emb_head_dim}, "
+            f"v {m.v_head_dim}; K/V cache {m.kv_values_per_token()} values per token and "
+            "layer (decompressed keys and values of every head)")
+    if m.num_experts is not None:
+        moe = sum(map(m.is_moe_layer, range(m.num_layers)))
+        shared = (f" + shared expert FFN {m.moe_shared_ffn_hidden_size}"
+                  if m.moe_shared_ffn_hidden_size else "")
+        volume = [pred.cost.moe_comm_bytes(p.micro_batch_size * n) / 2**20
+                  for n in sorted(set(pred.split_lengths))]
+        lines.append(
+            f"experts: {moe} of {m.num_layers} layers MoE, {m.num_experts} experts of FFN "
+            f"{m.expert_ffn}, top-{m.moe_topk}{shared}; EP {p.ep} ({m.num_experts // p.ep} "
+            f"experts per GPU), {p.moe_dispatcher} dispatcher "
+            + ("moves " + "/".join(f"{v:.2f}" for v in volume)
+               + " MiB per MoE layer and split forward (as much backward)" if any(volume)
+               else "moves nothing between expert-parallel ranks (EP 1)"))
+    return lines
+
+
 def report(pred: Prediction) -> str:
     c, p, g = pred.config, pred.config.parallel, pred.gpu
     lines = []
@@ -318,6 +351,7 @@ def report(pred: Prediction) -> str:
         f"({m.num_query_groups} K/V groups), FFN {m.ffn_hidden_size} {'SwiGLU' if m.swiglu else 'GeLU'}, "
         f"vocab {m.vocab_size}"
     )
+    lines.extend(_model_lines(pred))
     lines.append(
         f"layout: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.world_size} x {g.name}; "
         f"virtual stages {p.num_chunks}; "
@@ -419,7 +453,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
     try:
         args = parse(argv)
-    except ArgumentError as err:
+    except (ArgumentError, PlanError) as err:
         ap.exit(2, f"{ap.prog}: error: {err}\n")
     if args.compare_published or args.make_figures:
         from megatron.planner import published

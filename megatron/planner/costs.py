@@ -52,6 +52,8 @@ class Parallel:
     distributed_optimizer: bool = False
     # layers of each pipeline rank (--decoder-first/last-pipeline-num-layers); None: even
     stage_layers: Optional[Tuple[int, ...]] = None
+    ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of DP
+    moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
 
     @property
     def num_microbatches(self) -> int:
@@ -105,20 +107,56 @@ class CostModel:
         self.shape = replace(model, vocab_size=self.vocab)  # as training builds it
 
     # ------------------------------------------------------------------ parameters
-    def layer_params(self) -> Dict[str, float]:
-        """Parameters of one transformer layer on one TP rank, by part."""
+    def layer_params(self, layer: int = 0) -> Dict[str, float]:
+        """Parameters of layer ``layer`` on one TP rank, by part: ``linear`` (TP-split),
+        ``other`` (biases, norms, the router: replicated) and ``experts`` (this rank's
+        ``E / EP`` routed experts, TP-split as --expert-tensor-parallel-size = TP)."""
         m, t = self.model, self.par.tp
         h, a, g, d, f = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.ffn_hidden_size
-        qkv = h * (a * d + 2 * g * d)
-        proj = a * d * h
-        fc1 = h * f * (2 if m.swiglu else 1)
-        fc2 = f * h
+        moe = m.is_moe_layer(layer)
+        linear = m.attention_linear_params()
+        if moe:
+            linear += m.mlp_matrices * h * m.moe_shared_ffn_hidden_size
+        else:
+            linear += m.mlp_linear_params(layer)
         bias = 0
-        if m.add_bias_linear:
+        if m.add_bias_linear:  # MoE needs --disable-bias-linear: dense layers only
             # column-parallel biases are split over TP, row-parallel ones are replicated
             bias = ((a * d + 2 * g * d) + f * (2 if m.swiglu else 1)) / t + 2 * h
         norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
-        return {"linear": (qkv + proj + fc1 + fc2) / t, "other": bias + norms}
+        if m.multi_latent_attention:
+            norms += m.kv_lora_rank + (m.q_lora_rank or 0)
+        experts = 0.0
+        if moe:
+            norms += m.router_params()
+            experts = m.num_experts // self.par.ep * m.expert_params() / t
+        return {"linear": linear / t, "other": bias + norms, "experts": experts}
+
+    def layer_indices(self, rank: int, chunk: int) -> range:
+        """Global indices of the layers of virtual stage ``chunk`` on pipeline ``rank``
+        (Megatron's interleaved assignment, megatron-core's offsets with uneven stages:
+        chunk c starts at c * num_layers / vp, then the earlier ranks' chunk layers)."""
+        first = (chunk * self.model.num_layers // self.par.num_chunks
+                 + sum(self.chunk_layers(r) for r in range(rank)))
+        return range(first, first + self.chunk_layers(rank))
+
+    def rank_param_parts(self, rank: int) -> Dict[str, float]:
+        """Parameters held by one GPU of pipeline rank ``rank``: ``dense`` (sharded over
+        DP by the distributed optimizer) and ``experts`` (over DP / EP)."""
+        dense = experts = 0.0
+        for chunk in range(self.par.num_chunks):
+            for layer in self.layer_indices(rank, chunk):
+                p = self.layer_params(layer)
+                dense += p["linear"] + p["other"]
+                experts += p["experts"]
+        h = self.model.hidden_size
+        if rank == 0:
+            dense += self.vocab * h / self.par.tp  # input embedding
+            dense += self.model.position_embedding_params()  # replicated over TP
+        if rank == self.par.pp - 1:
+            dense += self.vocab * h / self.par.tp  # untied output layer
+            dense += 2 * h if self.model.normalization == "LayerNorm" else h
+        return {"dense": dense, "experts": experts}
 
     def chunk_layers(self, rank: int) -> int:
         """Layers in each model chunk of pipeline rank ``rank`` (stages may be uneven)."""
@@ -134,25 +172,22 @@ class CostModel:
 
     def rank_params(self, rank: int) -> float:
         """Parameters held by one GPU of pipeline rank ``rank``."""
-        layer = sum(self.layer_params().values())
-        total = layer * self.chunk_layers(rank) * self.par.num_chunks
-        h = self.model.hidden_size
-        if rank == 0:
-            total += self.vocab * h / self.par.tp  # input embedding
-        if rank == self.par.pp - 1:
-            total += self.vocab * h / self.par.tp  # untied output layer
-            total += 2 * h if self.model.normalization == "LayerNorm" else h
-        return total
+        return sum(self.rank_param_parts(rank).values())
 
     def static_memory(self, rank: int) -> Dict[str, float]:
-        """Bytes of weights, gradients and optimizer states on one GPU of ``rank``."""
-        params = self.rank_params(rank)
-        shards = self.par.dp if self.par.distributed_optimizer else 1
+        """Bytes of weights, gradients and optimizer states on one GPU of ``rank``: the
+        distributed optimizer shards dense parameters over DP and expert parameters over
+        the expert-data-parallel group (DP / EP), as megatron-core does."""
+        parts = self.rank_param_parts(rank)
+        params = parts["dense"] + parts["experts"]
+        dense_shards = self.par.dp if self.par.distributed_optimizer else 1
+        expert_shards = self.par.dp // self.par.ep if self.par.distributed_optimizer else 1
         per = static_bytes_per_param(self.act_bytes)
         return {
             "weights": per["weights"] * params,
             "gradients": per["gradients"] * params,
-            "optimizer": per["optimizer"] * params / shards,
+            "optimizer": per["optimizer"] * (parts["dense"] / dense_shards
+                                             + parts["experts"] / expert_shards),
         }
 
     # ----------------------------------------------------------------- activations
@@ -239,24 +274,47 @@ class CostModel:
         f, e = self.model.ffn_hidden_size / self.par.tp, self.act_bytes
         return tokens * f * e * (5 if self.model.swiglu else 2)
 
+    def moe_bytes(self, tokens: float) -> float:
+        """An MoE layer's MLP for ``tokens`` tokens: the router's fp32 logits and scores,
+        the ``top-k`` dispatched copies of each token (the experts' inputs and outputs,
+        kept for the probability-weighted combine), the experts' MLP activations over
+        those ``k T`` copies, their fp32 probabilities, and the shared expert's MLP.
+        ``tokens`` are the unit's tokens (all of them with SP too: the dispatcher gathers
+        the sequence-parallel shards); each expert's FFN is split over TP."""
+        m, t, e = self.model, self.par.tp, self.act_bytes
+        h, k, E = m.hidden_size, m.moe_topk, m.num_experts
+        local = tokens
+        per_act = 5 if m.swiglu else 2
+        router = local * E * FP32 * 2  # logits, scores
+        dispatched = k * local * (2 * h * e + FP32)  # expert input, output; probability
+        experts = k * local * m.expert_ffn / t * e * per_act
+        shared = local * m.moe_shared_ffn_hidden_size / t * e * per_act
+        return router + dispatched + experts + shared
+
     def dropout_bytes(self, tokens: float) -> float:
         """The two hidden-dropout masks of a layer."""
         if not self.model.hidden_dropout:
             return 0.0
         return 2 * tokens * self.model.hidden_size * self.mask_bytes() / self.par.tp_sp
 
-    def layer_bytes(self, split: int) -> float:
-        """Activation bytes one layer keeps for split ``split``, no full recomputation."""
+    def layer_bytes(self, split: int, layer: int = 0) -> float:
+        """Activation bytes layer ``layer`` keeps for split ``split``, no full recomputation."""
         tokens = self.par.micro_batch_size * self.split_lengths[split]
+        mlp = (self.moe_bytes(tokens) if self.model.is_moe_layer(layer)
+               else self.mlp_bytes(tokens))
         return (2 * self.norm_bytes(tokens) + self.attention_bytes(split)
-                + self.mlp_bytes(tokens) + self.dropout_bytes(tokens))
+                + mlp + self.dropout_bytes(tokens))
 
-    def full_layer_bytes(self, tokens: float) -> float:
+    def chunk_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> List[float]:
+        """``layer_bytes`` of each layer of virtual stage ``chunk`` on ``rank``."""
+        return [self.layer_bytes(split, layer) for layer in self.layer_indices(rank, chunk)]
+
+    def full_layer_bytes(self, tokens: float, layer: int = 0) -> float:
         """Activation bytes of one layer for ``tokens`` tokens of an unsplit sequence."""
         split = CostModel(self.model, self.par, self.gpu, self.seq_length,
                           [tokens / self.par.micro_batch_size], Recompute(), self.kv_layout,
                           self.act_bytes)
-        return split.layer_bytes(0)
+        return split.layer_bytes(0, layer)
 
     def layer_input_bytes(self, tokens: float) -> float:
         return tokens * self.act_bytes * self.model.hidden_size / self.par.tp_sp
@@ -275,24 +333,25 @@ class CostModel:
             return 0.0
         return self.split_lengths[split] * self.model.head_dim * FP32
 
-    def stored_layer_bytes(self, split: int, layers: Optional[int] = None) -> float:
-        """Activation bytes kept for backward by the ``layers`` layers of one chunk
-        (default: an even split's; recompute applied)."""
-        n, rc = layers or self.layers_per_chunk, self.recompute
+    def stored_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
+        """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
+        n, rc = self.chunk_layers(rank), self.recompute
+        per_layer = self.chunk_layer_bytes(split, rank, chunk)
         if rc.granularity == "full":
             k = min(rc.num_layers, n)
             if rc.method == "uniform":
                 return self._checkpoint_bytes(split, math.ceil(n / k))
-            return self._checkpoint_bytes(split, k) + (n - k) * self.layer_bytes(split)
-        return n * self.layer_bytes(split)
+            return self._checkpoint_bytes(split, k) + sum(per_layer[k:])
+        return sum(per_layer)
 
-    def recompute_transient_bytes(self, split: int, layers: Optional[int] = None) -> float:
+    def recompute_transient_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
         """Activations rebuilt during a backward with full recomputation."""
-        rc, n = self.recompute, layers or self.layers_per_chunk
+        rc, n = self.recompute, self.chunk_layers(rank)
         if rc.granularity != "full":
             return 0.0
         k = min(rc.num_layers, n)
-        return (k if rc.method == "uniform" else 1) * self.layer_bytes(split)
+        largest = max(self.chunk_layer_bytes(split, rank, chunk))
+        return (k if rc.method == "uniform" else 1) * largest
 
     def edge_bytes(self, rank: int, chunk: int, tokens: float) -> float:
         """The embedding's (first stage) and the loss's (last stage) saved tensors."""
@@ -313,7 +372,7 @@ class CostModel:
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
-        return (self.stored_layer_bytes(unit.split, self.chunk_layers(rank))
+        return (self.stored_layer_bytes(unit.split, rank, unit.chunk)
                 + self.edge_bytes(rank, unit.chunk, tokens))
 
     # -------------------------------------------------------------------- KV cache
@@ -321,7 +380,7 @@ class CostModel:
         """K and V of one token, one layer, one GPU, in the activation dtype (micro-batch
         included)."""
         m = self.model
-        return 2 * self.act_bytes * self.par.micro_batch_size * m.num_query_groups * m.head_dim / self.par.tp
+        return self.act_bytes * self.par.micro_batch_size * m.kv_values_per_token() / self.par.tp
 
     def memory_effect(self, rank: int, unit: Unit) -> MemoryEffect:
         """What ``unit`` allocates and frees on ``rank`` (for the simulator)."""
@@ -348,7 +407,7 @@ class CostModel:
         else:
             last = unit.microbatch == self.par.num_microbatches - 1
             at_end["activations"] = -act - (freqs if last else 0.0)
-            rebuilt = self.recompute_transient_bytes(j, n)
+            rebuilt = self.recompute_transient_bytes(j, rank, unit.chunk)
             if rebuilt:
                 transient["activations"] = rebuilt
             if s > 1:
@@ -390,7 +449,8 @@ class CostModel:
         (``ModelShape.forward_flops_parts`` of its layers, over the micro-batch and TP)."""
         gemm, attn = self.shape.forward_flops_parts(
             self.split_lengths[unit.split], self.offsets[unit.split],
-            layers=self.chunk_layers(rank), lm_head=self.is_last(rank, unit.chunk))
+            layers=self.chunk_layers(rank), lm_head=self.is_last(rank, unit.chunk),
+            first_layer=self.layer_indices(rank, unit.chunk)[0])
         share = self.par.micro_batch_size / self.par.tp
         return {"gemm": gemm * share, "attention": attn * share}
 
@@ -409,17 +469,44 @@ class CostModel:
         count = 4 if self.par.sequence_parallel else 2
         return 4 * (t - 1) / t * size / bw + count * self.gpu.collective_latency_s
 
+    def moe_comm_bytes(self, tokens: float) -> float:
+        """Bytes one GPU sends and receives for one MoE layer's forward (dispatch and
+        combine; the backward moves as much). alltoall: each of the ``k`` copies of a
+        token goes to the rank of its expert, ``(EP - 1) / EP`` of them to another rank,
+        and comes back. allgather: the tokens of the EP x TP group are gathered and the
+        combined output reduce-scattered, ``(n - 1)`` times this rank's tokens each way.
+        On one rank (EP = TP = 1) nothing moves."""
+        m, ep, t = self.model, self.par.ep, self.par.tp
+        size = tokens * BF16 * m.hidden_size
+        if self.par.moe_dispatcher == "alltoall":
+            return 2 * m.moe_topk * size * (ep - 1) / ep
+        group = ep * t
+        return 2 * size * (group - 1) / (t if self.par.sequence_parallel else 1)
+
+    def moe_comm_time(self, tokens: float) -> float:
+        """``moe_comm_bytes`` over NVLink when the EP x TP group fits in a node, else
+        over the network."""
+        nbytes = self.moe_comm_bytes(tokens)
+        if not nbytes:
+            return 0.0
+        inside = self.par.ep * self.par.tp <= self.gpu.gpus_per_node
+        bw = self.gpu.nvlink_bw if inside else self.gpu.network_bw
+        return nbytes / bw + 2 * self.gpu.collective_latency_s
+
     def forward_time_parts(self, rank: int, unit: Unit) -> Dict[str, float]:
         g = self.gpu
         fl = self.unit_flops(rank, unit)
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
         n = self.chunk_layers(rank)
-        elementwise = 2 * n * self.layer_bytes(unit.split)
+        elementwise = 2 * sum(self.chunk_layer_bytes(unit.split, rank, unit.chunk))
         return {
             "gemm": fl["gemm"] / (g.peak_bf16_flops * g.gemm_efficiency),
             "attention": fl["attention"] / (g.peak_bf16_flops * g.attention_efficiency),
             "elementwise": elementwise / (g.hbm_bw * g.hbm_efficiency),
             "tp_comm": n * self._tp_comm_time(tokens),
+            "moe_comm": sum(self.model.is_moe_layer(layer)
+                            for layer in self.layer_indices(rank, unit.chunk))
+                        * self.moe_comm_time(tokens),
             "overhead": n * g.layer_overhead_s,
         }
 
@@ -429,7 +516,7 @@ class CostModel:
             return sum(f.values())
         backward = (
             2 * f["gemm"] + 2.5 * f["attention"] + 2 * f["elementwise"]
-            + f["tp_comm"] + 2 * f["overhead"]
+            + f["tp_comm"] + f["moe_comm"] + 2 * f["overhead"]
         )
         rc = self.recompute
         if rc.granularity == "selective":

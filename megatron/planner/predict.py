@@ -122,7 +122,11 @@ class Prediction:
                 "sequence_parallel": p.sequence_parallel,
                 "use_distributed_optimizer": p.distributed_optimizer,
                 "world_size": p.world_size,
+                "expert_model_parallel_size": p.ep,
+                "moe_token_dispatcher_type": p.moe_dispatcher,
             },
+            "parameters": {"total": c.model.parameter_count(),
+                           "active": c.model.parameter_count(active=True)},
             "recompute": {
                 "granularity": c.recompute.granularity,
                 "method": c.recompute.method,
@@ -132,6 +136,9 @@ class Prediction:
             "activation_dtype_bytes": c.act_bytes,
             "slimpipe_attention_balance": c.attention_balance,
         }
+        if c.model.num_experts is not None:
+            out["moe_comm_bytes_per_layer"] = [
+                self.cost.moe_comm_bytes(p.micro_batch_size * n) for n in self.split_lengths]
         if self.attention_balance is not None:
             out["attention_balance"] = self.attention_balance
         if self.auto_candidates is not None:

@@ -120,6 +120,10 @@ def check_moe_args(args, cuda_available):
                         "experts with biases fail on the local layer spec (an in-place add "
                         "on a view in the MLP); Megatron-LM's MoE recipes train without "
                         "biases too")
+    if tp > 1 and not args.sequence_parallel:
+        # megatron-core's MoELayer raises this at model build, after the groups exist
+        problems.append(f"--num-experts with --tensor-model-parallel-size {tp} needs "
+                        "--sequence-parallel (megatron-core requires it for MoE with TP)")
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
     if args.calculate_per_token_loss and args.seq1f1b_splits > 1 and (

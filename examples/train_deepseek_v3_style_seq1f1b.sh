@@ -1,0 +1,131 @@
+#!/bin/bash
+# A trimmed DeepSeek-V3 (MoE + multi-latent attention) with Seq1F1B on 8 GPUs: PP=4, 16k-token
+# sequences, 4 sequence splits; TP=2 bash ... gives the seed port's layout ("a trimmed
+# DeepSeek-V3 PP=4 TP=2", 1.10x over 1F1B; the default TP=1 is explained below). DeepSeek-V3's structure and per-head sizes
+# are kept as Megatron-LM's DeepSeek-V3 recipe sets them: multi-latent attention (q LoRA
+# rank 1536, kv LoRA rank 512, query-key head 128 + 64 rotary, value head 128), 256
+# routed experts with top-8 routing and one shared expert, the sigmoid router with expert
+# bias (aux-loss-free balancing, update rate 1e-3), group-limited routing (8 groups, top
+# 4), routed scaling 2.5, the sequence auxiliary loss (1e-4), the first 3 layers dense,
+# RMSNorm, SwiGLU, no biases, untied embeddings, the 129280-token vocabulary. Trimmed to
+# fit 8 GPUs: 16 layers (3 dense + 13 MoE), hidden 2048, 16 heads, dense FFN 5632,
+# expert and shared-expert FFN 256 (DeepSeek-V3: 61 layers, hidden 7168, 128 heads,
+# FFN 18432, experts 2048). Plain RoPE (base 10000) stands in for DeepSeek-V3's YaRN
+# scaling. Selective recomputation of core attention.
+#
+# The MLA flags need the trainer's multi-latent attention (issue #29 point 3, branch
+# mla); tools/plan.py reads them itself where the trainer does not know them yet.
+#
+#   TOKENIZER_MODEL=/path/to/DeepSeek-V3 DATA_PATH=/data/corpus_text_document \
+#       bash examples/train_deepseek_v3_style_seq1f1b.sh     # 8 GPUs on this node
+#   PLAN=1 bash examples/train_deepseek_v3_style_seq1f1b.sh    # memory/bubble/TFLOP/s only
+#
+# PLAN=1 hands the same flags to tools/plan.py (with --world-size and --gpu $GPU,
+# default h100-80g) instead of training. Everything else comes from the environment:
+# GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, CHECKPOINT_PATH,
+# TENSORBOARD_DIR, TRAIN_ITERS, TP (1; 2 adds sequence parallelism), EP (DP: expert
+# parallelism over the data-parallel ranks, 2 at TP=1 on 8 GPUs, 1 at TP=2),
+# GLOBAL_BATCH_SIZE (16). TP=2 is the port's layout (PP=4 x TP=2, tools/plan.py: 31 GB
+# peak on an 80 GB H100); the default is TP=1 (PP=4 x DP=2, EP=2: 41 GB) because the
+# trainer refuses multi-latent attention under TP > 1 for now (megatron-core's local MLA
+# spec does not sum the rotary key's gradient over TP ranks: docs/megatron_lm.md).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-1}
+SEQ_LENGTH=16384
+TP=${TP:-1}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/deepseek_v3_style_seq1f1b}
+
+MODEL_ARGS=(
+    --num-layers 16
+    --hidden-size 2048
+    --ffn-hidden-size 5632
+    --num-attention-heads 16
+    --multi-latent-attention
+    --q-lora-rank 1536
+    --kv-lora-rank 512
+    --qk-head-dim 128
+    --qk-pos-emb-head-dim 64
+    --v-head-dim 128
+    --max-position-embeddings 16384
+    --normalization RMSNorm
+    --norm-epsilon 1e-6
+    --position-embedding-type rope
+    --rotary-base 10000
+    --swiglu
+    --disable-bias-linear
+    --untie-embeddings-and-output-weights
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --tokenizer-type HuggingFaceTokenizer
+    --tokenizer-model ${TOKENIZER_MODEL:-deepseek-ai/DeepSeek-V3}
+    --vocab-size 129280
+    --make-vocab-size-divisible-by 128
+)
+MOE_ARGS=(
+    --num-experts 256
+    --moe-router-topk 8
+    --moe-ffn-hidden-size 256
+    --moe-shared-expert-intermediate-size 256
+    --moe-layer-freq "([0]*3+[1]*13)"
+    --moe-router-score-function sigmoid
+    --moe-router-enable-expert-bias
+    --moe-router-bias-update-rate 1e-3
+    --moe-router-num-groups 8
+    --moe-router-group-topk 4
+    --moe-router-topk-scaling-factor 2.5
+    --moe-router-load-balancing-type seq_aux_loss
+    --moe-aux-loss-coeff 1e-4
+    --moe-token-dispatcher-type alltoall
+    --moe-grouped-gemm
+    --expert-model-parallel-size ${EP:-$((GPUS_PER_NODE * NNODES / (4 * TP)))}
+)
+TRAINING_ARGS=(
+    --seq-length $SEQ_LENGTH
+    --micro-batch-size 1
+    --global-batch-size ${GLOBAL_BATCH_SIZE:-16}
+    --train-iters ${TRAIN_ITERS:-1000}
+    --lr 3e-4
+    --min-lr 3e-5
+    --lr-decay-style cosine
+    --lr-warmup-iters 50
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --clip-grad 1.0
+    --bf16
+    --recompute-granularity selective
+    --recompute-activations
+    --recompute-modules core_attn
+)
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size $TP
+    $([ "$TP" -gt 1 ] && echo --sequence-parallel || true)
+    --pipeline-model-parallel-size 4
+    --use-distributed-optimizer
+    --seq1f1b-splits 4
+    --seq1f1b-balance-method uniform_comp
+)
+DATA_AND_LOGGING_ARGS=(
+    --data-path ${DATA_PATH:-data/corpus_text_document}
+    --split 949,50,1
+    --log-interval 1
+    --log-throughput
+    --eval-interval 500
+    --eval-iters 10
+    --save $CHECKPOINT_PATH
+    --load $CHECKPOINT_PATH
+    --save-interval 500
+    --tensorboard-dir ${TENSORBOARD_DIR:-$CHECKPOINT_PATH/tensorboard}
+)
+ARGS=("${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_AND_LOGGING_ARGS[@]}")
+
+if [ -n "${PLAN:-}" ]; then
+    exec ${PYTHON:-python} tools/plan.py "${ARGS[@]}" --world-size $((GPUS_PER_NODE * NNODES)) \
+        --gpu ${GPU:-h100-80g} ${PLAN_ARGS:-}
+fi
+${TORCHRUN:-torchrun} --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES \
+    --node_rank ${NODE_RANK:-0} --master_addr ${MASTER_ADDR:-localhost} \
+    --master_port ${MASTER_PORT:-6000} pretrain_gpt.py "${ARGS[@]}"
