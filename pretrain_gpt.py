@@ -35,4 +35,9 @@ from megatron.trainer.training import pretrain  # noqa: E402
 
 
 if __name__ == "__main__":
-    pretrain(datasets_provider, model_provider, forward_step)
+    from megatron.trainer.initialize import destroy_default_group
+
+    try:
+        pretrain(datasets_provider, model_provider, forward_step)
+    finally:
+        destroy_default_group()

@@ -62,6 +62,17 @@ def destroy_model_parallel():
     mp_random.initialize_rng_tracker(force_reset=True)
 
 
+def destroy_default_group():
+    """At the end of a training process (pretrain_gpt.py), stopped or not: a process group
+    left up at interpreter exit keeps c10d threads running while C++ destructors run,
+    which now and then aborts the process after its last line ("terminate called without
+    an active exception", seen after a data check's one-line stop)."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def destroy_groups_except(keep=()):
     """Destroy every process group but the default one and those in `keep`.
 
