@@ -214,3 +214,26 @@ def test_full_disk_is_one_line_naming_the_output(tmp_path):
                      f"free space or choose another --output-prefix"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+
+# a child process (the module is marked distributed): a SIGTERM to it cannot take pytest down
+def test_sigterm_while_forking_the_workers_reaches_the_handler():
+    """While the workers are forked SIGTERM is blocked, no longer reset to its default
+    action (which killed the main process without its one line and cleanup when it came
+    then, as a full pass once showed): the main process's handler takes it."""
+    child = (
+        "import os, signal, time\n"
+        "from megatron.dataprep import preprocess\n"
+        "signal.signal(signal.SIGTERM, preprocess._raise_terminated)\n"
+        "try:\n"
+        "    with preprocess._fork_environment():\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(0.2)\n"
+        "    time.sleep(0.2)\n"
+        "except preprocess._Terminated:\n"
+        "    print('handled')\n")
+    done = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "handled", (done.returncode,
+                                                                      done.stderr[-2000:])

@@ -165,6 +165,9 @@ _ENCODER = None
 def _init_worker(spec: dict, main_pid: int) -> None:
     global _ENCODER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+    # forked with SIGTERM blocked (_fork_environment): a worker dies on it, at once
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers means cores
     threading.Thread(target=_exit_with, args=(main_pid,), daemon=True).start()
     _ENCODER = _make_encoder(spec)
@@ -296,13 +299,16 @@ def _fork_environment():
     # TOKENIZERS_PARALLELISM set at fork time keeps HF tokenizers from warning about a fork
     # after the parent used its thread pool. Workers must die on SIGTERM: forked with the
     # main process's SIGTERM -> KeyboardInterrupt handler they could hang in a queue lock.
+    # So SIGTERM is blocked while forking (the workers unblock it with its default action
+    # in _init_worker): one sent to the main process meanwhile waits for its handler
+    # instead of killing it without cleanup (as SIG_DFL here once did).
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if old is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
