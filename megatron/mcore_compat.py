@@ -278,6 +278,12 @@ TABLE = (
            "load_parameter_state_from_fully_reshardable",
            "loads the Adam tensors with the per-parameter 'step' set aside (it would copy "
            "one shared step into every parameter)", "self", "state_dict"),
+    _mcore("dist_checkpointing.strategies.filesystem_async:_results_queue",
+           "set to an in-process queue before a synchronous save (save_results_queue.py): "
+           "left None, the torch_dist writer makes it with a 'spawn' Manager, a server "
+           "process that re-imports the launching script (about 2.5 s of CPU per rank); "
+           "the writer puts its results with put() and retrieve_write_results takes them "
+           "with get_nowait()"),
     # --- CUDA-only call sites patched on CPU (megatron/cpu_support.py) ---------
     _mcore("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
            "replaced on CPU: asserts grads are torch.cuda.FloatTensor",

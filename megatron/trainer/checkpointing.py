@@ -59,7 +59,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megatron.trainer import save_failure, stop_signals
+from megatron.trainer import save_failure, save_results_queue, stop_signals
 from megatron.trainer.schedule_check import schedule_decision
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -552,6 +552,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         state = _sharded_state_dict(args, model, optimizer, scheduler, iteration,
                                     consumed_samples, with_rng=not args.no_save_rng,
                                     with_optimizer=not args.no_save_optim)
+        save_results_queue.use_in_process_results_queue()  # no spawned Manager process
         dist_checkpointing.save(state, staging)
         torch.distributed.barrier()
         _write_manifest(staging)
