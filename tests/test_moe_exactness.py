@@ -106,12 +106,15 @@ CASES = {
     "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
     # X on packed documents (the corpus whose rows hold every split case)
     "Xd_pp2_s3": ("Xd", 3, [], 2, 1),
+    # D (MLA) on packed documents: attention stays in each document across split edges;
+    # the rotary parts run over the row's positions, as in megatron-core's unsplit model
+    "Dd_pp2_s3": ("Dd", 3, [], 2, 1),
     "D_pp2_vp2_s3_chunked": ("D", 3, ["--virtual-pipeline-model-parallel-size", "2",
                                       "--seq1f1b-kv-cache", "chunked"], 2, 2),
     "M_pp2_s3_chunked": ("M", 3, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
 }
 # a model trained on packed documents: name -> the model it is, started from its init
-DOCUMENT_MODELS = {"Xd": "X"}
+DOCUMENT_MODELS = {"Xd": "X", "Dd": "D"}
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
 
 
