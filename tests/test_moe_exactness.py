@@ -30,6 +30,7 @@ from position 0 instead of its offset, a 2-layer M's first loss is 6.482 instead
 6.519 (at the default std 0.02 the difference is 2e-6, below the tolerance).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -120,6 +121,9 @@ DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + D
 
 EP_RELOADED = "X_ep2_checkpoint_loaded_at_ep1"
 EP_CHECKPOINT = []  # where plan() put the EP run's checkpoint
+# this case also records its last iteration's units (--timeline-file): an MoE + MLA run
+# observed by the timeline, still equal to the unobserved s = 1 and one-process runs
+TIMELINE_CASE, TIMELINE_FILE = "D_pp2_s3_selective", []
 
 
 def _splits(n):
@@ -149,6 +153,9 @@ def plan(tmp, corpus):
         expert_parallel = "--expert-model-parallel-size" in extra
         save = (["--save", str(tmp / "ep2_ckpt"), "--save-interval", str(ITERATIONS)]
                 if expert_parallel else [])
+        if name == TIMELINE_CASE:
+            TIMELINE_FILE.append(tmp / "timeline.json")
+            save += ["--timeline-file", str(TIMELINE_FILE[0])]
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
                             "params": True})
     # after the EP run in the same launch: its checkpoint's weights resharded from EP 2 to
@@ -166,6 +173,20 @@ def plan(tmp, corpus):
 @pytest.fixture(scope="module")
 def results(exactness_runs):
     return exactness_runs[__name__]
+
+
+def test_timeline_records_every_unit_of_an_moe_mla_run(results):
+    """The timeline of the last iteration of an MoE + MLA run: on each of the two stages,
+    the forward and backward unit of every split of every microbatch, once."""
+    assert results[TIMELINE_CASE]["losses"]  # it trained (compared in the test above)
+    _, splits, _, _, _ = CASES[TIMELINE_CASE]
+    data = json.loads(TIMELINE_FILE[0].read_text())
+    assert len(data["ranks"]) == 2
+    for units in data["ranks"]:
+        assert sorted((u["kind"], u["microbatch"], u["split"]) for u in units) == sorted(
+            (kind, mb, j) for kind in "FB" for mb in range(MICROBATCHES)
+            for j in range(splits))
+        assert all(u["end"] >= u["start"] >= 0 for u in units)
 
 
 @pytest.mark.parametrize("name", CASES)
