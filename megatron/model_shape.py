@@ -84,6 +84,9 @@ class ModelShape:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # --qk-layernorm: MLA's latent norms (megatron-core's local and TE specs build them
+    # only with it; without, the latents go to the up-projections as they are)
+    qk_layernorm: bool = False
 
     @classmethod
     def from_args(cls, args, *, vocab_size: int | None = None, name: str = "custom"):
@@ -174,9 +177,7 @@ class ModelShape:
         or (``active``) those one token uses."""
         h = self.hidden_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
-        mla_norms = 0
-        if self.multi_latent_attention:
-            mla_norms = self.kv_lora_rank + (self.q_lora_rank or 0)
+        mla_norms = self.mla_norm_params()
         layers = sum(self.attention_linear_params() + self.mlp_linear_params(i, active)
                      + 2 * norm + mla_norms for i in range(self.num_layers))
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
@@ -188,6 +189,14 @@ class ModelShape:
         if self.position_embedding_type != "learned_absolute":
             return 0
         return (self.max_position_embeddings or 0) * self.hidden_size
+
+    def mla_norm_params(self) -> int:
+        """Weights of one layer's MLA latent norms (q latent when --q-lora-rank is given,
+        kv latent), present with --qk-layernorm only; LayerNorm has a bias too."""
+        if not (self.multi_latent_attention and self.qk_layernorm):
+            return 0
+        per = 2 if self.normalization == "LayerNorm" else 1
+        return per * (self.kv_lora_rank + (self.q_lora_rank or 0))
 
     def kv_values_per_token(self) -> int:
         """Values the K/V cache keeps per token and layer: keys and values of every
@@ -281,4 +290,5 @@ def _mla_fields(args) -> dict:
     return dict(multi_latent_attention=True, num_query_groups=args.num_attention_heads,
                 kv_channels=args.qk_head_dim + args.qk_pos_emb_head_dim, q_lora_rank=args.q_lora_rank,
                 kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                qk_layernorm=bool(getattr(args, "qk_layernorm", False)))

@@ -124,8 +124,7 @@ class CostModel:
             # column-parallel biases are split over TP, row-parallel ones are replicated
             bias = ((a * d + 2 * g * d) + f * (2 if m.swiglu else 1)) / t + 2 * h
         norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
-        if m.multi_latent_attention:
-            norms += m.kv_lora_rank + (m.q_lora_rank or 0)
+        norms += m.mla_norm_params()
         experts = 0.0
         if moe:
             norms += m.router_params()
@@ -231,6 +230,8 @@ class CostModel:
         """Core attention of one layer for split ``split``, with the output projection's
         saved input (the QKV projection's input is the norm output, in ``norm_bytes``)."""
         m, t, e = self.model, self.par.tp, self.act_bytes
+        if m.multi_latent_attention:
+            return self.mla_attention_bytes(split)
         b, l = self.par.micro_batch_size, self.split_lengths[split]
         tokens = b * l
         q = m.num_attention_heads * m.head_dim / t * e
@@ -267,6 +268,53 @@ class CostModel:
         # projection
         copies = 2 if self.on_cpu else 1
         return tokens * (q + lse + copies * q) + cos_sin
+
+    def _latent_bytes(self, rank: int, stored: int) -> float:
+        """Per token: one MLA latent of width ``rank`` on its way to its up-projection.
+        Without --qk-layernorm the up-projection keeps the down-projection's output
+        (``stored`` wide: the kv latent is a view of the output that also holds the
+        rotary key); with it the norm keeps that output as its input, its fp32
+        statistics and (RMSNorm) ``x * rstd``, and the up-projection keeps its output."""
+        e = self.act_bytes
+        if not self.model.qk_layernorm:
+            return stored * e
+        if self.model.normalization == "LayerNorm":
+            return stored * e + rank * e + 2 * FP32
+        return stored * e + 2 * rank * e + FP32
+
+    def mla_attention_bytes(self, split: int) -> float:
+        """Multi-latent attention of one layer for split ``split`` as megatron-core's
+        local MLA spec and the split-aware core attention save it (measured term by
+        term with the probe, docs/planner.md): the latents, RoPE's cos and sin of the
+        decoupled rotary part (``dpe`` wide, shared by the heads), and core attention
+        over queries and keys of head size ``dq = dqk + dpe`` and values of ``dv``.
+        The fused kernels need one head size, so V is padded to ``dq`` for the call:
+        the padded copy of the whole prefix is saved, and so is the padded output
+        (cut back to ``dv`` for the output projection, whose input is saved too)."""
+        m, t, e = self.model, self.par.tp, self.act_bytes
+        b, l = self.par.micro_batch_size, self.split_lengths[split]
+        tokens = b * l
+        heads = m.num_attention_heads / t
+        dq = m.qk_head_dim + m.qk_pos_emb_head_dim
+        q = heads * dq * e  # also a key, a padded value or a padded output
+        out = heads * m.v_head_dim * e  # the output projection's input
+        lse = FP32 * heads
+        latents = self._latent_bytes(m.kv_lora_rank, m.kv_lora_rank + m.qk_pos_emb_head_dim)
+        if m.q_lora_rank:
+            latents += self._latent_bytes(m.q_lora_rank, m.q_lora_rank)
+        # 4 [l, 1, 1, dpe] tensors, as _rope_bytes; MLA ropes whatever the position type
+        fixed = tokens * latents + 4 * l * m.qk_pos_emb_head_dim * e
+        split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
+        if split_kernel and self.kv_layout == "chunked":
+            # a q copy, the output (at dv: the chunks merge unpadded) and the LSE
+            return fixed + tokens * (q + out + lse)
+        # the split kernel's K lives in the buffer (counted as K/V cache) and its padded
+        # V spans the prefix; unsplit, a fresh K and a padded V of the split alone
+        keys = b * (l + self.offsets[split]) if split_kernel else tokens
+        inputs = tokens * q + keys * q + (0 if split_kernel else tokens * q)
+        if self.recompute.granularity == "selective":  # the checkpoint keeps q, k, v
+            return fixed + inputs + tokens * out
+        return fixed + inputs + tokens * (q + lse + out)
 
     def mlp_bytes(self, tokens: float) -> float:
         """fc1 output and activation output (SwiGLU: fc1's 2F output, silu and the
