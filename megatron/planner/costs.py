@@ -314,6 +314,11 @@ class CostModel:
         inputs = tokens * q + keys * q + (0 if split_kernel else tokens * q)
         if self.recompute.granularity == "selective":  # the checkpoint keeps q, k, v
             return fixed + inputs + tokens * out
+        if self._math_kernel():
+            # scaled q and k, the padded V, then scores, dropout mask and probabilities
+            per_key = b * heads * l * e
+            return (fixed + tokens * q + 2 * keys * q + 3 * per_key * keys / b
+                    + tokens * out)
         return fixed + inputs + tokens * (q + lse + out)
 
     def mlp_bytes(self, tokens: float) -> float:
@@ -378,6 +383,8 @@ class CostModel:
         caches and hands to every microbatch: held from the first microbatch's forward
         to the last one's backward."""
         if self.recompute.granularity != "full" or self.model.position_embedding_type != "rope":
+            return 0.0
+        if self.model.multi_latent_attention:  # MLA ropes inside the recomputed layer
             return 0.0
         return self.split_lengths[split] * self.model.head_dim * FP32
 
