@@ -77,6 +77,10 @@ class ModelShape:
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_ffn_hidden_size: int = 0  # --moe-shared-expert-intermediate-size
     moe_layer_freq: int | tuple = 1  # N, or one 0 (dense) / 1 (MoE) per layer
+    # what the router saves for backward depends on these (activation memory only)
+    moe_score_function: str = "softmax"  # --moe-router-score-function
+    moe_aux_loss: bool = False  # an aux/seq/global load-balancing loss with coefficient > 0
+    moe_z_loss: bool = False  # --moe-z-loss-coeff given
     # multi-latent attention (--multi-latent-attention and its sizes, Megatron-LM defaults)
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None
@@ -276,10 +280,19 @@ def _moe_fields(args) -> dict:
     if getattr(args, "num_experts", None) is None:
         return {}
     freq = args.moe_layer_freq
+    types = getattr(args, "moe_router_load_balancing_type", "aux_loss")
+    coeffs = getattr(args, "moe_aux_loss_coeff", 0.0)
+    types = types if isinstance(types, list) else [types]
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(types)
+    aux = any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
+              for t, c in zip(types, coeffs))
     return dict(num_experts=args.num_experts, moe_topk=args.moe_router_topk,
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                 moe_shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
-                moe_layer_freq=freq if isinstance(freq, int) else tuple(freq))
+                moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
+                moe_score_function=getattr(args, "moe_router_score_function", "softmax"),
+                moe_aux_loss=aux,
+                moe_z_loss=getattr(args, "moe_z_loss_coeff", None) is not None)
 
 
 def _mla_fields(args) -> dict:

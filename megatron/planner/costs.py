@@ -257,7 +257,7 @@ class CostModel:
             out += 3 * heads * l * keys * e  # scores, dropout mask, probabilities
             if m.num_query_groups < m.num_attention_heads:
                 out += heads * m.head_dim * keys * e  # v expanded to every head
-            elif split == 0 or not split_kernel:
+            elif not split_kernel:  # split kernels read v from the K/V buffer
                 out += tokens * qkv  # v: a view of the fused QKV output
             return out + tokens * q + cos_sin
         if not split_kernel:
@@ -266,7 +266,7 @@ class CostModel:
             return tokens * ((q if rope else qkv) + lse + q) + cos_sin
         # later splits: a contiguous q; on CPU the output is copied once more for the
         # projection
-        copies = 2 if self.on_cpu else 1
+        copies = 1
         return tokens * (q + lse + copies * q) + cos_sin
 
     def _latent_bytes(self, rank: int, stored: int) -> float:
@@ -327,22 +327,43 @@ class CostModel:
         f, e = self.model.ffn_hidden_size / self.par.tp, self.act_bytes
         return tokens * f * e * (5 if self.model.swiglu else 2)
 
+    def router_bytes(self, tokens: float) -> float:
+        """What the router and the token dispatcher keep for ``tokens`` tokens (megatron-core
+        0.16.1 and 0.19.2, measured with the probe): the top-k int64 indices and fp32
+        probabilities; sigmoid scores over every expert (and, for k > 1, the per-token sum
+        that normalises the top-k); with a load-balancing loss its own fp32 scores over
+        every expert, int64 top-k and per-expert fp32 load (sigmoid: a per-token sum
+        again); with z-loss the fp32 logits and a per-token logsumexp; the dispatcher's
+        bool routing map and fp32 probability matrix over (expert, token) and int64
+        permutation map of the ``k T`` copies (allgather and alltoall alike)."""
+        m = self.model
+        k, E = m.moe_topk, m.num_experts
+        sigmoid = m.moe_score_function == "sigmoid"
+        out = tokens * k * (8 + FP32)
+        if sigmoid:
+            out += tokens * E * FP32 + (tokens * FP32 if k > 1 else 0)
+        if m.moe_aux_loss:
+            out += tokens * (E * FP32 + 8 * k + (FP32 if sigmoid else 0)) + E * FP32
+        if m.moe_z_loss:
+            out += tokens * (E + 1) * FP32 + FP32
+        return out + tokens * E * (1 + FP32) + tokens * k * 8
+
     def moe_bytes(self, tokens: float) -> float:
-        """An MoE layer's MLP for ``tokens`` tokens: the router's fp32 logits and scores,
-        the ``top-k`` dispatched copies of each token (the experts' inputs and outputs,
-        kept for the probability-weighted combine), the experts' MLP activations over
-        those ``k T`` copies, their fp32 probabilities, and the shared expert's MLP.
-        ``tokens`` are the unit's tokens (all of them with SP too: the dispatcher gathers
-        the sequence-parallel shards); each expert's FFN is split over TP."""
+        """An MoE layer's MLP for ``tokens`` tokens: the router's and dispatcher's
+        bookkeeping (``router_bytes``); per dispatched copy (``k T`` of them) the expert's
+        input and its fp32 probability, which the expert applies inside its MLP
+        (megatron-core's ``per_token_scale``): the MLP keeps its activation output before
+        the scaling besides the usual terms, and the expert output is not kept; and the
+        shared expert's MLP. ``tokens`` are the unit's tokens (all of them with SP too:
+        the dispatcher gathers the sequence-parallel shards); each expert's FFN is split
+        over TP."""
         m, t, e = self.model, self.par.tp, self.act_bytes
-        h, k, E = m.hidden_size, m.moe_topk, m.num_experts
-        local = tokens
+        h, k = m.hidden_size, m.moe_topk
         per_act = 5 if m.swiglu else 2
-        router = local * E * FP32 * 2  # logits, scores
-        dispatched = k * local * (2 * h * e + FP32)  # expert input, output; probability
-        experts = k * local * m.expert_ffn / t * e * per_act
-        shared = local * m.moe_shared_ffn_hidden_size / t * e * per_act
-        return router + dispatched + experts + shared
+        dispatched = k * tokens * (h * e + FP32)
+        experts = k * tokens * m.expert_ffn / t * e * (per_act + 1)
+        shared = tokens * m.moe_shared_ffn_hidden_size / t * e * per_act
+        return self.router_bytes(tokens) + dispatched + experts + shared
 
     def dropout_bytes(self, tokens: float) -> float:
         """The two hidden-dropout masks of a layer."""
