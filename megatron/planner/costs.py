@@ -264,10 +264,9 @@ class CostModel:
             return tokens * (unsplit_inputs + lse + q) + cos_sin
         if split == 0:  # K/V live in the buffer; q a view of QKV (learned) or RoPE's
             return tokens * ((q if rope else qkv) + lse + q) + cos_sin
-        # later splits: a contiguous q; on CPU the output is copied once more for the
-        # projection
-        copies = 1
-        return tokens * (q + lse + copies * q) + cos_sin
+        # later splits: a contiguous q and one output, which the output projection's
+        # saved input shares (CPU and GPU kernels alike)
+        return tokens * (q + lse + q) + cos_sin
 
     def _latent_bytes(self, rank: int, stored: int) -> float:
         """Per token: one MLA latent of width ``rank`` on its way to its up-projection.
