@@ -77,6 +77,10 @@ class ModelShape:
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_ffn_hidden_size: int = 0  # --moe-shared-expert-intermediate-size
     moe_layer_freq: int | tuple = 1  # N, or one 0 (dense) / 1 (MoE) per layer
+    # what the router saves for backward depends on these (activation memory only)
+    moe_score_function: str = "softmax"  # --moe-router-score-function
+    moe_aux_loss: bool = False  # an aux/seq/global load-balancing loss with coefficient > 0
+    moe_z_loss: bool = False  # --moe-z-loss-coeff given
     # multi-latent attention (--multi-latent-attention and its sizes, Megatron-LM defaults)
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None
@@ -84,6 +88,9 @@ class ModelShape:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # --qk-layernorm: MLA's latent norms (megatron-core's local and TE specs build them
+    # only with it; without, the latents go to the up-projections as they are)
+    qk_layernorm: bool = False
 
     @classmethod
     def from_args(cls, args, *, vocab_size: int | None = None, name: str = "custom"):
@@ -174,9 +181,7 @@ class ModelShape:
         or (``active``) those one token uses."""
         h = self.hidden_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
-        mla_norms = 0
-        if self.multi_latent_attention:
-            mla_norms = self.kv_lora_rank + (self.q_lora_rank or 0)
+        mla_norms = self.mla_norm_params()
         layers = sum(self.attention_linear_params() + self.mlp_linear_params(i, active)
                      + 2 * norm + mla_norms for i in range(self.num_layers))
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
@@ -188,6 +193,14 @@ class ModelShape:
         if self.position_embedding_type != "learned_absolute":
             return 0
         return (self.max_position_embeddings or 0) * self.hidden_size
+
+    def mla_norm_params(self) -> int:
+        """Weights of one layer's MLA latent norms (q latent when --q-lora-rank is given,
+        kv latent), present with --qk-layernorm only; LayerNorm has a bias too."""
+        if not (self.multi_latent_attention and self.qk_layernorm):
+            return 0
+        per = 2 if self.normalization == "LayerNorm" else 1
+        return per * (self.kv_lora_rank + (self.q_lora_rank or 0))
 
     def kv_values_per_token(self) -> int:
         """Values the K/V cache keeps per token and layer: keys and values of every
@@ -267,10 +280,19 @@ def _moe_fields(args) -> dict:
     if getattr(args, "num_experts", None) is None:
         return {}
     freq = args.moe_layer_freq
+    types = getattr(args, "moe_router_load_balancing_type", "aux_loss")
+    coeffs = getattr(args, "moe_aux_loss_coeff", 0.0)
+    types = types if isinstance(types, list) else [types]
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(types)
+    aux = any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
+              for t, c in zip(types, coeffs))
     return dict(num_experts=args.num_experts, moe_topk=args.moe_router_topk,
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                 moe_shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
-                moe_layer_freq=freq if isinstance(freq, int) else tuple(freq))
+                moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
+                moe_score_function=getattr(args, "moe_router_score_function", "softmax"),
+                moe_aux_loss=aux,
+                moe_z_loss=getattr(args, "moe_z_loss_coeff", None) is not None)
 
 
 def _mla_fields(args) -> dict:
@@ -281,4 +303,5 @@ def _mla_fields(args) -> dict:
     return dict(multi_latent_attention=True, num_query_groups=args.num_attention_heads,
                 kv_channels=args.qk_head_dim + args.qk_pos_emb_head_dim, q_lora_rank=args.q_lora_rank,
                 kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                qk_layernorm=bool(getattr(args, "qk_layernorm", False)))

@@ -17,6 +17,13 @@ shared expert, a first dense layer (--moe-layer-freq), the sigmoid router with e
 bias and seq_aux_loss; and the allgather dispatcher with aux_loss and z-loss, whose
 final parameters also check the planner's total parameter count. Treating the MoE
 layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
+
+Multi-latent attention (in the 2-process launch): an MoE + MLA model (query and kv
+latents, query-key head 16 + 8 rotary, value head 12, shared expert, first layer dense,
+s = 2, selective recomputation) and a dense one (LayerNorm latent norms of
+--qk-layernorm, s = 3, no recomputation); both also check the parameter count. With
+standard attention's terms at head size dqk + dpe the MoE + MLA model was planned
++12.4% / +6.5% above the probe.
 """
 
 import json
@@ -44,6 +51,8 @@ TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
        "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
        "--global-batch-size", "4", "--moe-aux-loss-coeff", "1e-2"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "24",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"] + ROPE
 
 CONFIGS = {  # name -> (processes, flags after BASE)
     "1f1b_dropout_mbs2": (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
@@ -87,8 +96,15 @@ CONFIGS = {  # name -> (processes, flags after BASE)
     "moe_allgather_s2_zloss": (4, PP2 + MOE + [
         "--seq1f1b-splits", "2", "--moe-z-loss-coeff", "1e-3",
         "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "2"]),
+    "moe_mla_s2_selective": (2, PP2 + MOE + MLA + [
+        "--seq1f1b-splits", "2", "--recompute-granularity", "selective",
+        "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "64"]
+                             + NO_DROPOUT),
+    "mla_qk_layernorm_s3": (2, PP2 + MLA + ["--qk-layernorm", "--disable-bias-linear",
+                                            "--seq1f1b-splits", "3"] + NO_DROPOUT),
 }
-PARAMS = {"moe_allgather_s2_zloss"}  # runs whose final parameters come back
+# runs whose final parameters come back
+PARAMS = {"moe_allgather_s2_zloss", "moe_mla_s2_selective", "mla_qk_layernorm_s3"}
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +158,17 @@ def test_planner_counts_the_moe_models_parameters(measured):
     unused = experts * (4 - 2) // 4  # 2 of 4 experts per token
     assert shape.parameter_count(active=True) == trained - unused
     assert moe_layers * 4 * shape.expert_params() == experts
+
+
+@pytest.mark.parametrize("name", ["moe_mla_s2_selective", "mla_qk_layernorm_s3"])
+def test_planner_counts_the_mla_models_parameters(measured, name):
+    """MLA's projections, and its latent norms only with --qk-layernorm (megatron-core's
+    local spec builds IdentityOp without it), as trained."""
+    import torch
+
+    params = torch.load(measured[f"{name}.params"])
+    trained = sum(t.numel() for n, t in params.items() if not n.endswith("expert_bias"))
+    procs, flags = CONFIGS[name]
+    cost = predict(config_from_args(parse(BASE + flags + ["--gpu", "cpu", "--world-size",
+                                                          str(procs)]))).cost
+    assert cost.shape.parameter_count() == trained

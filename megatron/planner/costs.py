@@ -124,8 +124,7 @@ class CostModel:
             # column-parallel biases are split over TP, row-parallel ones are replicated
             bias = ((a * d + 2 * g * d) + f * (2 if m.swiglu else 1)) / t + 2 * h
         norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
-        if m.multi_latent_attention:
-            norms += m.kv_lora_rank + (m.q_lora_rank or 0)
+        norms += m.mla_norm_params()
         experts = 0.0
         if moe:
             norms += m.router_params()
@@ -231,6 +230,8 @@ class CostModel:
         """Core attention of one layer for split ``split``, with the output projection's
         saved input (the QKV projection's input is the norm output, in ``norm_bytes``)."""
         m, t, e = self.model, self.par.tp, self.act_bytes
+        if m.multi_latent_attention:
+            return self.mla_attention_bytes(split)
         b, l = self.par.micro_batch_size, self.split_lengths[split]
         tokens = b * l
         q = m.num_attention_heads * m.head_dim / t * e
@@ -256,17 +257,68 @@ class CostModel:
             out += 3 * heads * l * keys * e  # scores, dropout mask, probabilities
             if m.num_query_groups < m.num_attention_heads:
                 out += heads * m.head_dim * keys * e  # v expanded to every head
-            elif split == 0 or not split_kernel:
+            elif not split_kernel:  # split kernels read v from the K/V buffer
                 out += tokens * qkv  # v: a view of the fused QKV output
             return out + tokens * q + cos_sin
         if not split_kernel:
             return tokens * (unsplit_inputs + lse + q) + cos_sin
         if split == 0:  # K/V live in the buffer; q a view of QKV (learned) or RoPE's
             return tokens * ((q if rope else qkv) + lse + q) + cos_sin
-        # later splits: a contiguous q; on CPU the output is copied once more for the
-        # projection
-        copies = 2 if self.on_cpu else 1
-        return tokens * (q + lse + copies * q) + cos_sin
+        # later splits: a contiguous q and one output, which the output projection's
+        # saved input shares (CPU and GPU kernels alike)
+        return tokens * (q + lse + q) + cos_sin
+
+    def _latent_bytes(self, rank: int, stored: int) -> float:
+        """Per token: one MLA latent of width ``rank`` on its way to its up-projection.
+        Without --qk-layernorm the up-projection keeps the down-projection's output
+        (``stored`` wide: the kv latent is a view of the output that also holds the
+        rotary key); with it the norm keeps that output as its input, its fp32
+        statistics and (RMSNorm) ``x * rstd``, and the up-projection keeps its output."""
+        e = self.act_bytes
+        if not self.model.qk_layernorm:
+            return stored * e
+        if self.model.normalization == "LayerNorm":
+            return stored * e + rank * e + 2 * FP32
+        return stored * e + 2 * rank * e + FP32
+
+    def mla_attention_bytes(self, split: int) -> float:
+        """Multi-latent attention of one layer for split ``split`` as megatron-core's
+        local MLA spec and the split-aware core attention save it (measured term by
+        term with the probe, docs/planner.md): the latents, RoPE's cos and sin of the
+        decoupled rotary part (``dpe`` wide, shared by the heads), and core attention
+        over queries and keys of head size ``dq = dqk + dpe`` and values of ``dv``.
+        The fused kernels need one head size, so V is padded to ``dq`` for the call:
+        the padded copy of the whole prefix is saved, and so is the padded output
+        (cut back to ``dv`` for the output projection, whose input is saved too)."""
+        m, t, e = self.model, self.par.tp, self.act_bytes
+        b, l = self.par.micro_batch_size, self.split_lengths[split]
+        tokens = b * l
+        heads = m.num_attention_heads / t
+        dq = m.qk_head_dim + m.qk_pos_emb_head_dim
+        q = heads * dq * e  # also a key, a padded value or a padded output
+        out = heads * m.v_head_dim * e  # the output projection's input
+        lse = FP32 * heads
+        latents = self._latent_bytes(m.kv_lora_rank, m.kv_lora_rank + m.qk_pos_emb_head_dim)
+        if m.q_lora_rank:
+            latents += self._latent_bytes(m.q_lora_rank, m.q_lora_rank)
+        # 4 [l, 1, 1, dpe] tensors, as _rope_bytes; MLA ropes whatever the position type
+        fixed = tokens * latents + 4 * l * m.qk_pos_emb_head_dim * e
+        split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
+        if split_kernel and self.kv_layout == "chunked":
+            # a q copy, the output (at dv: the chunks merge unpadded) and the LSE
+            return fixed + tokens * (q + out + lse)
+        # the split kernel's K lives in the buffer (counted as K/V cache) and its padded
+        # V spans the prefix; unsplit, a fresh K and a padded V of the split alone
+        keys = b * (l + self.offsets[split]) if split_kernel else tokens
+        inputs = tokens * q + keys * q + (0 if split_kernel else tokens * q)
+        if self.recompute.granularity == "selective":  # the checkpoint keeps q, k, v
+            return fixed + inputs + tokens * out
+        if self._math_kernel():
+            # scaled q and k, the padded V, then scores, dropout mask and probabilities
+            per_key = b * heads * l * e
+            return (fixed + tokens * q + 2 * keys * q + 3 * per_key * keys / b
+                    + tokens * out)
+        return fixed + inputs + tokens * (q + lse + out)
 
     def mlp_bytes(self, tokens: float) -> float:
         """fc1 output and activation output (SwiGLU: fc1's 2F output, silu and the
@@ -274,22 +326,43 @@ class CostModel:
         f, e = self.model.ffn_hidden_size / self.par.tp, self.act_bytes
         return tokens * f * e * (5 if self.model.swiglu else 2)
 
+    def router_bytes(self, tokens: float) -> float:
+        """What the router and the token dispatcher keep for ``tokens`` tokens (megatron-core
+        0.16.1 and 0.19.2, measured with the probe): the top-k int64 indices and fp32
+        probabilities; sigmoid scores over every expert (and, for k > 1, the per-token sum
+        that normalises the top-k); with a load-balancing loss its own fp32 scores over
+        every expert, int64 top-k and per-expert fp32 load (sigmoid: a per-token sum
+        again); with z-loss the fp32 logits and a per-token logsumexp; the dispatcher's
+        bool routing map and fp32 probability matrix over (expert, token) and int64
+        permutation map of the ``k T`` copies (allgather and alltoall alike)."""
+        m = self.model
+        k, E = m.moe_topk, m.num_experts
+        sigmoid = m.moe_score_function == "sigmoid"
+        out = tokens * k * (8 + FP32)
+        if sigmoid:
+            out += tokens * E * FP32 + (tokens * FP32 if k > 1 else 0)
+        if m.moe_aux_loss:
+            out += tokens * (E * FP32 + 8 * k + (FP32 if sigmoid else 0)) + E * FP32
+        if m.moe_z_loss:
+            out += tokens * (E + 1) * FP32 + FP32
+        return out + tokens * E * (1 + FP32) + tokens * k * 8
+
     def moe_bytes(self, tokens: float) -> float:
-        """An MoE layer's MLP for ``tokens`` tokens: the router's fp32 logits and scores,
-        the ``top-k`` dispatched copies of each token (the experts' inputs and outputs,
-        kept for the probability-weighted combine), the experts' MLP activations over
-        those ``k T`` copies, their fp32 probabilities, and the shared expert's MLP.
-        ``tokens`` are the unit's tokens (all of them with SP too: the dispatcher gathers
-        the sequence-parallel shards); each expert's FFN is split over TP."""
+        """An MoE layer's MLP for ``tokens`` tokens: the router's and dispatcher's
+        bookkeeping (``router_bytes``); per dispatched copy (``k T`` of them) the expert's
+        input and its fp32 probability, which the expert applies inside its MLP
+        (megatron-core's ``per_token_scale``): the MLP keeps its activation output before
+        the scaling besides the usual terms, and the expert output is not kept; and the
+        shared expert's MLP. ``tokens`` are the unit's tokens (all of them with SP too:
+        the dispatcher gathers the sequence-parallel shards); each expert's FFN is split
+        over TP."""
         m, t, e = self.model, self.par.tp, self.act_bytes
-        h, k, E = m.hidden_size, m.moe_topk, m.num_experts
-        local = tokens
+        h, k = m.hidden_size, m.moe_topk
         per_act = 5 if m.swiglu else 2
-        router = local * E * FP32 * 2  # logits, scores
-        dispatched = k * local * (2 * h * e + FP32)  # expert input, output; probability
-        experts = k * local * m.expert_ffn / t * e * per_act
-        shared = local * m.moe_shared_ffn_hidden_size / t * e * per_act
-        return router + dispatched + experts + shared
+        dispatched = k * tokens * (h * e + FP32)
+        experts = k * tokens * m.expert_ffn / t * e * (per_act + 1)
+        shared = tokens * m.moe_shared_ffn_hidden_size / t * e * per_act
+        return self.router_bytes(tokens) + dispatched + experts + shared
 
     def dropout_bytes(self, tokens: float) -> float:
         """The two hidden-dropout masks of a layer."""
@@ -330,6 +403,8 @@ class CostModel:
         caches and hands to every microbatch: held from the first microbatch's forward
         to the last one's backward."""
         if self.recompute.granularity != "full" or self.model.position_embedding_type != "rope":
+            return 0.0
+        if self.model.multi_latent_attention:  # MLA ropes inside the recomputed layer
             return 0.0
         return self.split_lengths[split] * self.model.head_dim * FP32
 
