@@ -3,7 +3,8 @@
 # sequences, 4 sequence splits; TP=2 bash ... gives the seed port's layout ("a trimmed
 # DeepSeek-V3 PP=4 TP=2", 1.10x over 1F1B; the default TP=1 is explained below). DeepSeek-V3's structure and per-head sizes
 # are kept as Megatron-LM's DeepSeek-V3 recipe sets them: multi-latent attention (q LoRA
-# rank 1536, kv LoRA rank 512, query-key head 128 + 64 rotary, value head 128), 256
+# rank 1536, kv LoRA rank 512, query-key head 128 + 64 rotary, value head 128, RMSNorm on
+# both latents: --qk-layernorm), 256
 # routed experts with top-8 routing and one shared expert, the sigmoid router with expert
 # bias (aux-loss-free balancing, update rate 1e-3), group-limited routing (8 groups, top
 # 4), routed scaling 2.5, the sequence auxiliary loss (1e-4), the first 3 layers dense,
@@ -12,9 +13,6 @@
 # expert and shared-expert FFN 256 (DeepSeek-V3: 61 layers, hidden 7168, 128 heads,
 # FFN 18432, experts 2048). Plain RoPE (base 10000) stands in for DeepSeek-V3's YaRN
 # scaling. Selective recomputation of core attention.
-#
-# The MLA flags need the trainer's multi-latent attention (issue #29 point 3, branch
-# mla); tools/plan.py reads them itself where the trainer does not know them yet.
 #
 #   TOKENIZER_MODEL=/path/to/DeepSeek-V3 DATA_PATH=/data/corpus_text_document \
 #       bash examples/train_deepseek_v3_style_seq1f1b.sh     # 8 GPUs on this node
@@ -49,6 +47,7 @@ MODEL_ARGS=(
     --qk-head-dim 128
     --qk-pos-emb-head-dim 64
     --v-head-dim 128
+    --qk-layernorm
     --max-position-embeddings 16384
     --normalization RMSNorm
     --norm-epsilon 1e-6
