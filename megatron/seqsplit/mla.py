@@ -21,6 +21,13 @@ gradient was never summed over TP (TP=2 changed the down-projection's rotary row
 gradient, and through the hidden states every earlier parameter's, while the losses
 stayed equal). ``_kv_down_projection_output`` hands megatron-core the full output, in
 the sequence-parallel layout where SP is on, with that sum in its backward.
+
+Also at TP>1 without sequence parallelism, with --qk-layernorm and a query latent:
+megatron-core's finalize_model_grads sums every ``q_layernorm`` parameter's gradient over
+TP (right for standard attention, whose query norm sees only the rank's heads), but MLA's
+query-latent norm sees the whole latent on every rank, so each rank already holds the
+whole gradient and the sum doubled it at TP=2. ``_query_norm_shared_over_tp`` gives each
+rank 1/TP of it.
 """
 
 import contextlib
@@ -65,6 +72,19 @@ class _SumGradientOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward: the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, tensor, factor):
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
 class SplitMLASelfAttention(MLASelfAttention):
     """megatron-core's ``MLASelfAttention`` whose RoPE follows a split's offset; under
     selective recomputation the attention kernel is checkpointed after the KV-cache write
@@ -81,7 +101,7 @@ class SplitMLASelfAttention(MLASelfAttention):
         # a private method (an mcore_compat row): megatron-core's forward calls it with
         # these positional arguments on every checked version
         split = packed_seq_params if isinstance(packed_seq_params, SplitContext) else None
-        with self._kv_down_projection_summed_over_tp():
+        with self._kv_down_projection_summed_over_tp(), self._query_norm_shared_over_tp():
             if split is None:
                 return super().get_query_key_value_tensors(
                     hidden_states, key_value_states, position_ids, packed_seq_params,
@@ -146,3 +166,30 @@ class SplitMLASelfAttention(MLASelfAttention):
         latent, rotary_key = torch.split(whole, [self.config.kv_lora_rank, rotary], dim=-1)
         rotary_key = _SumGradientOverGroup.apply(rotary_key, self.tp_group)
         return torch.cat([latent, rotary_key], dim=-1)
+
+    @contextlib.contextmanager
+    def _query_norm_shared_over_tp(self):
+        """For one call, the query-latent norm's parameters get 1/TP of their gradient (the
+        norm's output gradient divided by TP, its input gradient multiplied back): the
+        TP sum megatron-core's finalize_model_grads applies to ``q_layernorm`` then gives
+        the whole gradient once. Only where that sum is wrong: TP>1, --qk-layernorm, a
+        query latent (a norm module), no sequence parallelism (under SP each rank
+        normalises its own part of the sequence and the sum is right)."""
+        tp = 1 if self.tp_group is None else self.tp_group.size()
+        norm = getattr(self, "q_layernorm", None)
+        if (tp == 1 or not self.config.qk_layernorm or self.config.sequence_parallel
+                or self.config.q_lora_rank is None or norm is None
+                or not any(True for _ in norm.parameters())):
+            yield
+            return
+        unbound = type(norm).forward
+
+        def shared(latent, *args, **kwargs):
+            output = unbound(norm, _ScaleGradient.apply(latent, float(tp)), *args, **kwargs)
+            return _ScaleGradient.apply(output, 1.0 / tp)
+
+        norm.forward = shared  # instance attribute: nn.Module.__call__ reads it
+        try:
+            yield
+        finally:
+            del norm.forward
