@@ -110,6 +110,25 @@ def test_tensor_parallelism_is_accepted(sequence_parallel):
     assert args.sequence_parallel == bool(sequence_parallel)
 
 
+@pytest.mark.parametrize("flags, named", [
+    (MLA, "--multi-latent-attention"),
+    (["--num-experts", "4", "--disable-bias-linear"], "--num-experts")])
+def test_transformer_engine_is_not_taken_for_mla_or_moe(monkeypatch, flags, named):
+    """With Transformer Engine importable, MLA and MoE still get the local layers (the TE
+    layer spec built by megatron/trainer/model.py is dense standard attention): by
+    default with a note naming the flag, and an explicit --transformer-impl
+    transformer_engine is one error line."""
+    import megatron.trainer.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_te_importable", lambda: True)
+    args = args_of(*flags)
+    assert args.transformer_impl == "local"
+    assert f"does not run with {named} here" in args.transformer_impl_note
+    with pytest.raises(ArgumentErrors) as error:
+        args_of(*flags, "--transformer-impl", "transformer_engine")
+    assert f"{named} need --transformer-impl local here" in str(error.value)
+
+
 def test_mla_flags_without_mla_are_noted():
     args = args_of("--kv-lora-rank", "16")
     assert any("--kv-lora-rank without --multi-latent-attention" in n for n in args.flag_notes)
