@@ -1,7 +1,7 @@
 #!/bin/bash
-# A trimmed DeepSeek-V3 (MoE + multi-latent attention) with Seq1F1B on 8 GPUs: PP=4, 16k-token
-# sequences, 4 sequence splits; TP=2 bash ... gives the seed port's layout ("a trimmed
-# DeepSeek-V3 PP=4 TP=2", 1.10x over 1F1B; the default TP=1 is explained below). DeepSeek-V3's structure and per-head sizes
+# A trimmed DeepSeek-V3 (MoE + multi-latent attention) with Seq1F1B on 8 GPUs: PP=4, TP=2
+# with sequence parallelism, 16k-token sequences, 4 sequence splits: the seed port's layout
+# ("a trimmed DeepSeek-V3 PP=4 TP=2", 1.10x over 1F1B). DeepSeek-V3's structure and per-head sizes
 # are kept as Megatron-LM's DeepSeek-V3 recipe sets them: multi-latent attention (q LoRA
 # rank 1536, kv LoRA rank 512, query-key head 128 + 64 rotary, value head 128, RMSNorm on
 # both latents: --qk-layernorm), 256
@@ -21,19 +21,19 @@
 # PLAN=1 hands the same flags to tools/plan.py (with --world-size and --gpu $GPU,
 # default h100-80g) instead of training. Everything else comes from the environment:
 # GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, CHECKPOINT_PATH,
-# TENSORBOARD_DIR, TRAIN_ITERS, TP (1; 2 adds sequence parallelism), EP (DP: expert
-# parallelism over the data-parallel ranks, 2 at TP=1 on 8 GPUs, 1 at TP=2),
+# TENSORBOARD_DIR, TRAIN_ITERS, TP (2, with sequence parallelism; 1 without), EP (DP:
+# expert parallelism over the data-parallel ranks, 1 at TP=2 on 8 GPUs, 2 at TP=1),
 # GLOBAL_BATCH_SIZE (16). TP=2 is the port's layout (PP=4 x TP=2, tools/plan.py: 31 GB
-# peak on an 80 GB H100); the default is TP=1 (PP=4 x DP=2, EP=2: 41 GB) because the
-# trainer refuses multi-latent attention under TP > 1 for now (megatron-core's local MLA
-# spec does not sum the rotary key's gradient over TP ranks: docs/megatron_lm.md).
+# peak on an 80 GB H100); TP=1 is PP=4 x DP=2 with EP=2 (41 GB). MLA under TP is exact
+# (megatron/seqsplit/mla.py sums the shared rotary key's gradient over TP ranks, which
+# megatron-core's local MLA spec does not: docs/megatron_lm.md#multi-latent-attention).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 SEQ_LENGTH=16384
-TP=${TP:-1}
+TP=${TP:-2}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/deepseek_v3_style_seq1f1b}
 
 MODEL_ARGS=(

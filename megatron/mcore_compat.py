@@ -121,9 +121,25 @@ TABLE = (
     _mcore("transformer.multi_latent_attention:MLASelfAttention.get_query_key_value_tensors",
            "overridden by SplitMLASelfAttention (private): MLA's forward calls it with these "
            "arguments; it makes MLA's own rotary table, which the override shifts to the "
-           "split's offset, and reads packed_seq_params as THD packing (so it gets None)",
+           "split's offset, and reads packed_seq_params as THD packing (so it gets None); "
+           "at TP>1 the override also gives, for the call, the column-parallel "
+           "linear_kv_down_proj a forward returning its whole output (megatron-core's "
+           "Linear branch then splits it and gathers the rotary key under SP) whose "
+           "backward sums the shared rotary key's gradient over TP, which megatron-core's "
+           "own gather only splits (wrong on 0.16.1 and 0.19.2), and q_layernorm 1/TP of "
+           "its gradient without SP",
            "self", "hidden_states", "key_value_states", "position_ids", "packed_seq_params",
            "inference_context"),
+    _mcore("distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads",
+           "sums every 'q_layernorm' gradient over TP when qk_layernorm is set; MLA's "
+           "query-latent norm holds the whole gradient on every rank without SP, so "
+           "SplitMLASelfAttention gives it 1/TP of it (0.16.1 and 0.19.2 have the rule)",
+           "model", "config"),
+    _mcore("tensor_parallel.mappings:gather_from_tensor_model_parallel_region",
+           "MLA's kv down-projection shard made whole (SplitMLASelfAttention)",
+           "input_", "group"),
+    _mcore("tensor_parallel.mappings:scatter_to_sequence_parallel_region",
+           "that whole output cut to the rank's sequence part under SP", "input_", "group"),
     _mcore("transformer.multi_latent_attention:MLASelfAttention.__init__",
            "SplitMLASelfAttention subclasses it; reads self.rotary_pos_emb, "
            "self.checkpoint_core_attention and self.core_attention after super().__init__",

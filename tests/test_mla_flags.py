@@ -88,8 +88,6 @@ def test_split_attention_scales_by_the_query_key_head_size():
     (MLA + ["--mla-down-proj-fusion"],
      "--mla-down-proj-fusion is refused: the fused MLA down-projection"),
     (MLA + ["--qk-clip"], "--qk-clip is refused: QK-clip"),
-    (MLA + ["--tensor-model-parallel-size", "2"],
-     "--multi-latent-attention with --tensor-model-parallel-size > 1 is not supported yet"),
     (MLA + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "slimpipe",
             "--slimpipe-slices", "2", "--slimpipe-attention-balance"],
      "--slimpipe-attention-balance does not exchange MLA's keys and values"),
@@ -99,6 +97,36 @@ def test_mistakes_are_named(flags, message):
     with pytest.raises(ArgumentErrors) as error:
         args_of(*flags)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("sequence_parallel", [[], ["--sequence-parallel"]])
+def test_tensor_parallelism_is_accepted(sequence_parallel):
+    """MLA at TP=2, with and without SP (refused before mla.py summed the shared rotary
+    key's gradient over TP; trained against TP=1 in tests/test_moe_exactness.py)."""
+    args = parse_args(BASE + MLA + ["--qk-layernorm", "--tensor-model-parallel-size", "2"]
+                      + sequence_parallel, world_size=2, cuda_available=False,
+                      check_files=False)
+    assert args.tensor_model_parallel_size == 2 and args.multi_latent_attention
+    assert args.sequence_parallel == bool(sequence_parallel)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (MLA, "--multi-latent-attention"),
+    (["--num-experts", "4", "--disable-bias-linear"], "--num-experts")])
+def test_transformer_engine_is_not_taken_for_mla_or_moe(monkeypatch, flags, named):
+    """With Transformer Engine importable, MLA and MoE still get the local layers (the TE
+    layer spec built by megatron/trainer/model.py is dense standard attention): by
+    default with a note naming the flag, and an explicit --transformer-impl
+    transformer_engine is one error line."""
+    import megatron.trainer.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_te_importable", lambda: True)
+    args = args_of(*flags)
+    assert args.transformer_impl == "local"
+    assert f"does not run with {named} here" in args.transformer_impl_note
+    with pytest.raises(ArgumentErrors) as error:
+        args_of(*flags, "--transformer-impl", "transformer_engine")
+    assert f"{named} need --transformer-impl local here" in str(error.value)
 
 
 def test_mla_flags_without_mla_are_noted():

@@ -80,6 +80,11 @@ MODELS = {
     # dense MLA, no query compression, plain RoPE; init std 0.25: positions matter
     "M": TINY_MODEL + ROPE_SWIGLU + MLA + ["--rope-type", "rope", "--disable-bias-linear",
                                           "--init-method-std", "0.25"],
+    # M with a normalised query latent: at TP>1 without SP megatron-core sums the
+    # q_layernorm gradient that every TP rank holds whole (mla.py)
+    "Q": TINY_MODEL + ROPE_SWIGLU + MLA + ["--rope-type", "rope", "--disable-bias-linear",
+                                          "--init-method-std", "0.25", "--q-lora-rank", "16",
+                                          "--qk-layernorm"],
 }
 ITERATIONS, MICROBATCHES = 2, 4
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
@@ -113,6 +118,12 @@ CASES = {
     "D_pp2_vp2_s3_chunked": ("D", 3, ["--virtual-pipeline-model-parallel-size", "2",
                                       "--seq1f1b-kv-cache", "chunked"], 2, 2),
     "M_pp2_s3_chunked": ("M", 3, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
+    # MLA with TP=2 (mla.py: the shared rotary key's gradient summed over TP; without
+    # SP also the query-latent norm's): D with sequence parallelism (MoE with TP needs
+    # it), Q without
+    "D_pp2_tp2_sp_s3": ("D", 3, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                        4, 1),
+    "Q_pp2_tp2_s3": ("Q", 3, ["--tensor-model-parallel-size", "2"], 4, 1),
 }
 # a model trained on packed documents: name -> the model it is, started from its init
 DOCUMENT_MODELS = {"Xd": "X", "Dd": "D"}
@@ -247,18 +258,21 @@ def test_expert_parallel_optimizer_state_at_another_ep_size_is_one_line(results)
 
 def test_the_models_are_the_intended_ones(results):
     """X: 4 MoE layers of 8 experts; D: a dense first layer, 3 MoE layers with a shared
-    expert, and expert biases that the steps moved (aux-loss-free balancing ran)."""
+    expert, and expert biases that the steps moved (aux-loss-free balancing ran); the
+    MLA models D and Q with a normalised query latent, M without a query latent."""
     import torch
 
-    for model in ("D", "M"):  # MLA: with and without query compression
+    for model in ("D", "M", "Q"):  # MLA: with and without query compression
         names = torch.load(results[f"ref_{model}"]["params"])
-        for part, count in (("linear_q_down_proj", 4 if model == "D" else 0),
-                            ("linear_q_proj", 0 if model == "D" else 4),
+        latent = model != "M"
+        for part, count in (("linear_q_down_proj", 4 if latent else 0),
+                            ("linear_q_proj", 0 if latent else 4),
+                            ("q_layernorm", 4 if latent else 0),
                             ("linear_kv_down_proj", 4), ("linear_kv_up_proj", 4),
-                            ("kv_layernorm", 4 if model == "D" else 0), ("linear_qkv", 0)):
+                            ("kv_layernorm", 4 if latent else 0), ("linear_qkv", 0)):
             assert len([n for n in names if f".{part}." in n]) == count, (model, part)
     for model in MODELS:
-        if model == "M":
+        if model in ("M", "Q"):
             continue
         if model == "N":  # 4 experts, top-2, MHA with learned positions
             names = torch.load(results["ref_N"]["params"])

@@ -199,19 +199,16 @@ def test_moe_examples_are_planned_as_they_are(capsys):
     assert (model["num_experts"], model["moe_topk"], model["moe_layer_freq"][:4]) == \
         (256, 8, [0, 0, 0, 1])
     assert model["multi_latent_attention"] and model["kv_lora_rank"] == 512
-    assert (par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]) == (1, 4)
-    assert (par["expert_model_parallel_size"], par["data_parallel_size"]) == (2, 2)
+    # TP=2 with SP, the port's layout (the default)
+    assert (par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]) == (2, 4)
+    assert (par["expert_model_parallel_size"], par["data_parallel_size"]) == (1, 1)
+    assert par["sequence_parallel"]
     assert out["parameters"]["active"] < out["parameters"]["total"] / 4
     assert out["splits"] == 4 and not out["oom"]
-    # TP=2, the port's layout: planned, or refused by name where the trainer does not
-    # take MLA under TP yet
-    try:
-        tp2 = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", TP="2"))
-    except PlanError as error:
-        assert "--multi-latent-attention with --tensor-model-parallel-size" in str(error)
-    else:
-        assert (tp2.config.parallel.tp, tp2.config.parallel.ep) == (2, 1) and not tp2.oom
-        assert tp2.config.parallel.sequence_parallel
+    # TP=1: PP=4 x DP=2 with the experts over EP=2
+    tp1 = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", TP="1"))
+    assert (tp1.config.parallel.tp, tp1.config.parallel.ep) == (1, 2) and not tp1.oom
+    assert not tp1.config.parallel.sequence_parallel
 
     mixtral = plan(_example_argv("train_mixtral_style_seq1f1b.sh"))
     shape = mixtral.config.model

@@ -632,7 +632,10 @@ def _check_megatron_compat(args, cuda_available):
              or args.slimpipe_slice_length),
             ("--reset-attention-mask", args.reset_attention_mask),
             ("--apply-residual-connection-post-layernorm",
-             args.apply_residual_connection_post_layernorm)) if used]
+             args.apply_residual_connection_post_layernorm),
+            # model.layer_spec's Transformer Engine spec is megatron-core's dense one
+            ("--multi-latent-attention", getattr(args, "multi_latent_attention", False)),
+            ("--num-experts", getattr(args, "num_experts", None) is not None)) if used]
         te = _te_importable()
         args.transformer_impl = "transformer_engine" if te and not needs_local else "local"
         args.transformer_impl_note = (
@@ -643,6 +646,15 @@ def _check_megatron_compat(args, cuda_available):
     elif args.transformer_impl == "transformer_engine" and not _te_importable():
         problems.append("--transformer-impl transformer_engine needs Transformer Engine "
                         "installed; use --transformer-impl local")
+    te_dense_only = [flag for flag, used in (
+        ("--multi-latent-attention", getattr(args, "multi_latent_attention", False)),
+        ("--num-experts", getattr(args, "num_experts", None) is not None)) if used]
+    if args.transformer_impl == "transformer_engine" and te_dense_only:
+        # layer_spec (megatron/trainer/model.py) would build a dense standard-attention
+        # layer: silently another model
+        problems.append(f"{' and '.join(te_dense_only)} need --transformer-impl local here "
+                        "(the Transformer Engine layer spec built here is dense standard "
+                        "attention): use --transformer-impl local")
     if (args.transformer_impl == "transformer_engine"
             and args.apply_residual_connection_post_layernorm):
         # TE's layer spec fuses the input norm into the QKV projection: its output never

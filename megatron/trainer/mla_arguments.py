@@ -82,18 +82,6 @@ def check_mla_args(args):
     if args.rotary_interleaved:
         problems.append("--rotary-interleaved is not supported with --multi-latent-attention "
                         "(megatron-core's YaRN refuses it): drop it")
-    if args.tensor_model_parallel_size > 1:
-        # measured on a 2-layer MLA model, pp=2: the losses equal TP=1's but the grad norm
-        # is 2.886 instead of 2.949, with and without --sequence-parallel (split or not).
-        # Likely cause, in megatron-core's local spec: the key's rotary part comes out of
-        # the column-parallel kv down-projection through gather_from_tensor_model_parallel_
-        # region, whose backward only splits; each rank's heads give it a partial gradient
-        # that is never summed over TP
-        problems.append("--multi-latent-attention with --tensor-model-parallel-size > 1 is "
-                        "not supported yet: its gradients differ from the TP=1 run's (the "
-                        "shared rotary key's gradient is not summed over TP ranks in "
-                        "megatron-core's local MLA spec); use TP=1 with pipeline and data "
-                        "parallelism")
     if getattr(args, "slimpipe_attention_balance", False):
         problems.append("--slimpipe-attention-balance does not exchange MLA's keys and values "
                         "(their head sizes differ): drop it with --multi-latent-attention")
