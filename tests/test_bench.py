@@ -235,3 +235,19 @@ def test_bench_attention_masks_prints_every_variant(capsys):
     assert module.main(["--seq-length", "64", "--splits", "2", "--repeats", "1", "--clock", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0][2:] for row in rows[1:]] == ["unsplit", "ours", "vector mask", "dense", "no mask"]
+
+
+def test_op_cpu_times_count_forward_and_backward_operators():
+    """--clock cpu's per-operator profile: every aten operator of forward and backward
+    is counted and CPU-timed."""
+    import torch
+
+    from megatron.benchmarks.op_clock import OpCpuTimes
+
+    a = torch.randn(256, 256, requires_grad=True)
+    with OpCpuTimes() as timer:
+        out = (a @ a).sum() + torch.ones(()).add_(1)
+        out.backward()
+    assert timer.calls["aten::mm"] == 3  # forward, and a's two gradients
+    assert timer.calls["aten::add_"] >= 1 and timer.calls["aten::sum"] == 1
+    assert timer.seconds["aten::mm"] > 0
