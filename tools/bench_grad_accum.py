@@ -71,9 +71,8 @@ def grad_buffer_ptrs(model):
             for p in model.parameters() if getattr(p, "main_grad", None) is not None}
 
 
-def count_adds(emulator, splits, method, iters):
-    """(adds per iteration, CPU s per iteration in them)."""
-    m = emulator.args.num_microbatches if hasattr(emulator.args, "num_microbatches") else 4
+def count_adds(emulator, m, splits, method, iters):
+    """(adds per iteration, CPU s per iteration in them), ``m`` microbatches."""
     batches = emulator.make_batches(m, torch.Generator().manual_seed(0))
     emulator.run_iteration(m, splits, method, batches)  # warm
     mode = MainGradAdds(grad_buffer_ptrs(emulator.model))
@@ -127,14 +126,13 @@ def main(argv=None):
     rows, gemm_rows = [], []
     for rank in args.ranks:
         emulator = StageEmulator(targs, config, rank, 2, "cpu", model_shape=shape)
-        emulator.args.num_microbatches = m
         # the linear layers' weights (the embedding's gradient is an index_add, no GEMM)
         weights = [tuple(p.shape) for name, p in emulator.model.named_parameters()
                    if p.dim() == 2 and "embedding" not in name]
         configs = [(1, "average")] + [(args.splits, b) for b in args.balance_methods]
         base = None
         for splits, method in configs:
-            count, seconds = count_adds(emulator, splits, method, args.iters)
+            count, seconds = count_adds(emulator, m, splits, method, args.iters)
             base = base or seconds
             label = "1F1B" if splits == 1 else f"Seq1F1B s={splits} {method}"
             rows.append(f"| {rank} | {label} | {count:.0f} | {1000 * seconds:.2f} | "
