@@ -235,3 +235,57 @@ def test_bench_attention_masks_prints_every_variant(capsys):
     assert module.main(["--seq-length", "64", "--splits", "2", "--repeats", "1", "--clock", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0][2:] for row in rows[1:]] == ["unsplit", "ours", "vector mask", "dense", "no mask"]
+
+
+def test_op_cpu_times_count_forward_and_backward_operators():
+    """--clock cpu's per-operator profile: every aten operator of forward and backward
+    is counted and CPU-timed."""
+    import torch
+
+    from megatron.benchmarks.op_clock import OpCpuTimes
+
+    a = torch.randn(256, 256, requires_grad=True)
+    with OpCpuTimes() as timer:
+        out = (a @ a).sum() + torch.ones(()).add_(1)
+        out.backward()
+    assert timer.calls["aten::mm"] == 3  # forward, and a's two gradients
+    assert timer.calls["aten::add_"] >= 1 and timer.calls["aten::sum"] == 1
+    assert timer.seconds["aten::mm"] > 0
+
+
+def test_grad_accum_counts_only_adds_into_the_gradient_buffer():
+    """tools/bench_grad_accum.py counts (and times) the adds whose destination is a DDP
+    gradient buffer (main_grad views), not other in-place adds."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from bench_grad_accum import MainGradAdds
+
+    buffer = torch.zeros(12)
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    w.main_grad = buffer[:6].view(3, 2)
+    other = torch.zeros(3, 2)
+    x = torch.randn(5, 3)
+    with MainGradAdds({buffer.untyped_storage().data_ptr()}) as adds:
+        for _ in range(4):  # four backward units, as four splits
+            (x @ w).sum().backward()
+            w.main_grad.add_(w.grad)  # DDP's post-hook
+            other.add_(w.grad)  # not into the buffer: not counted
+            w.grad = None
+    assert adds.count == 4 and adds.seconds >= 0
+    torch.testing.assert_close(w.main_grad, 4 * x.sum(0)[:, None].expand(3, 2))
+
+
+def test_host_overhead_rotates_and_divides_by_units():
+    """tools/bench_host_overhead.py's measurement: every schedule once per round in a
+    rotating order after one warm-up, CPU time per unit."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_host_overhead
+
+    order = []
+    runs = {name: (units, lambda name=name: order.append(name))
+            for name, units in (("a", 2), ("b", 8))}
+    per_unit = bench_host_overhead.measure(runs, rounds=3, iters=2)
+    assert order == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
+    assert {k: len(v) for k, v in per_unit.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for v in per_unit.values() for t in v)

@@ -88,3 +88,95 @@ def test_documents_equal_the_masked_kernel_and_keep_only_the_own_blocks_mask(cas
     # K/V (lk keys) aside, nothing saved spans more keys than the split's own block
     assert [s for s in saved if len(s) == 4 and s[-2] == lq and s[-1] > lq] == []
     assert (b, 1, lq, lq) in saved  # the own block's mask
+
+
+def _rope(x, positions, base=10000.0):
+    """Rotate-half RoPE (megatron-core's non-interleaved layout) at ``positions``."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(x.dtype) for f in (torch.cos, torch.sin))
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@pytest.mark.parametrize("hq,g,offset", [(4, 2, 0), (8, 2, 37), (4, 4, 1000)])
+def test_rope_splits_equal_unsplit_causal_attention(hq, g, offset):
+    """Splits of a RoPE'd sequence (positions from ``offset``; GQA), each against the keys
+    up to its end, equal the unsplit causal attention's rows, outputs and gradients of the
+    unrotated q, k, v within 1e-6 in fp32."""
+    b, L, d, bounds = 2, 40, 8, [0, 7, 19, 40]  # three splits of 7, 12 and 21 tokens
+    q, k, v = _inputs(b, hq, g, L, L, d, torch.float32, seed=3)
+    positions = torch.arange(offset, offset + L)
+    grad = torch.randn(b, hq, L, d, generator=torch.Generator().manual_seed(4))
+
+    def unsplit(q, k, v):
+        return F.scaled_dot_product_attention(_rope(q, positions), _rope(k, positions), v,
+                                              is_causal=True, scale=d ** -0.5, enable_gqa=True)
+
+    def split(q, k, v):
+        qr, kr = _rope(q, positions), _rope(k, positions)
+        first = (t[:, :, :bounds[1]] for t in (qr, kr, v))  # split 0: no prefix
+        outs = [F.scaled_dot_product_attention(*first, is_causal=True, scale=d ** -0.5,
+                                               enable_gqa=True)]
+        for start, end in zip(bounds[1:-1], bounds[2:]):  # later splits: the kernel
+            outs.append(split_causal_attention_cpu(qr[:, :, start:end], kr[:, :, :end],
+                                                   v[:, :, :end], d ** -0.5))
+        return torch.cat(outs, dim=2)
+
+    want, got = (fn(q, k, v) for fn in (unsplit, split))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for name, a, e in zip(("dq", "dk", "dv"), torch.autograd.grad(got, (q, k, v), grad),
+                          torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class _OutputShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every operator's output shapes, forward and backward (what each op allocates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("kernel", ["ours", "ours_documents", "dense"])
+def test_no_op_makes_a_queries_by_keys_tensor_forward_or_backward(kernel):
+    """No operator of the split kernel, forward or backward, outputs a tensor with a
+    ``lq x n`` (n > lq keys) score/mask plane, with packed documents none beyond the own
+    block's ``lq x lq``; the dense-mask kernel does (the check can fail)."""
+    from megatron.seqsplit.attention_backends import SDPABackend
+
+    b, hq, g, lq, lk, d = 2, 4, 2, 12, 30, 4  # d < lq: q, out and grads are no look-alikes
+    q, k, v = _inputs(b, hq, g, lq, lk, d, torch.float32)
+    ids = torch.tensor([[0] * 10 + [1] * 15 + [2] * 5, [0] * 20 + [1] * 10])  # crossing the split
+    if kernel == "ours":
+        attend = lambda *a: split_causal_attention_cpu(*a, 0.5)  # noqa: E731
+    elif kernel == "ours_documents":
+        attend = lambda *a: SDPABackend()(*a, softmax_scale=0.5, document_ids=ids)  # noqa: E731
+    else:
+        attend = lambda *a: F.scaled_dot_product_attention(  # noqa: E731
+            *a, attn_mask=torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), scale=0.5,
+            enable_gqa=True)
+    with _OutputShapes() as forward:
+        out = attend(q, k, v)
+    with _OutputShapes() as backward:
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    planes = [(op, s) for op, s in forward.shapes + backward.shapes
+              if len(s) >= 2 and (s[-2] == lq and s[-1] > lq or s[-1] == lq and s[-2] > lq)]
+    if kernel == "ours_documents":  # the own block's lq x lq mask, its rows padded (aligned)
+        from megatron.seqsplit.documents import MASK_ROW_ALIGNMENT
+
+        own = (b, 1, lq, -(-lq // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT)
+        assert own[-1] < lk and planes == [("aten.zeros.default", own)], planes
+    if kernel == "ours":
+        assert planes == [], planes
+        assert backward.shapes  # the mode saw the backward's operators
+    else:
+        assert planes

@@ -87,8 +87,9 @@ def parse_args(argv=None):
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
     g.add_argument("--json", default=None)
     g.add_argument("--profile-ops", type=int, default=0, metavar="N",
-                   help="profile one more iteration per schedule (torch.profiler) and list "
-                        "the N operators whose self time differs most from 1F1B's")
+                   help="profile one more iteration per schedule (torch.profiler; with "
+                        "--clock cpu each operator's CPU time) and list the N operators "
+                        "whose self time differs most from 1F1B's")
     args = p.parse_args(argv)
     if args.tiny:
         for key, value in TINY.items():
@@ -258,7 +259,7 @@ def report(args, results, predictions):
     return "\n".join(lines)
 
 
-def op_report(op_times, top):
+def op_report(op_times, top, clock_name="wall"):
     """Per rank and split schedule: the operators whose self time moved most against 1F1B
     (one profiled iteration each)."""
     from megatron.benchmarks.stage import op_differences
@@ -270,7 +271,8 @@ def op_report(op_times, top):
             continue
         total_base, total = sum(base.values()), sum(times.values())
         lines += [f"Operators, rank {rank}, Seq1F1B s={splits} {method} vs 1F1B (self ms per "
-                  f"iteration, one profiled iteration; all operators {1000 * total_base:.1f} -> "
+                  f"iteration, {'CPU time' if clock_name == 'cpu' else 'torch.profiler'}, "
+                  f"one profiled iteration; all operators {1000 * total_base:.1f} -> "
                   f"{1000 * total:.1f}):", "",
                   "| operator | 1F1B | Seq1F1B | change |", "|---|---|---|---|"]
         for op, before, after in op_differences(base, times, top):
@@ -291,6 +293,7 @@ def main(argv=None):
 
     targs, config = setup(args)
     shape = model_shape(args, targs)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     configs = []
     for s in args.splits:
         if s == 1:
@@ -306,13 +309,13 @@ def main(argv=None):
         for splits, method in configs:
             run = measure(emulator, args.microbatches, splits, method or "average",
                           warmup_iters=args.warmup_iters, iters=args.iters, seed=args.seed,
-                          clock=time.process_time if args.clock == "cpu" else time.perf_counter)
+                          clock=clock)
             runs.setdefault((splits, method), {})[rank] = run
             results.append(run.to_dict())
             if args.profile_ops and not run.oom:
                 op_times[rank, splits, method] = profile_ops(
                     emulator, args.microbatches, splits, method or "average",
-                    seed=args.seed)
+                    seed=args.seed, clock=clock)
             status = "OOM" if run.oom else (f"act. peak {_gib(run.activation_peak_bytes)} GiB, "
                                             f"busy {_ms(run.busy_s)} ms")
             print(f"[stage] rank {rank} s={splits} {method or ''}: {status}", flush=True)
@@ -349,7 +352,7 @@ def main(argv=None):
     print(report(args, results, predictions))
     if op_times:
         print()
-        print(op_report(op_times, args.profile_ops))
+        print(op_report(op_times, args.profile_ops, args.clock))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:

@@ -161,13 +161,21 @@ def _sync(device):
 
 
 def profile_ops(emulator: StageEmulator, microbatches: int, splits: int,
-                balance_method: str, seed: int = 1234) -> Dict[str, float]:
+                balance_method: str, seed: int = 1234, clock=time.perf_counter) -> Dict[str, float]:
     """Self time (s) per operator of one iteration of the stage under torch.profiler
-    (CPU activity, plus CUDA kernels on a GPU), for comparing schedules op by op."""
+    (CPU activity, plus CUDA kernels on a GPU), for comparing schedules op by op. With
+    ``clock=time.process_time`` (CPU device): each operator's CPU time instead
+    (``op_clock.OpCpuTimes``), which other load on the host does not enter."""
     from torch.profiler import ProfilerActivity, profile
 
     batches = emulator.make_batches(microbatches, torch.Generator().manual_seed(seed))
     emulator.run_iteration(microbatches, splits, balance_method, batches)  # warm
+    if clock is time.process_time and emulator.device.type == "cpu":
+        from megatron.benchmarks.op_clock import OpCpuTimes
+
+        with OpCpuTimes() as timer:
+            emulator.run_iteration(microbatches, splits, balance_method, batches)
+        return dict(timer.seconds)
     activities = [ProfilerActivity.CPU]
     if emulator.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)

@@ -76,12 +76,10 @@ def _merge(out_own, lse_own, out_prefix, lse_prefix):
     return out.to(out_own.dtype), lse
 
 
-def _prefix_parts(q, prefix_rows):
-    """(batch rows, query count, first key) of each unmasked prefix call: the whole batch
-    and every query over the whole prefix without documents (``prefix_rows`` None), else
-    per batch row the queries of the document open at the split's start."""
-    if prefix_rows is None:
-        return [(slice(None), q.shape[2], 0)]
+def _document_prefix_parts(prefix_rows):
+    """(batch rows, query count, first key) of each unmasked prefix call with documents:
+    per batch row, the queries of the document open at the split's start. (Without
+    documents the one prefix call covers every row, query and prefix key.)"""
     return [(slice(j, j + 1), rows, first) for j, (rows, first) in enumerate(prefix_rows) if rows]
 
 
@@ -95,7 +93,10 @@ class _SplitAttention(torch.autograd.Function):
         prefix = k.shape[2] - q.shape[2]
         out, lse = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, own_bias is None,
                                   attn_mask=own_bias, scale=softmax_scale)
-        for batch, rows, first in _prefix_parts(q, prefix_rows):
+        if prefix_rows is None:  # one part, every row: the merge is the result, no copy back
+            out, lse = _merge(out, lse, *_flash_forward(q, k[:, :, :prefix], v[:, :, :prefix],
+                                                        0.0, False, scale=softmax_scale))
+        for batch, rows, first in _document_prefix_parts(prefix_rows or ()):
             part = (batch, slice(None), slice(0, rows))
             before = _flash_forward(q[part], k[batch, :, first:prefix], v[batch, :, first:prefix],
                                     0.0, False, scale=softmax_scale)
@@ -112,9 +113,17 @@ class _SplitAttention(torch.autograd.Function):
         dq, dk_own, dv_own = _flash_backward(
             grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, own_bias is None,
             attn_mask=own_bias, scale=ctx.softmax_scale)
+        if ctx.prefix_rows is None:  # the prefix part covers every key before the block
+            dq_prefix, dk_prefix, dv_prefix = _flash_backward(
+                grad_out, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False,
+                scale=ctx.softmax_scale)
+            # one copy of each part into the prefix-long gradient, no zero fill
+            return (dq.add_(dq_prefix), torch.cat([dk_prefix, dk_own], dim=2),
+                    torch.cat([dv_prefix, dv_own], dim=2), None, None, None)
+        # with documents, keys no query sees get no gradient: zeros
         dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
         dk[:, :, prefix:], dv[:, :, prefix:] = dk_own, dv_own
-        for batch, rows, first in _prefix_parts(q, ctx.prefix_rows):
+        for batch, rows, first in _document_prefix_parts(ctx.prefix_rows):
             part = (batch, slice(None), slice(0, rows))
             dq_prefix, dk_prefix, dv_prefix = _flash_backward(
                 grad_out[part], q[part], k[batch, :, first:prefix], v[batch, :, first:prefix],
