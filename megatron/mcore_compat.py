@@ -81,6 +81,9 @@ CUDA_CALL_SITES = {
     "optimizer.distrib_optimizer": "distributed optimizer buffers",
     "dist_checkpointing.strategies.state_dict_saver": "save-time buffers",
     "dist_checkpointing.strategies.filesystem_async": "synchronize on save",
+    "dist_checkpointing.strategies.async_utils": "--async-save: the done check's and the "
+                                                 "finalization's all-reduce buffers, "
+                                                 "synchronize before the fork",
     "dist_checkpointing.exchange_utils": "shard exchange buffers",
     "tensor_parallel.mappings": "sequence-parallel gathers",
     "tensor_parallel.layers": "weight init device",

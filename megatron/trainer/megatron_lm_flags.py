@@ -224,8 +224,6 @@ REFUSED_FLAGS = {
                             "--use-distributed-optimizer (ZeRO-1 sharding)"),
     "--tp-comm-": ("TP communication overlap needs Transformer Engine userbuffers, which "
                    "are not used here; drop it"),
-    "--async-save": ("asynchronous saves are not supported: checkpoints are written "
-                     "synchronously, verified and then published; drop it"),
     "--yaml-cfg": "YAML configuration files are not read here; pass the flags",
     "--optimizer-cpu-offload": "optimizer CPU offload is not supported here",
     "--enable-cuda-graph": ("CUDA graphs do not fit the sequence-split schedules (shapes "
