@@ -6,6 +6,11 @@ file in its place), set by environment variables:
   bytes of a file (EFBIG; Python ignores SIGXFSZ), the way a full disk refuses it
   (ENOSPC): a real failed write inside torch's and megatron-core's checkpoint writers,
   without root (a tiny tmpfs needs it).
+* FAULT_WRITE_SLEEP_AT_SAVE=N (FAULT_WRITE_SLEEP=S seconds, default 60): --async-save's
+  background writer of the N-th save waits S seconds before it writes (a slow disk), so
+  a test can kill or signal the run while that write is in flight.
+* FAULT_WRITE_FSIZE_AT_SAVE=N: --async-save's background writer of the N-th save (only
+  it: the training process keeps writing) gets RLIMIT_FSIZE of 2000 bytes (EFBIG).
 * FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
 * FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
   project's (a checkpoint as Megatron-LM writes it, for the load side).
@@ -21,7 +26,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.trainer import checkpointing  # noqa: E402
+import time  # noqa: E402
+
+from megatron.trainer import async_save, checkpointing  # noqa: E402
 
 _save = checkpointing.save_checkpoint
 _saves = [0]
@@ -37,6 +44,24 @@ def _save_with_faults(*args, **kwargs):
 
 
 checkpointing.save_checkpoint = _save_with_faults
+
+_writer = async_save._writer
+
+
+def _writer_with_faults(write, *args, **kwargs):
+    """In the forked writer (after async_save._writer's own set-up): _saves counts the
+    saves up to the one it writes."""
+    def faulty_write(*write_args, **write_kwargs):
+        if _saves[0] == int(os.environ.get("FAULT_WRITE_SLEEP_AT_SAVE", "0")):
+            time.sleep(float(os.environ.get("FAULT_WRITE_SLEEP", "60")))
+        if _saves[0] == int(os.environ.get("FAULT_WRITE_FSIZE_AT_SAVE", "0")):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+        return write(*write_args, **write_kwargs)
+
+    return _writer(faulty_write, *args, **kwargs)
+
+
+async_save._writer = _writer_with_faults
 
 if os.environ.get("FAULT_FREE_BYTES"):
     _usage = collections.namedtuple("usage", "total used free")

@@ -20,8 +20,10 @@ or a signal abandons what is in flight: the writers are killed and their
 ``iter_N.incomplete/`` removed; the tracker still names the last published checkpoint.
 """
 
+import ctypes
 import functools
 import multiprocessing
+import os
 import signal
 
 import torch
@@ -48,19 +50,40 @@ def use_forked_results_queue():
     writer with many results until the trainer reads it, which it does only after the
     writer ended). Forked, as Megatron-LM makes it for its persistent worker: a spawned
     Manager re-imports the launching script."""
+    global _manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     import queue
+    from multiprocessing.managers import SyncManager
 
     current = filesystem_async._results_queue
     if current is None or isinstance(current, queue.Queue):  # the synchronous save's
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        _manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        _manager.start(initializer=_die_with_parent)
+        filesystem_async._results_queue = _manager.Queue()
+
+
+_manager = None  # the results queue's server process (kept: it stops when collected)
+
+
+def _die_with_parent():
+    """In a process forked for the save: end with the trainer (SIGKILL when it dies), so a
+    killed run leaves no writer or queue server behind holding its output."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: such a process may outlive the run
+        return
+    if os.getppid() != parent:  # the trainer died before prctl took effect
+        os._exit(1)
 
 
 def _writer(write, *args, **kwargs):
     """The forked writer: the trainer decides what a stop signal does to its save (a
     SIGTERM handled by --exit-signal-handler lets it finish; Ctrl-C abandons it), so the
     writer ignores both instead of inheriting the trainer's handlers."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     write(*args, **kwargs)
