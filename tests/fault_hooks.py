@@ -11,6 +11,8 @@ file in its place), set by environment variables:
   a test can kill or signal the run while that write is in flight.
 * FAULT_WRITE_FSIZE_AT_SAVE=N: --async-save's background writer of the N-th save (only
   it: the training process keeps writing) gets RLIMIT_FSIZE of 2000 bytes (EFBIG).
+* FAULT_SIGTERM_AFTER_SAVE=N: SIGTERM to this process once the N-th save returned
+  (with --async-save: while its write is in flight).
 * FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
 * FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
   project's (a checkpoint as Megatron-LM writes it, for the load side).
@@ -21,6 +23,7 @@ import os
 import resource
 import runpy
 import shutil
+import signal
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +43,10 @@ def _save_with_faults(*args, **kwargs):
     rank = os.environ.get("FAULT_FSIZE_RANK")
     if at and _saves[0] >= at and rank in (None, os.environ.get("RANK", "0")):
         resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
-    return _save(*args, **kwargs)
+    saved = _save(*args, **kwargs)
+    if _saves[0] == int(os.environ.get("FAULT_SIGTERM_AFTER_SAVE", "0")):
+        os.kill(os.getpid(), signal.SIGTERM)  # SLURM's preemption, while that save is written
+    return saved
 
 
 checkpointing.save_checkpoint = _save_with_faults

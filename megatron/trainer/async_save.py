@@ -82,8 +82,10 @@ def _die_with_parent():
 def _writer(write, *args, **kwargs):
     """The forked writer: the trainer decides what a stop signal does to its save (a
     SIGTERM handled by --exit-signal-handler lets it finish; Ctrl-C abandons it), so the
-    writer ignores both instead of inheriting the trainer's handlers."""
+    writer ignores both instead of inheriting the trainer's handlers (a terminal's Ctrl-C
+    no longer reaches its own process group either)."""
     _die_with_parent()
+    os.setpgid(0, 0)  # a group of its own: abandoning the save ends its per-file writers too
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     write(*args, **kwargs)
@@ -149,7 +151,10 @@ def _forget_all(kill):
         for active in list(_queue.async_calls):
             process = getattr(active.async_caller, "process", None)
             if process is not None and process.is_alive():
-                process.kill()
+                try:  # the writer and the per-file processes it forked: its group
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    process.kill()
                 process.join()
     _queue = None
     staging = [info[1] for info in _pending.values()]
