@@ -22,6 +22,7 @@ or a signal abandons what is in flight: the writers are killed and their
 
 import ctypes
 import functools
+import inspect
 import multiprocessing
 import os
 import signal
@@ -89,6 +90,15 @@ def _writer(write, *args, **kwargs):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     write(*args, **kwargs)
+
+
+def strategy_kwargs():
+    """megatron-core 0.19's save picks an async strategy, "nvrx" by default (it needs
+    nvidia-resiliency-ext); megatron-core's own is "mcore", the only one on 0.16."""
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    return {"async_strategy": "mcore"} if "async_strategy" in params else {}
 
 
 def pending():

@@ -557,7 +557,8 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
                                     with_optimizer=not args.no_save_optim)
         if args.async_save:
             async_save.use_forked_results_queue()
-            request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+            request = dist_checkpointing.save(state, staging, async_sharded_save=True,
+                                              **async_save.strategy_kwargs())
             async_save.schedule(args, iteration, staging, needed, request,
                                 lambda: _publish(args, iteration, staging, final, needed))
             return
