@@ -287,6 +287,21 @@ TABLE = (
            "process that re-imports the launching script (about 2.5 s of CPU per rank); "
            "the writer puts its results with put() and retrieve_write_results takes them "
            "with get_nowait()"),
+    # --- --async-save (megatron/trainer/async_save.py) ----------------------------------
+    _mcore("dist_checkpointing.serialization:save",
+           "--async-save passes async_sharded_save=True and gets an AsyncRequest whose "
+           "finalize_fns it extends (0.19 adds async_strategy, given 'mcore')",
+           "sharded_state_dict", "checkpoint_dir", "async_sharded_save"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.__init__",
+           "--async-save's queue of background saves: persistent=False, one forked writer "
+           "per save (TemporalAsyncCaller, whose .process async_save kills to abandon one)",
+           "self", "persistent"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.schedule_async_request",
+           "starts a save's background write", "self", "async_request"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.maybe_finalize_async_calls",
+           "every iteration (blocking at the end): runs the finalize functions of the saves "
+           "done on every rank; raises CheckpointException for a failed write",
+           "self", "blocking"),
     # --- CUDA-only call sites patched on CPU (megatron/cpu_support.py) ---------
     _mcore("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
            "replaced on CPU: asserts grads are torch.cuda.FloatTensor",
