@@ -110,7 +110,8 @@ def test_sigterm_during_the_background_write_saves_and_resumes(tmp_path, referen
     """SIGTERM (--exit-signal-handler) right after iteration 2's save was scheduled, its
     writer still sleeping: iteration 3 finishes, is saved, the run waits for both writes,
     publishes them in order (--save-retain-interval 2 then deletes iteration 1 and keeps
-    2) and exits 0; resuming from iteration 3 trains to the reference's losses."""
+    2) and exits 0; resuming from iteration 2 (written while iteration 3 trained) trains
+    to the reference's losses."""
     ckpt = tmp_path / "ckpt"
     run = start_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save",
                                  "--exit-signal-handler", "--save-retain-interval", "2"],
@@ -126,6 +127,10 @@ def test_sigterm_during_the_background_write_saves_and_resumes(tmp_path, referen
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
         "iter_0000002", "iter_0000003", TRACKER]
     assert (ckpt / TRACKER).read_text() == "3"
+    # iteration 2 was written while iteration 3 trained: resuming from it (the tracker set
+    # back) shows that its write was a snapshot of iteration 2, not of what came after
+    (ckpt / TRACKER).write_text("2")
     resumed = pretrain(BASE + ["--load", str(ckpt)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _losses(resumed.stdout) == {i: reference[i] for i in range(4, 7)}
+    assert f"loaded checkpoint from {ckpt / 'iter_0000002'} at iteration 2" in resumed.stdout
+    assert _losses(resumed.stdout) == {i: reference[i] for i in range(3, 7)}
