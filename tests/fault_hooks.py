@@ -20,6 +20,7 @@ file in its place), set by environment variables:
 
 import collections
 import os
+import re
 import resource
 import runpy
 import shutil
@@ -55,12 +56,15 @@ _writer = async_save._writer
 
 
 def _writer_with_faults(write, *args, **kwargs):
-    """In the forked writer (after async_save._writer's own set-up): _saves counts the
-    saves up to the one it writes."""
+    """In the writer process: the save it writes is known by its iteration (the files of
+    iter_N.incomplete/ it writes; these tests save every iteration, so N is the save's
+    number, also in a --use-persistent-ckpt-worker worker forked at the first save)."""
+    iteration = int(re.search(r"iter_(\d{7})", str(args[1][0][0])).group(1))
+
     def faulty_write(*write_args, **write_kwargs):
-        if _saves[0] == int(os.environ.get("FAULT_WRITE_SLEEP_AT_SAVE", "0")):
+        if iteration == int(os.environ.get("FAULT_WRITE_SLEEP_AT_SAVE", "0")):
             time.sleep(float(os.environ.get("FAULT_WRITE_SLEEP", "60")))
-        if _saves[0] == int(os.environ.get("FAULT_WRITE_FSIZE_AT_SAVE", "0")):
+        if iteration == int(os.environ.get("FAULT_WRITE_FSIZE_AT_SAVE", "0")):
             resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
         return write(*write_args, **write_kwargs)
 

@@ -4,7 +4,8 @@ seen through real processes with the fault injected into the background write
 last published checkpoint and no process behind, and resumes from it to the losses of a
 run without --async-save; a write that fails in the background stops the run with one
 line naming the checkpoint; SIGTERM (--exit-signal-handler) during a write finishes it,
-saves the stop iteration, prunes as --save-retain-interval says, and resumes exactly."""
+saves the stop iteration, prunes as --save-retain-interval says, and resumes exactly. The
+last two also with --use-persistent-ckpt-worker (one writer for the run, handed copies)."""
 
 import re
 import signal
@@ -83,13 +84,17 @@ def test_killed_during_the_background_write_resumes_from_the_last_published(
     assert not (ckpt / "iter_0000006.incomplete").exists()
 
 
-def test_failed_background_write_is_one_line(tmp_path):
+WRITERS = {"per-save": [], "persistent": ["--use-persistent-ckpt-worker"]}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_failed_background_write_is_one_line(tmp_path, writer):
     """Iteration 2's writer cannot write (RLIMIT_FSIZE in the forked writer only, EFBIG as a
     full disk): one line naming the checkpoint, iter_2.incomplete removed, iteration 1 and
     the tracker intact, exit 1."""
     ckpt = tmp_path / "ckpt"
-    run = start_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save"],
-                         script=HOOKS, env={"FAULT_WRITE_FSIZE_AT_SAVE": "2"})
+    run = start_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save"]
+                         + WRITERS[writer], script=HOOKS, env={"FAULT_WRITE_FSIZE_AT_SAVE": "2"})
     out, err = _finish(run)
     assert run.returncode == 1, err[-3000:]
     assert "scheduled an asynchronous checkpoint save at iteration 2 " in out
@@ -106,7 +111,8 @@ def test_failed_background_write_is_one_line(tmp_path):
     assert (ckpt / TRACKER).read_text() == "1"
 
 
-def test_sigterm_during_the_background_write_saves_and_resumes(tmp_path, reference):
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_sigterm_during_the_background_write_saves_and_resumes(tmp_path, reference, writer):
     """SIGTERM (--exit-signal-handler) right after iteration 2's save was scheduled, its
     writer still sleeping: iteration 3 finishes, is saved, the run waits for both writes,
     publishes them in order (--save-retain-interval 2 then deletes iteration 1 and keeps
@@ -114,7 +120,8 @@ def test_sigterm_during_the_background_write_saves_and_resumes(tmp_path, referen
     to the reference's losses."""
     ckpt = tmp_path / "ckpt"
     run = start_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save",
-                                 "--exit-signal-handler", "--save-retain-interval", "2"],
+                                 "--exit-signal-handler", "--save-retain-interval", "2"]
+                         + WRITERS[writer],
                          script=HOOKS, env={"FAULT_WRITE_SLEEP_AT_SAVE": "2",
                                             "FAULT_WRITE_SLEEP": "2",
                                             "FAULT_SIGTERM_AFTER_SAVE": "2"})

@@ -34,6 +34,7 @@ from megatron.trainer import save_failure
 _queue = None  # megatron-core's AsyncCallsQueue, made at the first asynchronous save
 _pending = {}  # call index -> (iteration, staging directory) of a scheduled save
 _finishing = [None]  # the save whose finalize functions run now (for a failure's line)
+_persistent = None  # --use-persistent-ckpt-worker's writer (persistent_writer.py)
 
 
 def _calls_queue(args):
@@ -42,6 +43,12 @@ def _calls_queue(args):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         _queue = AsyncCallsQueue(persistent=False)
+        if args.use_persistent_ckpt_worker:  # one caller, its worker forked once
+            from megatron.trainer.persistent_writer import PersistentWriter
+
+            global _persistent
+            _persistent = PersistentWriter()
+            _queue._get_async_caller = lambda: _persistent
     return _queue
 
 
@@ -80,16 +87,28 @@ def _die_with_parent():
         os._exit(1)
 
 
-def _writer(write, *args, **kwargs):
-    """The forked writer: the trainer decides what a stop signal does to its save (a
+def writer_setup():
+    """In a writer process: the trainer decides what a stop signal does to its save (a
     SIGTERM handled by --exit-signal-handler lets it finish; Ctrl-C abandons it), so the
-    writer ignores both instead of inheriting the trainer's handlers (a terminal's Ctrl-C
-    no longer reaches its own process group either)."""
+    writer ignores both instead of inheriting the trainer's handlers, in a process group
+    of its own (abandoning the save ends its per-file writers too; a terminal's Ctrl-C no
+    longer reaches it), and it dies with its trainer."""
     _die_with_parent()
-    os.setpgid(0, 0)  # a group of its own: abandoning the save ends its per-file writers too
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _writer(write, *args, **kwargs):
+    """Runs one save's write in a writer process (set up by writer_setup)."""
     write(*args, **kwargs)
+
+
+def _temporal_writer(write, *args, **kwargs):
+    """The process megatron-core forks for one save."""
+    writer_setup()
+    _writer(write, *args, **kwargs)
 
 
 def strategy_kwargs():
@@ -113,8 +132,9 @@ def schedule(args, iteration, staging, needed, request, publish):
         print("  warning: --async-save: starting a checkpoint save before the previous one "
               "has finished; consider a longer --save-interval", flush=True)
     info = (iteration, staging, needed)
-    if request.async_fn is not None:
-        request = request._replace(async_fn=functools.partial(_writer, request.async_fn))
+    if request.async_fn is not None and not args.use_persistent_ckpt_worker:
+        request = request._replace(
+            async_fn=functools.partial(_temporal_writer, request.async_fn))
     request.finalize_fns.insert(0, lambda: _finishing.__setitem__(0, info))
     request.finalize_fns.append(publish)
     call = _calls_queue(args).schedule_async_request(request)
@@ -156,7 +176,10 @@ def maybe_finalize(args, blocking=False):
 
 def _forget_all(kill):
     """Drop every scheduled save; ``kill``: end their writer processes first."""
-    global _queue
+    global _queue, _persistent
+    if _persistent is not None:  # no save left for it (or abandoned): end the worker
+        _persistent.kill()
+        _persistent = None
     if _queue is not None and kill:
         for active in list(_queue.async_calls):
             process = getattr(active.async_caller, "process", None)
@@ -176,7 +199,7 @@ def abandon():
     """The run stops before its pending saves were published (an error, a signal): kill
     their writers and remove their iter_N.incomplete/ (rank 0); the tracker is
     untouched, so it still names the last published checkpoint."""
-    if _queue is None and not _pending:
+    if _queue is None and not _pending and _persistent is None:
         return
     for staging in _forget_all(kill=True):
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

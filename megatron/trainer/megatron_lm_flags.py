@@ -326,11 +326,6 @@ for _reason, _flags in (
      "here are torch_dist saves in --save every --save-interval",
      "--non-persistent- --persistent-save-interval --replication --replication-jump "
      "--replication-factor"),
-    ("--async-save here forks one writer process per save (megatron-core's temporal "
-     "caller): a persistent worker would be handed the tensors through shared memory, "
-     "which on CPU is the training process's own memory, so its write would not be a "
-     "snapshot; drop it (--async-save keeps its meaning without it)",
-     "--use-persistent-ckpt-worker"),
     ("--async-save here uses megatron-core's own strategy (mcore) with its defaults; the "
      "nvidia-resiliency-ext strategy and the writer's CPU/IO priorities, shared-memory "
      "staging and cached metadata are not configurable; drop it",
