@@ -11,8 +11,7 @@
 #   keeps its path under $CHECKPOINT_LOAD_PATH, where the test puts no 4B checkpoint;
 # * dropped because refused here: --rerun-mode validate_results (re-running an iteration
 #   that met a NaN/inf is not implemented; only --rerun-mode disabled, the NaN/inf stop,
-#   is), --use-persistent-ckpt-worker (--async-save is kept: each save's background
-#   write runs in a process forked for it, not in one persistent worker).
+#   is).
 ARGS=(
     --rotary-base 500
     --finetune
@@ -61,6 +60,7 @@ ARGS=(
     --eval-interval 1000
     --ckpt-format torch_dist
     --async-save
+    --use-persistent-ckpt-worker
     --dist-ckpt-strictness log_all
     --dist-ckpt-optim-fully-reshardable
     --save $CHECKPOINT_SAVE_PATH

@@ -8,8 +8,6 @@
 # * hardware: --transformer-impl transformer_engine -> local, --distributed-backend
 #   nccl -> gloo, --bf16 dropped (CPU trains in fp32), the NCCL/cuBLAS environment left out;
 # * data: the test corpus and its GPT-2 BPE files (paths from the environment);
-# * dropped because refused here: --use-persistent-ckpt-worker (--async-save is kept: each save's
-#   background write runs in a process forked for it, not in one persistent worker).
 ARGS=(
     --num-layers 4
     --hidden-size 64
@@ -55,6 +53,7 @@ ARGS=(
     --use-mcore-models
     --ckpt-format torch_dist
     --async-save
+    --use-persistent-ckpt-worker
     --dist-ckpt-strictness log_all
     --dist-ckpt-optim-fully-reshardable
     --data-cache-path $DATA_CACHE_PATH
