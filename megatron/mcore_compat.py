@@ -296,6 +296,9 @@ TABLE = (
            "--async-save's queue of background saves: persistent=False, one forked writer "
            "per save (TemporalAsyncCaller, whose .process async_save kills to abandon one)",
            "self", "persistent"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue._get_async_caller",
+           "replaced on the queue's instance with --use-persistent-ckpt-worker: every save "
+           "goes to the one PersistentWriter (persistent_writer.py)", "self"),
     _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.schedule_async_request",
            "starts a save's background write", "self", "async_request"),
     _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.maybe_finalize_async_calls",

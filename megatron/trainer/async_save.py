@@ -18,6 +18,8 @@ megatron-core's ``CheckpointException`` on every rank there; it becomes the same
 line as a failed synchronous save, naming the checkpoint. A run that stops on an error
 or a signal abandons what is in flight: the writers are killed and their
 ``iter_N.incomplete/`` removed; the tracker still names the last published checkpoint.
+With --use-persistent-ckpt-worker one writer per rank serves the whole run
+(persistent_writer.py).
 """
 
 import ctypes
@@ -38,7 +40,7 @@ _persistent = None  # --use-persistent-ckpt-worker's writer (persistent_writer.p
 
 
 def _calls_queue(args):
-    global _queue
+    global _queue, _persistent
     if _queue is None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -46,7 +48,6 @@ def _calls_queue(args):
         if args.use_persistent_ckpt_worker:  # one caller, its worker forked once
             from megatron.trainer.persistent_writer import PersistentWriter
 
-            global _persistent
             _persistent = PersistentWriter()
             _queue._get_async_caller = lambda: _persistent
     return _queue
