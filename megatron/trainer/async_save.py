@@ -95,6 +95,9 @@ def writer_setup():
     of its own (abandoning the save ends its per-file writers too; a terminal's Ctrl-C no
     longer reaches it), and it dies with its trainer."""
     _die_with_parent()
+    # and so do the per-file processes it forks (megatron-core 0.16 writes each file in
+    # one): orphaned, one would block for ever on a full results pipe it holds both ends of
+    os.register_at_fork(after_in_child=_die_with_parent)
     if os.getpgid(0) != os.getpid():
         os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
