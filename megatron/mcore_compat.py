@@ -81,6 +81,9 @@ CUDA_CALL_SITES = {
     "optimizer.distrib_optimizer": "distributed optimizer buffers",
     "dist_checkpointing.strategies.state_dict_saver": "save-time buffers",
     "dist_checkpointing.strategies.filesystem_async": "synchronize on save",
+    "dist_checkpointing.strategies.async_utils": "--async-save: the done check's and the "
+                                                 "finalization's all-reduce buffers, "
+                                                 "synchronize before the fork",
     "dist_checkpointing.exchange_utils": "shard exchange buffers",
     "tensor_parallel.mappings": "sequence-parallel gathers",
     "tensor_parallel.layers": "weight init device",
@@ -300,6 +303,24 @@ TABLE = (
            "process that re-imports the launching script (about 2.5 s of CPU per rank); "
            "the writer puts its results with put() and retrieve_write_results takes them "
            "with get_nowait()"),
+    # --- --async-save (megatron/trainer/async_save.py) ----------------------------------
+    _mcore("dist_checkpointing.serialization:save",
+           "--async-save passes async_sharded_save=True and gets an AsyncRequest whose "
+           "finalize_fns it extends (0.19 adds async_strategy, given 'mcore')",
+           "sharded_state_dict", "checkpoint_dir", "async_sharded_save"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.__init__",
+           "--async-save's queue of background saves: persistent=False, one forked writer "
+           "per save (TemporalAsyncCaller, whose .process async_save kills to abandon one)",
+           "self", "persistent"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue._get_async_caller",
+           "replaced on the queue's instance with --use-persistent-ckpt-worker: every save "
+           "goes to the one PersistentWriter (persistent_writer.py)", "self"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.schedule_async_request",
+           "starts a save's background write", "self", "async_request"),
+    _mcore("dist_checkpointing.strategies.async_utils:AsyncCallsQueue.maybe_finalize_async_calls",
+           "every iteration (blocking at the end): runs the finalize functions of the saves "
+           "done on every rank; raises CheckpointException for a failed write",
+           "self", "blocking"),
     # --- CUDA-only call sites patched on CPU (megatron/cpu_support.py) ---------
     _mcore("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
            "replaced on CPU: asserts grads are torch.cuda.FloatTensor",

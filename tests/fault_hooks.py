@@ -6,6 +6,13 @@ file in its place), set by environment variables:
   bytes of a file (EFBIG; Python ignores SIGXFSZ), the way a full disk refuses it
   (ENOSPC): a real failed write inside torch's and megatron-core's checkpoint writers,
   without root (a tiny tmpfs needs it).
+* FAULT_WRITE_SLEEP_AT_SAVE=N (FAULT_WRITE_SLEEP=S seconds, default 60): --async-save's
+  background writer of the N-th save waits S seconds before it writes (a slow disk), so
+  a test can kill or signal the run while that write is in flight.
+* FAULT_WRITE_FSIZE_AT_SAVE=N: --async-save's background writer of the N-th save (only
+  it: the training process keeps writing) gets RLIMIT_FSIZE of 2000 bytes (EFBIG).
+* FAULT_SIGTERM_AFTER_SAVE=N: SIGTERM to this process once the N-th save returned
+  (with --async-save: while its write is in flight).
 * FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
 * FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
   project's (a checkpoint as Megatron-LM writes it, for the load side).
@@ -13,15 +20,19 @@ file in its place), set by environment variables:
 
 import collections
 import os
+import re
 import resource
 import runpy
 import shutil
+import signal
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.trainer import checkpointing  # noqa: E402
+import time  # noqa: E402
+
+from megatron.trainer import async_save, checkpointing  # noqa: E402
 
 _save = checkpointing.save_checkpoint
 _saves = [0]
@@ -33,10 +44,34 @@ def _save_with_faults(*args, **kwargs):
     rank = os.environ.get("FAULT_FSIZE_RANK")
     if at and _saves[0] >= at and rank in (None, os.environ.get("RANK", "0")):
         resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
-    return _save(*args, **kwargs)
+    saved = _save(*args, **kwargs)
+    if _saves[0] == int(os.environ.get("FAULT_SIGTERM_AFTER_SAVE", "0")):
+        os.kill(os.getpid(), signal.SIGTERM)  # SLURM's preemption, while that save is written
+    return saved
 
 
 checkpointing.save_checkpoint = _save_with_faults
+
+_writer = async_save._writer
+
+
+def _writer_with_faults(write, *args, **kwargs):
+    """In the writer process: the save it writes is known by its iteration (the files of
+    iter_N.incomplete/ it writes; these tests save every iteration, so N is the save's
+    number, also in a --use-persistent-ckpt-worker worker forked at the first save)."""
+    iteration = int(re.search(r"iter_(\d{7})", str(args[1][0][0])).group(1))
+
+    def faulty_write(*write_args, **write_kwargs):
+        if iteration == int(os.environ.get("FAULT_WRITE_SLEEP_AT_SAVE", "0")):
+            time.sleep(float(os.environ.get("FAULT_WRITE_SLEEP", "60")))
+        if iteration == int(os.environ.get("FAULT_WRITE_FSIZE_AT_SAVE", "0")):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+        return write(*write_args, **write_kwargs)
+
+    return _writer(faulty_write, *args, **kwargs)
+
+
+async_save._writer = _writer_with_faults
 
 if os.environ.get("FAULT_FREE_BYTES"):
     _usage = collections.namedtuple("usage", "total used free")

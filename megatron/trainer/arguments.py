@@ -484,6 +484,17 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="keep only the checkpoints of iterations that are multiples of this "
                         "(and the latest): each save deletes the previous latest one unless "
                         "it is such a multiple (a multiple of --save-interval)")
+    g.add_argument("--async-save", action="store_true",
+                   help="as Megatron-LM: write the checkpoint's tensors in a background "
+                        "process while training goes on; the checkpoint (checksums, "
+                        "rename, tracker, --save-retain-interval) is published once every "
+                        "rank's write is done, checked every iteration, and the run waits "
+                        "for it before it ends")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="as Megatron-LM: with --async-save, one writer process per rank "
+                        "for the whole run (forked at the first save) instead of one per "
+                        "save; it is handed copies of the tensors, so each write is a "
+                        "snapshot of its iteration")
     g.add_argument("--skip-train", action="store_true",
                    help="load --load and evaluate on the validation and test sets without "
                         "training (implies --no-load-optim, as in Megatron-LM)")

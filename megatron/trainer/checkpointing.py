@@ -41,6 +41,7 @@ killed run never leaves the directory stuck) and refuses to write into a directo
 holding checkpoints that this run neither resumes from nor can identify.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -59,7 +60,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megatron.trainer import save_failure, save_results_queue, stop_signals
+from megatron.trainer import async_save, save_failure, save_results_queue, stop_signals
 from megatron.trainer.schedule_check import schedule_decision
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -538,13 +539,15 @@ def _move_into_place(staging, final):
 
 
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
+    """Save (collective). With --async-save the tensors are written in the background
+    and the checkpoint is published later, by async_save.maybe_finalize."""
     final = checkpoint_dir(args.save, iteration)
     staging = final + STAGING_SUFFIX
     previous = _tracked_iteration(args.save)
     needed = save_failure.checkpoint_bytes(
         args, model, checkpoint_dir(args.save, previous) if previous is not None else None)
     save_failure.warn_if_short(args, iteration, needed, _rank())
-    try:
+    with _failing_save(args, iteration, staging, needed):
         if _rank() == 0:
             _remove(staging)  # what a killed save left behind
             os.makedirs(staging)
@@ -552,14 +555,40 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         state = _sharded_state_dict(args, model, optimizer, scheduler, iteration,
                                     consumed_samples, with_rng=not args.no_save_rng,
                                     with_optimizer=not args.no_save_optim)
+        if args.async_save:
+            async_save.use_forked_results_queue()
+            request = dist_checkpointing.save(state, staging, async_sharded_save=True,
+                                              **async_save.strategy_kwargs())
+            async_save.schedule(args, iteration, staging, needed, request,
+                                lambda: _publish(args, iteration, staging, final, needed))
+            return
         save_results_queue.use_in_process_results_queue()  # no spawned Manager process
         dist_checkpointing.save(state, staging)
+    _publish(args, iteration, staging, final, needed)
+
+
+def _publish(args, iteration, staging, final, needed):
+    """Collective, once every rank's files are written: checksums, the rename, then the
+    tracker; the previous checkpoint goes if --save-retain-interval says so."""
+    previous = _tracked_iteration(args.save)
+    with _failing_save(args, iteration, staging, needed):
         torch.distributed.barrier()
         _write_manifest(staging)
         if _rank() == 0:
             _move_into_place(staging, final)
             _write_atomically(os.path.join(args.save, TRACKER_FILE), str(iteration))
             print(f"  saved checkpoint at iteration {iteration} to {final}", flush=True)
+    if _rank() == 0:  # after the save: a problem here is no failed save
+        _drop_unretained(args, previous, iteration)
+    torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _failing_save(args, iteration, staging, needed):
+    """A failure inside becomes save_failure's one line (SystemExit), after the partial
+    directory is removed; Ctrl-C removes it too."""
+    try:
+        yield
     except (KeyboardInterrupt, SystemExit):
         save_failure.remove_partial(staging)  # Ctrl-C: never leave a half-written save
         raise
@@ -568,10 +597,13 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         if signum is not None:  # a peer stopped on Ctrl-C mid-save: not a disk problem
             save_failure.remove_partial(staging)
             raise stop_signals.Interrupted(signum) from None
-        save_failure.fail(args, iteration, staging, error, needed, previous, TRACKER_FILE)
-    if _rank() == 0:  # after the save: a problem here is no failed save
-        _drop_unretained(args, previous, iteration)
-    torch.distributed.barrier()
+        save_failure.fail(args, iteration, staging, error, needed,
+                          _tracked_iteration(args.save), TRACKER_FILE)
+
+
+def tracked_iteration(root):
+    """The iteration the tracker names now, or None (missing or unreadable)."""
+    return _tracked_iteration(root)
 
 
 def _tracked_iteration(root):

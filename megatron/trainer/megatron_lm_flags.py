@@ -224,8 +224,6 @@ REFUSED_FLAGS = {
                             "--use-distributed-optimizer (ZeRO-1 sharding)"),
     "--tp-comm-": ("TP communication overlap needs Transformer Engine userbuffers, which "
                    "are not used here; drop it"),
-    "--async-save": ("asynchronous saves are not supported: checkpoints are written "
-                     "synchronously, verified and then published; drop it"),
     "--yaml-cfg": "YAML configuration files are not read here; pass the flags",
     "--optimizer-cpu-offload": "optimizer CPU offload is not supported here",
     "--enable-cuda-graph": ("CUDA graphs do not fit the sequence-split schedules (shapes "
@@ -328,8 +326,10 @@ for _reason, _flags in (
      "here are torch_dist saves in --save every --save-interval",
      "--non-persistent- --persistent-save-interval --replication --replication-jump "
      "--replication-factor"),
-    ("asynchronous saves are not supported: checkpoints are written synchronously; drop "
-     "it", "--async-strategy --use-persistent-ckpt-worker --async-ckpt-"),
+    ("--async-save here uses megatron-core's own strategy (mcore) with its defaults; the "
+     "nvidia-resiliency-ext strategy and the writer's CPU/IO priorities, shared-memory "
+     "staging and cached metadata are not configurable; drop it",
+     "--async-strategy --async-ckpt-"),
     ("this trainer's datasets come from --data-path and --split only; give the blend "
      "there", "--train-data-path --valid-data-path --test-data-path --data-args-path "
      "--per-split-data-args-path --per-dataset-sequences-path --phase-transition-iterations "

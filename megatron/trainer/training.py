@@ -30,6 +30,7 @@ from megatron.model_shape import ModelShape
 from megatron.schedules.dispatch import get_forward_backward_func
 from megatron.schedules.memory_probe import ActivationMemoryProbe, write_stage_report
 from megatron.trainer import (
+    async_save,
     checkpointing,
     data_checks,
     determinism,
@@ -274,6 +275,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
             return _pretrain(args, start, guard, progress, datasets_provider, model_provider,
                              forward_step_func, on_finish)
     finally:  # also after a deliberate stop: the process may train another configuration
+        async_save.abandon()  # saves still in flight after an error or a signal
         checkpointing.release_save_dir(args)
         guard.close()
 
@@ -493,6 +495,9 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
     param_gather = ParamGatherHooks(model)  # --overlap-param-gather: on after a good step
     batch_sizes = GlobalBatchSizes(args)
     while iteration < args.train_iters:
+        if args.async_save:  # as Megatron-LM: publish the background saves that are done
+            progress.step = f"asynchronous checkpoint finalization before iteration {iteration + 1}"
+            async_save.maybe_finalize(args)
         for observer in observers:
             observer.reset()  # keep the last iteration only
         args.num_microbatches = batch_sizes.microbatches_at(consumed_samples)
@@ -579,6 +584,9 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         progress.step = f"checkpoint save at iteration {iteration}"
         checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                       scheduler)
+    if args.async_save:  # the run ends once every checkpoint it wrote is published
+        progress.step = "waiting for the asynchronous checkpoint saves"
+        async_save.maybe_finalize(args, blocking=True)
     outside += time.time() - paused
     total = time.time() - run_start
     training_time = max(total - outside, 1e-9)

@@ -13,8 +13,6 @@
 #   in fp32), the NCCL/TE environment variables left out;
 # * data: the test corpus with its GPT-2 BPE vocabulary instead of the Nemotron blend and
 #   its 256k GPTSentencePieceTokenizer model (paths from the environment);
-# * dropped because refused here: --async-save and --use-persistent-ckpt-worker (saves
-#   are synchronous).
 ARGS=(
     --distributed-timeout-minutes 60
     --tensor-model-parallel-size 1
@@ -69,6 +67,8 @@ ARGS=(
     --save $CHECKPOINT_SAVE_PATH
     --load $CHECKPOINT_LOAD_PATH
     --save-interval 1000
+    --async-save
+    --use-persistent-ckpt-worker
     --save-retain-interval 5000
     --init-method-std 0.0134
     --log-timers-to-tensorboard

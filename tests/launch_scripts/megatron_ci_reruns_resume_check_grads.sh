@@ -11,7 +11,7 @@
 #   keeps its path under $CHECKPOINT_LOAD_PATH, where the test puts no 4B checkpoint;
 # * dropped because refused here: --rerun-mode validate_results (re-running an iteration
 #   that met a NaN/inf is not implemented; only --rerun-mode disabled, the NaN/inf stop,
-#   is), --async-save and --use-persistent-ckpt-worker (saves are synchronous).
+#   is).
 ARGS=(
     --rotary-base 500
     --finetune
@@ -59,6 +59,8 @@ ARGS=(
     --override-opt_param-scheduler
     --eval-interval 1000
     --ckpt-format torch_dist
+    --async-save
+    --use-persistent-ckpt-worker
     --dist-ckpt-strictness log_all
     --dist-ckpt-optim-fully-reshardable
     --save $CHECKPOINT_SAVE_PATH

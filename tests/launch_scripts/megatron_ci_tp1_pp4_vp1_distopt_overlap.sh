@@ -9,8 +9,6 @@
 # * hardware: --transformer-impl transformer_engine -> local, --distributed-backend
 #   nccl -> gloo, --bf16 dropped (CPU trains in fp32), the NCCL/cuBLAS environment left out;
 # * data: the test corpus and its GPT-2 BPE files (paths from the environment);
-# * dropped because refused here: --async-save and --use-persistent-ckpt-worker (saves
-#   are synchronous).
 ARGS=(
     --num-layers 4
     --hidden-size 64
@@ -55,6 +53,8 @@ ARGS=(
     --attention-softmax-in-fp32
     --use-mcore-models
     --ckpt-format torch_dist
+    --async-save
+    --use-persistent-ckpt-worker
     --dist-ckpt-strictness log_all
     --data-cache-path $DATA_CACHE_PATH
     --attention-backend unfused
