@@ -52,7 +52,7 @@ def _save_with_faults(*args, **kwargs):
 
 checkpointing.save_checkpoint = _save_with_faults
 
-_writer = async_save._writer
+_writer = async_save.writer
 
 
 def _writer_with_faults(write, *args, **kwargs):
@@ -71,7 +71,7 @@ def _writer_with_faults(write, *args, **kwargs):
     return _writer(faulty_write, *args, **kwargs)
 
 
-async_save._writer = _writer_with_faults
+async_save.writer = _writer_with_faults
 
 if os.environ.get("FAULT_FREE_BYTES"):
     _usage = collections.namedtuple("usage", "total used free")

@@ -48,7 +48,8 @@ def _calls_queue(args):
         if args.use_persistent_ckpt_worker:  # one caller, its worker forked once
             from megatron.trainer.persistent_writer import PersistentWriter
 
-            _persistent = PersistentWriter()
+            # writer looked up when called: the fault tests replace it after this
+            _persistent = PersistentWriter(writer_setup, lambda *a, **k: writer(*a, **k))
             _queue._get_async_caller = lambda: _persistent
     return _queue
 
@@ -104,7 +105,7 @@ def writer_setup():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _writer(write, *args, **kwargs):
+def writer(write, *args, **kwargs):
     """Runs one save's write in a writer process (set up by writer_setup)."""
     write(*args, **kwargs)
 
@@ -112,7 +113,7 @@ def _writer(write, *args, **kwargs):
 def _temporal_writer(write, *args, **kwargs):
     """The process megatron-core forks for one save."""
     writer_setup()
-    _writer(write, *args, **kwargs)
+    writer(write, *args, **kwargs)
 
 
 def strategy_kwargs():
@@ -129,13 +130,14 @@ def pending():
     return 0 if _queue is None else _queue.get_num_unfinalized_calls()
 
 
-def schedule(args, iteration, staging, needed, request, publish):
+def schedule(args, iteration, staging, needed, request, publish, fail):
     """Run ``request``'s write in the background; ``publish()`` (collective) runs after
-    megatron-core's own finalize functions once every rank's write is done."""
+    megatron-core's own finalize functions once every rank's write is done; ``fail(error)``
+    reports a failed write (save_failure's one line)."""
     if pending() and torch.distributed.get_rank() == 0:
         print("  warning: --async-save: starting a checkpoint save before the previous one "
               "has finished; consider a longer --save-interval", flush=True)
-    info = (iteration, staging, needed)
+    info = (iteration, staging, needed, fail)
     if request.async_fn is not None and not args.use_persistent_ckpt_worker:
         request = request._replace(
             async_fn=functools.partial(_temporal_writer, request.async_fn))
@@ -165,15 +167,11 @@ def maybe_finalize(args, blocking=False):
     except BaseException as error:  # torch's CheckpointException is a BaseException
         if _finishing[0] is None:
             raise
-        iteration, staging, needed = _finishing[0]
+        _, staging, _, fail = _finishing[0]
         for other in _forget_all(kill=True):  # later saves, still being written
             if other != staging and torch.distributed.get_rank() == 0:
                 save_failure.remove_partial(other)
-        from megatron.trainer import checkpointing
-
-        save_failure.fail(args, iteration, staging, error, needed,
-                          checkpointing.tracked_iteration(args.save),
-                          checkpointing.TRACKER_FILE)
+        fail(error)
     for call in done:
         _pending.pop(call, None)
 

@@ -559,8 +559,12 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
             async_save.use_forked_results_queue()
             request = dist_checkpointing.save(state, staging, async_sharded_save=True,
                                               **async_save.strategy_kwargs())
-            async_save.schedule(args, iteration, staging, needed, request,
-                                lambda: _publish(args, iteration, staging, final, needed))
+            async_save.schedule(
+                args, iteration, staging, needed, request,
+                publish=lambda: _publish(args, iteration, staging, final, needed),
+                fail=lambda error: save_failure.fail(args, iteration, staging, error, needed,
+                                                     _tracked_iteration(args.save),
+                                                     TRACKER_FILE))
             return
         save_results_queue.use_in_process_results_queue()  # no spawned Manager process
         dist_checkpointing.save(state, staging)
@@ -599,11 +603,6 @@ def _failing_save(args, iteration, staging, needed):
             raise stop_signals.Interrupted(signum) from None
         save_failure.fail(args, iteration, staging, error, needed,
                           _tracked_iteration(args.save), TRACKER_FILE)
-
-
-def tracked_iteration(root):
-    """The iteration the tracker names now, or None (missing or unreadable)."""
-    return _tracked_iteration(root)
 
 
 def _tracked_iteration(root):

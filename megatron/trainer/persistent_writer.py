@@ -29,10 +29,8 @@ def _snapshot(value):
     return value
 
 
-def _loop(requests, done):
-    from megatron.trainer import async_save
-
-    async_save.writer_setup()  # dies with the trainer; its own group; ignores stop signals
+def _loop(requests, done, setup, write_one):
+    setup()  # dies with the trainer; its own group; ignores stop signals
     # a daemon (the trainer's exit never waits on it) whose writes start per-file
     # processes, which multiprocessing refuses to a daemon: this one may (they are its
     # group's, killed with it)
@@ -43,7 +41,7 @@ def _loop(requests, done):
             return
         call, write, args, kwargs = item
         try:
-            async_save._writer(write, *args, **kwargs)  # looked up here: tests wrap it
+            write_one(write, *args, **kwargs)
         finally:
             done.put(call)
 
@@ -51,7 +49,10 @@ def _loop(requests, done):
 class PersistentWriter:
     """One forked worker that writes every save of this rank, in order."""
 
-    def __init__(self):
+    def __init__(self, setup, write_one):
+        """``setup()`` prepares the worker process; ``write_one(write, *args, **kwargs)``
+        runs one save's write there (async_save's, which the fault tests wrap)."""
+        self._setup, self._write_one = setup, write_one
         self.process = None
         self._requests = self._done = None
         self._expected = []  # (call index, handed to the worker) in schedule order
@@ -68,7 +69,8 @@ class PersistentWriter:
                 context = multiprocessing.get_context("fork")
                 self._requests, self._done = context.Queue(), context.Queue()
                 self.process = context.Process(
-                    target=_loop, args=(self._requests, self._done),
+                    target=_loop, args=(self._requests, self._done, self._setup,
+                                        self._write_one),
                     daemon=True)
                 self.process.start()
             self._requests.put((request.call_idx, request.async_fn, args,
