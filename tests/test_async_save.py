@@ -57,8 +57,9 @@ def test_killed_during_the_background_write_resumes_from_the_last_published(
     run = start_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save"],
                          script=HOOKS, env={"FAULT_WRITE_SLEEP_AT_SAVE": "2"})
     try:
-        wait_for_line(run, r"scheduled an asynchronous checkpoint save at iteration 2 ")
+        # a save starts once the previous write is published: one background write at a time
         wait_for_line(run, r"saved checkpoint at iteration 1 ")
+        wait_for_line(run, r"scheduled an asynchronous checkpoint save at iteration 2 ")
         helpers = psutil.Process(run.pid).children(recursive=True)
         assert helpers  # the writer of iteration 2 and the queue's server
         run.kill()

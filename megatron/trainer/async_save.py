@@ -76,10 +76,21 @@ def use_forked_results_queue():
 _manager = None  # the results queue's server process (kept: it stops when collected)
 
 
+_pid_before_fork = [None]  # the forking process's pid, as the parent saw it
+
+
+def _remember_forking_pid():
+    _pid_before_fork[0] = os.getpid()
+
+
+os.register_at_fork(before=_remember_forking_pid)
+
+
 def _die_with_parent():
     """In a process forked for the save: end with the trainer (SIGKILL when it dies), so a
     killed run leaves no writer or queue server behind holding its output."""
-    parent = os.getppid()
+    # the pid recorded before the fork, not getppid() here: the parent may be gone already
+    parent = _pid_before_fork[0] if _pid_before_fork[0] is not None else os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -134,9 +145,6 @@ def schedule(args, iteration, staging, needed, request, publish, fail):
     """Run ``request``'s write in the background; ``publish()`` (collective) runs after
     megatron-core's own finalize functions once every rank's write is done; ``fail(error)``
     reports a failed write (save_failure's one line)."""
-    if pending() and torch.distributed.get_rank() == 0:
-        print("  warning: --async-save: starting a checkpoint save before the previous one "
-              "has finished; consider a longer --save-interval", flush=True)
     info = (iteration, staging, needed, fail)
     if request.async_fn is not None and not args.use_persistent_ckpt_worker:
         request = request._replace(

@@ -556,6 +556,10 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
                                     consumed_samples, with_rng=not args.no_save_rng,
                                     with_optimizer=not args.no_save_optim)
         if args.async_save:
+            # one background write at a time: megatron-core's writers return their results
+            # through one shared queue, so a write that failed fast could hand its failure
+            # to an earlier save still being written (and that save's success to itself)
+            async_save.maybe_finalize(args, blocking=True)
             async_save.use_forked_results_queue()
             request = dist_checkpointing.save(state, staging, async_sharded_save=True,
                                               **async_save.strategy_kwargs())
