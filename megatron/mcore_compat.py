@@ -13,6 +13,7 @@ Where two supported versions differ, the difference is bridged here, once
 
 import functools
 import importlib
+import importlib.util
 import inspect
 from dataclasses import dataclass
 from typing import Tuple
@@ -48,6 +49,14 @@ class Entry:
 
     def __str__(self):
         return f"{self.name} ({self.checked}): {self.why}"
+
+    def holds_on(self, mcore_version: str) -> bool:
+        """False for a row of a name that one checked megatron-core version has and this
+        checked version does not (a bridge below picks the row of the installed one)."""
+        prefix = "megatron-core "
+        if not self.checked.startswith(prefix) or mcore_version not in CHECKED_MCORE:
+            return True
+        return mcore_version in self.checked[len(prefix):].split(", ")
 
 
 def _mcore(name, why, *params, checked=_BOTH):
@@ -102,6 +111,8 @@ def cuda_call_site(module: str) -> Entry:
 
 
 _SCHEDULES = "pipeline_parallel.schedules:"
+_MOE_UTILS = "transformer.moe.moe_utils:"
+_MOE_LOGGING = "transformer.moe.moe_logging:"
 _P2P = "pipeline_parallel.p2p_communication:P2PCommunicator."
 _RANDOM = "tensor_parallel.random:"
 
@@ -232,6 +243,28 @@ TABLE = (
     _mcore("transformer.transformer_layer:get_transformer_layer_offset",
            "the first global layer of a stage: which of its layers --moe-layer-freq makes "
            "MoE", "config", "vp_stage"),
+    # the MoE loss tracker the router fills (logged by megatron/trainer/moe_metrics.py;
+    # SplitRouter records its whole-microbatch values there): a dict of per-layer tensors
+    # in moe_utils on 0.16.1, a MoEMetricsTracker in moe_logging since (0.19.2's moe_utils
+    # keeps the old names as deprecated wrappers that warn on every call)
+    _mcore(_MOE_UTILS + "get_moe_layer_wise_logging_tracker",
+           "the global dict name -> {'values': per-layer tensor, groups}: read, zeroed and "
+           "emptied by mcore_compat.moe_loss_values / clear / reset_moe_losses",
+           checked="megatron-core 0.16.1"),
+    _mcore(_MOE_UTILS + "save_to_aux_losses_tracker",
+           "SplitRouter records a microbatch's aux losses (mcore_compat.record_moe_loss)",
+           "name", "loss", "layer_number", "num_layers", "reduce_group", "avg_group",
+           "reduce_group_has_dp", checked="megatron-core 0.16.1"),
+    _mcore(_MOE_LOGGING + "get_moe_metrics_tracker",
+           "the global MoEMetricsTracker (mcore_compat.moe_loss_values and friends)",
+           checked="megatron-core 0.19.2"),
+    _mcore(_MOE_LOGGING + "MoEMetricsTracker.record",
+           "SplitRouter records a microbatch's aux losses (mcore_compat.record_moe_loss)",
+           "self", "name", "value", "layer_number", "num_layers", "reduce_group",
+           "avg_group", "needs_dp_avg", checked="megatron-core 0.19.2"),
+    _mcore(_MOE_LOGGING + "MoEMetricsTracker.metrics",
+           "name -> MetricEntry(values: per-layer tensor, ...), the live dict: read, "
+           "zeroed and emptied by mcore_compat", checked="megatron-core 0.19.2"),
     # --- pipeline schedules (megatron/schedules, megatron/benchmarks/stage.py) ---------
     _mcore(_SCHEDULES + "backward_step",
            "the executor's backward of one unit; 0.16.1 takes an unused model_type before "
@@ -430,3 +463,49 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     if _backward_step_takes_model_type():
         return mcore_backward(input_tensor, output_tensor, output_tensor_grad, None, config)
     return mcore_backward(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_metrics_tracker_module() -> bool:
+    """megatron-core's MoEMetricsTracker (moe_logging, 0.19.2) rather than 0.16.1's dict."""
+    return importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is not None
+
+
+def moe_loss_values() -> dict:
+    """The MoE loss tracker's live per-layer tensors, by name ("load_balancing_loss", ...,
+    "z_loss"): what megatron-core's router added since the tracker was last zeroed."""
+    if _moe_metrics_tracker_module():
+        return {name: entry.values
+                for name, entry in get(_MOE_LOGGING + "get_moe_metrics_tracker")()
+                .metrics.items()}
+    return {name: entry["values"]
+            for name, entry in get(_MOE_UTILS + "get_moe_layer_wise_logging_tracker")().items()}
+
+
+def record_moe_loss(name, value, layer_number, num_layers, reduce_group=None,
+                    avg_group=None, reduce_group_has_dp=False) -> None:
+    """Add one layer's loss value (a tensor, divided by its coefficient) to the tracker,
+    as megatron-core's router does (its own call on each version)."""
+    if _moe_metrics_tracker_module():
+        tracker = get(_MOE_LOGGING + "get_moe_metrics_tracker")()
+        tracker.record(name, value, layer_number, num_layers, reduce_group=reduce_group,
+                       avg_group=avg_group, needs_dp_avg=not reduce_group_has_dp)
+    else:
+        get(_MOE_UTILS + "save_to_aux_losses_tracker")(
+            name, value, layer_number, num_layers, reduce_group=reduce_group,
+            avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp)
+
+
+def clear_moe_losses() -> None:
+    """Zero the tracker's values (Megatron-LM's clear after each report and evaluation)."""
+    for values in moe_loss_values().values():
+        values.zero_()
+
+
+def reset_moe_losses() -> None:
+    """Drop every tracker entry: a new training run (a library caller training again)
+    may have other layers, devices and groups than the entries were made for."""
+    if _moe_metrics_tracker_module():
+        get(_MOE_LOGGING + "get_moe_metrics_tracker")().metrics.clear()
+    else:
+        get(_MOE_UTILS + "get_moe_layer_wise_logging_tracker")().clear()

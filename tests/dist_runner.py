@@ -8,7 +8,7 @@ SPEC is a JSON list of {"name": str, "argv": [pretrain_gpt flags], "params": boo
 running at the same time writes, such as the tracker file of a checkpoint it loads).
 OUT (written by the last rank) maps each name to its per-iteration losses and grad
 norms (and params norms and zero-gradient counts under --log-params-norm /
---log-num-zeros-in-grad) and, with "params", a path to the final parameters gathered into the unsplit
+--log-num-zeros-in-grad, and each iteration's MoE aux losses) and, with "params", a path to the final parameters gathered into the unsplit
 (tp=1, pp=1) layout, so any two layouts can be compared tensor by tensor. It also
 holds "forward_units": one entry per call of `forward_step` with a split on the last
 rank ({call, microbatch, split, splits, offset, length}, and for a microbatch's last
@@ -178,7 +178,8 @@ def main(spec_path, out_path):
                  "test_loss": result.test_loss, "learning_rates": result.learning_rates,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
                  "forward_units": units, "reports": reports,
-                 "params_norms": result.params_norms, "num_zeros": result.num_zeros}
+                 "params_norms": result.params_norms, "num_zeros": result.num_zeros,
+                 "moe_losses": result.moe_losses}
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"
             torch.save(captured["params"], path)

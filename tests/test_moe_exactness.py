@@ -130,6 +130,12 @@ DOCUMENT_MODELS = {"Xd": "X", "Dd": "D"}
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
 
 
+# the MoE losses each model logs per iteration (Megatron-LM's names), compared split
+# against unsplit; one split run also writes them to TensorBoard
+MOE_LOSSES = {"N": [], "X": ["load_balancing_loss", "z_loss"],
+              "D": ["seq_load_balancing_loss", "global_load_balancing_loss"], "M": [], "Q": []}
+TENSORBOARD_CASE, TENSORBOARD_DIR = "X_pp2_s3", []
+
 EP_RELOADED = "X_ep2_checkpoint_loaded_at_ep1"
 EP_CHECKPOINT = []  # where plan() put the EP run's checkpoint
 # this case also records its last iteration's units (--timeline-file): an MoE + MLA run
@@ -167,6 +173,9 @@ def plan(tmp, corpus):
         if name == TIMELINE_CASE:
             TIMELINE_FILE.append(tmp / "timeline.json")
             save += ["--timeline-file", str(TIMELINE_FILE[0])]
+        if name == TENSORBOARD_CASE:
+            TENSORBOARD_DIR.append(tmp / "tensorboard")
+            save += ["--tensorboard-dir", str(TENSORBOARD_DIR[0])]
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
                             "params": True})
     # after the EP run in the same launch: its checkpoint's weights resharded from EP 2 to
@@ -216,6 +225,14 @@ def test_split_run_equals_unsplit_runs(results, name):
         assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
         assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
                             f"{name} grad norm vs {what}")
+        # each MoE auxiliary loss as Megatron-LM logs it, every iteration
+        names = MOE_LOSSES[DOCUMENT_MODELS.get(model, model)]
+        for losses in (run["moe_losses"], expected["moe_losses"]):
+            assert [sorted(step) for step in losses] == [sorted(names)] * ITERATIONS, name
+        for loss in names:
+            assert_close_series([step[loss] for step in run["moe_losses"]],
+                                [step[loss] for step in expected["moe_losses"]], 1e-5,
+                                f"{name} {loss} vs {what}")
         assert run["final_validation_loss"] is not None
         assert_close_series([run["final_validation_loss"]], [expected["final_validation_loss"]],
                             1e-5, f"{name} validation loss vs {what}")
@@ -223,6 +240,23 @@ def test_split_run_equals_unsplit_runs(results, name):
             assert_params_close(run["params"], expected["params"])
     if model in DOCUMENT_MODELS:
         assert document_cases(run["forward_units"]) == set(DOCUMENT_CASES), name
+
+
+def test_moe_losses_are_written_to_tensorboard(results):
+    """Megatron-LM's TensorBoard scalars of the aux losses, every iteration: those the
+    split run logged (equal to the unsplit ones, above), positive."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(TENSORBOARD_DIR[0]))
+    events.Reload()
+    written = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+               for tag in events.Tags()["scalars"]}
+    logged = results[TENSORBOARD_CASE]["moe_losses"]
+    for name in MOE_LOSSES["X"]:
+        assert [step for step, _ in written[name]] == list(range(1, ITERATIONS + 1))
+        assert_close_series([value for _, value in written[name]],
+                            [step[name] for step in logged], 1e-6, name)
+        assert all(value > 0 for _, value in written[name]), name
 
 
 def test_expert_parallel_checkpoint_reshards_and_holds_the_unsplit_parameters(results):

@@ -164,3 +164,24 @@ def test_routing_statistics_keep_one_record_per_split():
                                           counts={"tp": torch.ones(2)}))
     assert stats.tokens(3, 0) == 8 and stats.counts(3, 0, "tp").tolist() == [2.0, 2.0]
     assert stats.microbatches(3) == [0] and stats.tokens(2, 0) == 0
+
+
+def test_logged_moe_losses_are_megatron_lms_names_and_layer_count():
+    """The aux losses logged each iteration: Megatron-LM's names for the load-balancing
+    types and z-loss (none for a dense model), averaged over the MoE layers that
+    --moe-layer-freq makes, printed after the lm loss."""
+    from megatron.trainer.metrics import format_iteration_line
+    from megatron.trainer.moe_metrics import count_moe_layers, tracked_names
+
+    args = args_of("--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss",
+                   "global_aux_loss", "--moe-aux-loss-coeff", "1", "0.5",
+                   "--moe-z-loss-coeff", "0.1")
+    assert tracked_names(args) == ["seq_load_balancing_loss", "global_load_balancing_loss",
+                                   "z_loss"]
+    assert tracked_names(args_of("--num-experts", "4")) == ["load_balancing_loss"]
+    assert tracked_names(args_of()) == []
+    assert count_moe_layers(4, moe_freq_type("[0]*1+[1]*3")) == 3
+    assert count_moe_layers(4, 2) == 2 and count_moe_layers(4, 1) == 4
+    line = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1],
+                                 moe_losses={"load_balancing_loss": 1.00264, "z_loss": 4.3})
+    assert "| lm loss: 2.5 | load_balancing_loss: 1.00264 | z_loss: 4.3 | grad norm:" in line

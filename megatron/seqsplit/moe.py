@@ -24,8 +24,10 @@ and ``_DeferredAuxLoss``'s backward turns the totals into the weights.
 * z-loss: ``coeff / T`` on each token's ``logsumexp(logits)^2``;
 * expert bias: counts summed over all forward calls of the step, exact as it is.
 
-The split run's aux-loss values (for logging) are the same sums, known after the last
-split's forward: ``RoutingStatistics.loss_values``.
+The split run's loss values (for logging) are the same sums, each split's share
+``P_e(split) . w_e`` added in its backward to megatron-core's MoE loss tracker, where
+the unsplit router records the microbatch's value in forward: the trainer reports both
+the same way (``megatron/trainer/moe_metrics.py``).
 """
 
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron import mcore_compat
 from megatron.seqsplit.split_context import SplitContext
 
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
@@ -65,7 +68,6 @@ class RoutingStatistics:
 
     def __init__(self):
         self._records = {}
-        self.loss_values = {}  # (name, layer, microbatch) -> float, once computed
 
     def record(self, layer, microbatch, split, record: _Record) -> None:
         self._records[(layer, microbatch, split)] = record
@@ -85,7 +87,6 @@ class RoutingStatistics:
 
     def clear(self) -> None:
         self._records.clear()
-        self.loss_values.clear()
 
 
 class _DeferredAuxLoss(torch.autograd.Function):
@@ -167,15 +168,16 @@ class SplitRouter(TopKRouter):
         self._seq_shape = (seq_length, bsz)
         return super().routing(logits, padding_mask=padding_mask)
 
-    def _attach(self, probs, partial, weights, name, coeff):
-        stats, layer, microbatch = self._stats()
+    def _attach(self, probs, partial, weights, name, coeff, **groups):
+        """``groups``: the tracker's reduction groups of ``name``, megatron-core's."""
 
         def weights_and_log(part):
             w = weights()
-            # the microbatch's loss value: sum over its splits of (partial . weights)
-            key = (name, layer, microbatch)
-            stats.loss_values[key] = (stats.loss_values.get(key, 0.0)
-                                      + float((part.detach() * w).sum()) / (coeff or 1.0))
+            # this split's share of the microbatch's loss value (megatron-core logs the
+            # loss divided by its coefficient); the splits' shares add up to it
+            share = (part.detach().float() * w.float()).sum() / coeff
+            mcore_compat.record_moe_loss(name, share, self.layer_number,
+                                         self.config.num_layers, **groups)
             return w
 
         return _DeferredAuxLoss.apply(probs, partial, weights_and_log)
@@ -196,7 +198,7 @@ class SplitRouter(TopKRouter):
                 experts * coeff / (topk * total * total))
 
         return self._attach(probs, scores_for_aux_loss.sum(dim=0), weights,
-                            "load_balancing_loss", coeff)
+                            "load_balancing_loss", coeff, reduce_group=self.tp_cp_group)
 
     def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
                             with_padding_mask=False):
@@ -217,7 +219,8 @@ class SplitRouter(TopKRouter):
                 experts * coeff / (topk * total * total) / bsz)
 
         partial = scores_for_aux_loss.reshape(seq_length, -1).sum(dim=0)
-        return self._attach(probs, partial, weights, "seq_load_balancing_loss", coeff)
+        return self._attach(probs, partial, weights, "seq_load_balancing_loss", coeff,
+                            reduce_group=self.tp_cp_group)
 
     def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map,
                                with_padding_mask=False):
@@ -238,7 +241,8 @@ class SplitRouter(TopKRouter):
             return running * (experts * coeff / (topk * total * total))
 
         return self._attach(probs, scores_for_aux_loss.sum(dim=0), weights,
-                            "global_load_balancing_loss", coeff)
+                            "global_load_balancing_loss", coeff,
+                            reduce_group=self.tp_dp_cp_group, reduce_group_has_dp=True)
 
     def apply_z_loss(self, logits, padding_mask=None):
         if not self._split_mode():
@@ -253,7 +257,8 @@ class SplitRouter(TopKRouter):
             return torch.tensor(coeff / stats.tokens(layer, microbatch), device=logits.device)
 
         partial = torch.square(torch.logsumexp(logits, dim=-1)).sum()
-        return self._attach(logits, partial, weights, "z_loss", coeff)
+        return self._attach(logits, partial, weights, "z_loss", coeff,
+                            avg_group=self.tp_dp_cp_group)
 
 
 class SplitTransformerLayer(TransformerLayer):

@@ -79,11 +79,12 @@ def _decimals(value) -> int:
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
                           global_batch_size, loss, grad_norm, tokens_per_s, tflops,
                           stage_peaks, memory_heading=GPU_MEMORY, num_zeros=None,
-                          params_norm=None):
+                          params_norm=None, moe_losses=None):
     """Megatron-LM's iteration line, plus tokens/s and memory peaks. ``tflops``: model
     TFLOP/s per device, or None to leave the throughput field out (Megatron-LM prints it
     with --log-throughput only); ``num_zeros``, ``params_norm``: Megatron-LM's fields of
-    --log-num-zeros-in-grad and --log-params-norm (None: not printed)."""
+    --log-num-zeros-in-grad and --log-params-norm (None: not printed); ``moe_losses``:
+    Megatron-LM's MoE auxiliary losses (name -> value), printed after the lm loss."""
     # as Megatron-LM: no norm (--clip-grad 0, an fp16 skip) prints no grad norm field
     grad = "" if grad_norm is None else f" grad norm: {grad_norm:.6g} |"
     if num_zeros is not None:
@@ -92,6 +93,7 @@ def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, 
         grad += f" params norm: {params_norm:.6g} |"
     throughput = "" if tflops is None else format_throughput(tflops)
     peaks = " ".join(f"{p:.3f}" for p in stage_peaks)
+    moe = "".join(f" {name}: {value:.6g} |" for name, value in (moe_losses or {}).items())
     return (
         f" iteration {iteration:8d}/{train_iters:8d} |"
         f" consumed samples: {consumed_samples:12d} |"
@@ -100,6 +102,7 @@ def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, 
         f" learning rate: {lr:.6e} |"
         f" global batch size: {global_batch_size:5d} |"
         f" lm loss: {loss:.6g} |"
+        f"{moe}"
         f"{grad}"
         f" tokens/s: {tokens_per_s:.1f} |"
         f" {memory_heading}: {peaks} |"

@@ -40,6 +40,7 @@ from megatron.trainer import (
     monitoring,
     norms,
 )
+from megatron.trainer.moe_metrics import MoELossLog
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -252,6 +253,8 @@ class TrainingResult:
     test_loss: float = None
     params_norms: list = field(default_factory=list)
     num_zeros: list = field(default_factory=list)
+    # MoE models: per iteration, Megatron-LM's logged aux losses (name -> value)
+    moe_losses: list = field(default_factory=list)
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -493,6 +496,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
     for chunk in model:
         chunk.train()
     param_gather = ParamGatherHooks(model)  # --overlap-param-gather: on after a good step
+    moe_losses = MoELossLog(args, next(model[0].parameters()).device)
     batch_sizes = GlobalBatchSizes(args)
     while iteration < args.train_iters:
         if args.async_save:  # as Megatron-LM: publish the background saves that are done
@@ -531,6 +535,9 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         monitor.log_iteration_scalars(iteration, loss, lr, grad_norm,
                                       optimizer.get_loss_scale().item(), consumed_samples,
                                       num_zeros=num_zeros, params_norm=params_norm)
+        # collective on every rank, as Megatron-LM's MoE report (empty for a dense model)
+        history.moe_losses.append(moe_losses.report(args.num_microbatches, monitor.writers,
+                                                    iteration))
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window_start) / window_iters
             peaks = stage_peaks_gb(observers)
@@ -544,7 +551,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
                     batch, mean_loss, grad_norm,
                     tokens_per_second, tflops if args.log_throughput else None,
                     peaks, memory_label(observers), num_zeros=num_zeros,
-                    params_norm=params_norm))
+                    params_norm=params_norm, moe_losses=moe_losses.interval_means()))
             monitor.log_interval(iteration, window_iters, elapsed, tflops,
                                  tokens_per_second)  # collective (timers)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
@@ -556,6 +563,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func,
                              monitor)
             param_gather.resume()
+            moe_losses.clear()  # as Megatron-LM, after an evaluation
             if "lm loss" in valid:
                 ppl = monitor.log_validation(valid["lm loss"], iteration, consumed_samples)
                 print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
