@@ -363,6 +363,10 @@ TABLE = (
     _mcore("models.common.language_module.language_module:"
            "LanguageModule.setup_embeddings_and_output_layer",
            "wrapped on CPU: tied embeddings call weight.data.cuda()", "self"),
+    _mcore("optimizer.optimizer:param_group_identifier_keys",
+           "the keys megatron-core's distributed optimizer pairs saved and current param "
+           "groups by: a checkpoint's groups of another expert-parallel size are matched on "
+           "them (all but is_expert_parallel) by checkpointing._saved_group"),
     _mcore("optimizer.distrib_optimizer:DistributedOptimizer.__init__",
            "wrapped on CPU: checks param.type() == 'torch.cuda.FloatTensor'", "self"),
     _mcore("transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",

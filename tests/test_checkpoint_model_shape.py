@@ -59,3 +59,41 @@ def test_an_older_checkpoint_without_the_new_entries_still_loads():
     old = {"model_shape": {f: v for f, v in model_shape(_args()).items()
                            if f not in ("num_experts", "multi_latent_attention")}}
     checkpointing._check_model_shape(_args(num_experts=8), "ckpt", old)  # nothing to compare
+
+
+def test_optimizer_state_across_an_expert_parallel_change():
+    """A distributed-optimizer checkpoint saved without megatron-core's chain prefix
+    loads into another number of chained optimizers (EP change; trained in
+    tests/test_moe_exactness.py); an older one with the prefix, or the non-distributed
+    optimizer's state, stops with one line naming the change and --no-load-optim."""
+    class Chained:
+        chained_optimizers = [object(), object()]  # EP > 1: dense and expert
+
+    saved = {"optimizer_parts": 1, "expert_model_parallel_size": 1,
+             "chained_optim_avoid_prefix": True}
+
+    def problem(common, distributed=True):
+        try:
+            checkpointing._check_optimizer_parts(
+                Namespace(use_distributed_optimizer=distributed,
+                          expert_model_parallel_size=2), "ckpt", common, Chained())
+        except SystemExit as stop:
+            return str(stop.code)
+        return None
+
+    assert problem(saved) is None
+    assert problem({"optimizer_parts": 1}) is None  # one optimizer never had a prefix
+    assert problem({**saved, "optimizer_parts": 2}, distributed=False) is None  # same chain
+    head = ("error: --load ckpt: its optimizer state is 1 chained optimizer(s) (saved with "
+            "--expert-model-parallel-size 1) and this run builds 2 "
+            "(--expert-model-parallel-size 2): ")
+    tail = (", so it does not load across that change; keep the flag, or pass "
+            "--no-load-optim to load the weights (they reshard)")
+    older = {"optimizer_parts": 3, "expert_model_parallel_size": 1}  # before the record
+    assert problem(older).startswith("error: --load ckpt: its optimizer state is 3 chained")
+    assert problem({**saved, "chained_optim_avoid_prefix": False}) == (
+        head + "its keys carry megatron-core's per-optimizer prefix (saved by an earlier "
+        "version of this project)" + tail)
+    assert problem(saved, distributed=False) == (
+        head + "the non-distributed optimizer's state keeps one list of param groups per "
+        "chained optimizer" + tail)

@@ -5,8 +5,10 @@ steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile 
 sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
 sequence parallelism (experts split over TP as Megatron-LM's default), with selective
 recomputation, on packed documents (X on the corpus with every split case), and with the
-experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all; losses and grad norms, and
-its parameters through its checkpoint loaded with EP=1).
+experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all, distributed optimizer).
+Every iteration's logged aux losses (Megatron-LM's names) equal too. The distributed
+optimizer's state resumes across an expert-parallel change in both directions (EP=2 to
+EP=1 and EP=1 to EP=2): the resumed iteration equals the uninterrupted runs'.
 
 N: 4 experts, top-2, no load-balancing loss (the per-token part alone), on the MHA /
 learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers, hidden
@@ -31,14 +33,9 @@ from position 0 instead of its offset, a 2-layer M's first loss is 6.482 instead
 """
 
 import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from distributed import (
-    ROOT,
     GQA_ROPE_SWIGLU,
     TINY_MODEL,
     TRACKER,
@@ -46,7 +43,6 @@ from distributed import (
     assert_close_series,
     assert_params_close,
     init_run,
-    one_error_line,
 )
 from packed_documents import CASES as DOCUMENT_CASES
 from packed_documents import DOCUMENT_FLAGS, document_cases, with_corpus
@@ -98,11 +94,12 @@ CASES = {
     "N_pp2_s2": ("N", 2, [], 2, 1),
     "N_pp2_s3": ("N", 3, [], 2, 1),
     "X_pp2_s3": ("X", 3, [], 2, 1),
-    "X_pp2_s4": ("X", 4, [], 2, 1),
+    "X_pp2_s4": ("X", 4, ["--use-distributed-optimizer"], 2, 1),
     "X_pp2_vp2_s3": ("X", 3, ["--virtual-pipeline-model-parallel-size", "2"], 2, 2),
     # experts over 2 ranks of the data-parallel group, all-to-all over gloo
     "X_pp2_dp2_ep2_s3": ("X", 3, ["--expert-model-parallel-size", "2",
-                                  "--moe-token-dispatcher-type", "alltoall"], 4, 1),
+                                  "--moe-token-dispatcher-type", "alltoall",
+                                  "--use-distributed-optimizer"], 4, 1),
     # experts split over TP (Megatron-LM's default --expert-tensor-parallel-size), each TP
     # rank routing its sequence-parallel share of the split
     "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -136,8 +133,13 @@ MOE_LOSSES = {"N": [], "X": ["load_balancing_loss", "z_loss"],
               "D": ["seq_load_balancing_loss", "global_load_balancing_loss"], "M": [], "Q": []}
 TENSORBOARD_CASE, TENSORBOARD_DIR = "X_pp2_s3", []
 
-EP_RELOADED = "X_ep2_checkpoint_loaded_at_ep1"
-EP_CHECKPOINT = []  # where plan() put the EP run's checkpoint
+# optimizer state across an expert-parallel change (distributed optimizer): the EP=2
+# run's checkpoint of iteration 1 resumed at EP=1 (pp=2 x dp=2), and an EP=1 run's
+# (X_pp2_s4) resumed at EP=2, each training iteration 2
+EP_CASE, EP1_CASE = "X_pp2_dp2_ep2_s3", "X_pp2_s4"
+RESUMED = {"X_ep2_resumed_at_ep1": EP_CASE, "X_ep1_resumed_at_ep2": EP1_CASE}
+DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer"]
+EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 # this case also records its last iteration's units (--timeline-file): an MoE + MLA run
 # observed by the timeline, still equal to the unobserved s = 1 and one-process runs
 TIMELINE_CASE, TIMELINE_FILE = "D_pp2_s3_selective", []
@@ -166,10 +168,9 @@ def plan(tmp, corpus):
         base = bases[model]
         # with experts over EP ranks the gathered parameters hold every rank's experts
         # under their global indices (tests/dist_runner.py): compared as the others; that
-        # run also saves its checkpoint, which EP_RELOADED loads at EP=1
-        expert_parallel = "--expert-model-parallel-size" in extra
-        save = (["--save", str(tmp / "ep2_ckpt"), "--save-interval", str(ITERATIONS)]
-                if expert_parallel else [])
+        # run and EP1_CASE also save each iteration, resumed at the other EP size below
+        save = (["--save", str(tmp / name), "--save-interval", "1"]
+                if name in RESUMED.values() else [])
         if name == TIMELINE_CASE:
             TIMELINE_FILE.append(tmp / "timeline.json")
             save += ["--timeline-file", str(TIMELINE_FILE[0])]
@@ -178,15 +179,13 @@ def plan(tmp, corpus):
             save += ["--tensorboard-dir", str(TENSORBOARD_DIR[0])]
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
                             "params": True})
-    # after the EP run in the same launch: its checkpoint's weights resharded from EP 2 to
-    # EP 1 (pp=2 x dp=2), at its last iteration, so nothing trains: the final evaluation
-    # and the parameters are the EP run's (its optimizer state cannot follow: megatron-core
-    # chains one optimizer per parameter kind at EP > 1; checkpointing refuses that load)
-    EP_CHECKPOINT.append(tmp / "ep2_ckpt")
-    runs[4].append({"name": EP_RELOADED, "params": True,
-                    "argv": MODELS["X"] + BATCH + PP2 + ["--load", str(tmp / "ep2_ckpt"),
-                                                         "--no-load-optim", "--no-load-rng"],
-                    "after": [str(tmp / "ep2_ckpt" / TRACKER)]})
+    # iteration 1's checkpoint with its optimizer state (--ckpt-step: the tracker names
+    # 2), at the other EP size (pp=2 x dp=2, unsplit): iteration 2 trains as uninterrupted
+    for name, saved in RESUMED.items():
+        ep = EP2 if saved == EP1_CASE else []
+        runs[4].append({"name": name, "params": True, "after": [str(tmp / saved / TRACKER)],
+                        "argv": MODELS["X"] + BATCH + PP2 + DISTRIBUTED_OPTIMIZER + ep + [
+                            "--load", str(tmp / saved), "--ckpt-step", "1"]})
     return Plan(inits, runs)
 
 
@@ -259,35 +258,27 @@ def test_moe_losses_are_written_to_tensorboard(results):
         assert all(value > 0 for _, value in written[name]), name
 
 
-def test_expert_parallel_checkpoint_reshards_and_holds_the_unsplit_parameters(results):
-    """The EP=2 split run's parameters, through its checkpoint loaded with EP=1 (the
-    experts resharded over ranks): equal to s = 1 on pp=2 and to one process, and the
-    reloaded model's validation loss is the EP run's."""
-    ep_run, loaded = results["X_pp2_dp2_ep2_s3"], results[EP_RELOADED]
-    assert loaded["losses"] == []  # loaded at its last iteration: nothing trained
-    assert_close_series([loaded["final_validation_loss"]], [ep_run["final_validation_loss"]],
-                        1e-6, "validation loss after reloading at EP=1")
-    for other in ("X_pp2_s1", "ref_X"):
-        assert_params_close(loaded["params"], results[other]["params"])
-
-
-def test_expert_parallel_optimizer_state_at_another_ep_size_is_one_line(results):
-    """Loading that checkpoint's optimizer state at EP=1 (one process) stops before any
-    work with one line naming the change and --no-load-optim (megatron-core's loader
-    fails with a KeyError on every rank otherwise)."""
-    [ckpt] = EP_CHECKPOINT
-    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py"] + MODELS["X"] + BATCH + [
-        "--train-iters", "3", "--load", str(ckpt)], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=300)
-    assert proc.returncode != 0
-    assert one_error_line(proc.stderr) == (
-        f"error: --load {ckpt / 'iter_0000002'}: its optimizer state is 2 chained "
-        f"optimizer(s) (saved with --expert-model-parallel-size 2) and this run builds 1 "
-        f"(--expert-model-parallel-size 1): megatron-core cannot load optimizer state across "
-        f"that change; keep the flag, or pass --no-load-optim to load the weights (they "
-        f"reshard)")
-    assert " iteration " not in proc.stdout
+def test_optimizer_state_resumes_across_an_expert_parallel_change(results):
+    """Iteration 1's distributed-optimizer checkpoint of the EP=2 run resumed at EP=1,
+    and of an EP=1 run resumed at EP=2 (megatron-core chains a dense and an expert
+    optimizer at EP > 1, one at EP = 1): iteration 2's loss, grad norm and aux losses,
+    the validation loss and every parameter after its step (which reads the loaded Adam
+    moments and step: learning rate 1e-3 there) equal the uninterrupted runs'."""
+    for name, saved in RESUMED.items():
+        run = results[name]
+        for other in ("ref_X", "X_pp2_s1", saved):
+            expected = results[other]
+            assert_close_series(run["losses"], expected["losses"][1:], 1e-5, f"{name} loss")
+            assert_close_series(run["grad_norms"], expected["grad_norms"][1:], 1e-5,
+                                f"{name} grad norm")
+            for loss in MOE_LOSSES["X"]:
+                assert_close_series([s[loss] for s in run["moe_losses"]],
+                                    [s[loss] for s in expected["moe_losses"][1:]], 1e-5,
+                                    f"{name} {loss}")
+            assert_close_series([run["final_validation_loss"]],
+                                [expected["final_validation_loss"]], 1e-5,
+                                f"{name} validation loss vs {other}")
+            assert_params_close(run["params"], expected["params"])
 
 
 def test_the_models_are_the_intended_ones(results):

@@ -442,6 +442,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    dest="check_for_nan_in_loss_and_grad",
                    help="train on through non-finite values (not recommended)")
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration's checkpoint from --load instead of the one "
+                        "its tracker file names (as Megatron-LM)")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")

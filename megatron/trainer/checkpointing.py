@@ -60,6 +60,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megatron import mcore_compat
 from megatron.trainer import async_save, save_failure, save_results_queue, stop_signals
 from megatron.trainer.schedule_check import schedule_decision
 
@@ -180,7 +181,7 @@ def _fill_empty_adam_state(optimizer):
                                               exp_avg_sq=torch.zeros_like(param))
 
 
-def _optimizer_state(args, optimizer, model_sd, loading):
+def _optimizer_state(args, optimizer, model_sd, loading, avoid_prefix=True):
     if args.use_distributed_optimizer:
         if loading:
             _fill_empty_adam_state(optimizer)
@@ -189,7 +190,11 @@ def _optimizer_state(args, optimizer, model_sd, loading):
         # "mem_efficient" gathers over the gloo data-parallel group (the other path
         # moves tensors to CUDA): data-parallel rank 0 writes the state
         metadata = {"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_FORMAT,
-                    "distrib_optim_fully_reshardable_mem_efficient": True}
+                    "distrib_optim_fully_reshardable_mem_efficient": True,
+                    # as Megatron-LM: the keys of a chained optimizer's state (one
+                    # optimizer per parameter kind at EP > 1) are the model's, so the
+                    # state loads into another chain (_states_per_part)
+                    "chained_optim_avoid_prefix": avoid_prefix}
         parts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
                  if hasattr(part, "get_parameter_state_dp_zero")]
         for part in parts:
@@ -257,7 +262,7 @@ def _load_optimizer(args, model, optimizer, state):
         optimizer.load_state_dict(state)
         return
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = [state] if len(parts) == 1 else [state[key] for key in sorted(state)]
+    states = _states_per_part(state, parts)
     names = {param: name for i, chunk in enumerate(model)
              for name, param in unwrap_model(chunk).named_parameters()}
     disagreeing = []
@@ -279,6 +284,48 @@ def _load_optimizer(args, model, optimizer, state):
             for param, step in steps.items():
                 part.optimizer.state[param]["step"] = step.clone()
     _warn_if_disagreeing(args, disagreeing)
+
+
+def _states_per_part(state, parts):
+    """The loaded distributed-optimizer state of each of this run's chained optimizers.
+
+    Its tensors come back where this run asked for them (one "param_state" per part,
+    keyed by the model's keys); its other entries (param groups with the step) as they
+    were saved: one dict per saved part, under 0, 1, ... when the saving run chained
+    several. With as many parts as saved, each part takes its own; across an
+    expert-parallel change (megatron-core chains a dense and an expert optimizer at EP
+    > 1, one optimizer at EP 1) each part takes the saved param groups of the same
+    settings, marked with its own ``is_expert_parallel`` (megatron-core's loader pairs
+    groups by their identifier keys): the hyperparameters and the step of every saved
+    part are the same numbers."""
+    saved = ([state[key] for key in sorted(k for k in state if isinstance(k, int))
+              if "optimizer" in state[key]] or [state])
+    asked = [state] if len(parts) == 1 else [state[i] for i in range(len(parts))]
+    if len(saved) == len(parts):
+        return asked
+    groups = [group for part in saved for group in part["optimizer"]["param_groups"]]
+    states = []
+    for part, own in zip(parts, asked):
+        states.append({"optimizer": {"param_groups": [_saved_group(group, groups)
+                                                      for group in part.optimizer.param_groups]},
+                       "param_state": own["param_state"],
+                       "param_state_sharding_type": saved[0]["param_state_sharding_type"],
+                       **({"grad_scaler": saved[0]["grad_scaler"]}
+                          if "grad_scaler" in saved[0] else {})})
+    return states
+
+
+def _saved_group(group, saved_groups):
+    """The saved param group of ``group``'s settings (its identifier keys but
+    ``is_expert_parallel``), relabelled with ``group``'s ``is_expert_parallel``."""
+    keys = [key for key in mcore_compat.get("optimizer.optimizer:param_group_identifier_keys")
+            if key != "is_expert_parallel"]
+    for saved in saved_groups:
+        if all(saved.get(key) == group.get(key) for key in keys):
+            return {**saved, "is_expert_parallel": group.get("is_expert_parallel", False)}
+    raise CheckpointError(f"the checkpoint's optimizer has no param group with the settings "
+                          f"{ {key: group.get(key) for key in keys} } of this run's; pass "
+                          f"--no-load-optim to load the weights only")
 
 
 def _weights_disagreeing(part, param_state, names):
@@ -330,7 +377,10 @@ def _warn_if_disagreeing(args, disagreeing):
 
 
 def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng,
-                        loading=False, with_optimizer=True):
+                        loading=False, with_optimizer=True, avoid_prefix=True):
+    """``avoid_prefix``: the chained optimizer's keys without megatron-core's
+    ``chained_<i>.`` prefix (what this project saves; a load asks for the keys the
+    checkpoint has: earlier saves of chained optimizers carry the prefix)."""
     # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual stages (their
     # tensors carry global layer numbers, so a checkpoint reshards across layouts)
     model_sd = {_model_key(model, i): unwrap_model(chunk).sharded_state_dict()
@@ -347,13 +397,15 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         # its sharded keys then carry a chained_<i> prefix that another chain cannot load
         "optimizer_parts": optimizer_parts(optimizer),
         "expert_model_parallel_size": getattr(args, "expert_model_parallel_size", 1),
+        "chained_optim_avoid_prefix": bool(args.use_distributed_optimizer),
         # what --no-save-optim / --no-save-rng left out, so a load can say so
         "has_optimizer": with_optimizer,
         "has_rng": with_rng,
     }
     if with_optimizer:
         state["optimizer"] = _optimizer_state(
-            args, optimizer, model_sd["model"] if len(model) == 1 else model_sd, loading)
+            args, optimizer, model_sd["model"] if len(model) == 1 else model_sd, loading,
+            avoid_prefix)
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
@@ -729,17 +781,33 @@ def optimizer_parts(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def _saved_without_prefix(common) -> bool:
+    """Whether a distributed-optimizer checkpoint's keys carry no ``chained_<i>.``
+    prefix: saved so since this project records it, and never for one optimizer (this
+    project's earlier checkpoints and Megatron-LM's, which record nothing, otherwise)."""
+    return bool(common.get("chained_optim_avoid_prefix", common.get("optimizer_parts", 1) <= 1))
+
+
 def _check_optimizer_parts(args, path, common, optimizer):
+    """Optimizer state across an expert-parallel change (another number of chained
+    optimizers) loads from a distributed-optimizer checkpoint whose keys carry no
+    chain prefix (``_states_per_part``); refused otherwise, with the way out."""
     saved = common.get("optimizer_parts")
     if saved is None or saved == optimizer_parts(optimizer):
         return
+    if _saved_without_prefix(common) and args.use_distributed_optimizer:
+        return
+    why = ("the non-distributed optimizer's state keeps one list of param groups per "
+           "chained optimizer" if not args.use_distributed_optimizer else
+           "its keys carry megatron-core's per-optimizer prefix (saved by an earlier "
+           "version of this project)")
     saved_ep = common.get("expert_model_parallel_size", "?")
     _exit(f"--load {path}: its optimizer state is {saved} chained optimizer(s) (saved with "
           f"--expert-model-parallel-size {saved_ep}) and this run builds "
           f"{optimizer_parts(optimizer)} (--expert-model-parallel-size "
-          f"{getattr(args, 'expert_model_parallel_size', 1)}): megatron-core cannot load "
-          f"optimizer state across that change; keep the flag, or pass --no-load-optim to "
-          f"load the weights (they reshard)")
+          f"{getattr(args, 'expert_model_parallel_size', 1)}): {why}, so it does not load "
+          f"across that change; keep the flag, or pass --no-load-optim to load the weights "
+          f"(they reshard)")
 
 
 def _check_schedule(args, path, scheduler, saved):
@@ -803,7 +871,15 @@ def load_checkpoint(args, model, optimizer, scheduler):
     try:
         iteration = _latest_iteration(args.load) if os.path.isdir(args.load) else None
     except CheckpointError as error:
-        _exit(str(error))
+        if args.ckpt_step is None:
+            _exit(str(error))
+    if args.ckpt_step is not None:  # as Megatron-LM: this iteration, whatever the tracker
+        iteration = args.ckpt_step
+        if not os.path.isdir(checkpoint_dir(args.load, iteration)):
+            saved = ", ".join(str(int(_ITER_DIR.match(n).group(1)))
+                              for n in _iteration_dirs(args.load)) or "none"
+            _exit(f"--ckpt-step {iteration}: {checkpoint_dir(args.load, iteration)} does not "
+                  f"exist (iterations saved in --load {args.load}: {saved})")
     if iteration is None:
         if _iteration_dirs(args.load):
             _exit(f"--load {_no_tracker(args.load)}")
@@ -843,7 +919,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     load_rng = (same_layout and not args.no_load_rng and not args.finetune
                 and common.get("has_rng", True))
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
-                                   loading=True, with_optimizer=load_optim)
+                                   loading=True, with_optimizer=load_optim,
+                                   avoid_prefix=_saved_without_prefix(common))
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     try:
         state = dist_checkpointing.load(template, path, strict=strictness)
@@ -858,7 +935,10 @@ def load_checkpoint(args, model, optimizer, scheduler):
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(state[_model_key(model, i)], strict=strict_model)
     if load_optim:
-        _load_optimizer(args, model, optimizer, state["optimizer"])
+        try:
+            _load_optimizer(args, model, optimizer, state["optimizer"])
+        except CheckpointError as error:
+            _exit(f"--load {path}: {error}")
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
