@@ -97,3 +97,17 @@ def test_optimizer_state_across_an_expert_parallel_change():
     assert problem(saved, distributed=False) == (
         head + "the non-distributed optimizer's state keeps one list of param groups per "
         "chained optimizer" + tail)
+
+
+def test_ckpt_step_names_the_iterations_saved_when_its_checkpoint_is_missing(tmp_path):
+    """--ckpt-step N loads iteration N whatever the tracker names (as Megatron-LM; the
+    resumes of tests/test_moe_exactness.py use it); a missing one is one line."""
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / checkpointing.TRACKER_FILE).write_text("2")
+    with pytest.raises(SystemExit) as stop:
+        checkpointing.load_checkpoint(Namespace(load=str(tmp_path), ckpt_step=5), None, None,
+                                      None)
+    assert str(stop.value.code) == (
+        f"error: --ckpt-step 5: {tmp_path / 'iter_0000005'} does not exist (iterations "
+        f"saved in --load {tmp_path}: 1, 2)")
