@@ -40,7 +40,6 @@ from megatron.trainer import (
     monitoring,
     norms,
 )
-from megatron.trainer.moe_metrics import MoELossLog
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
 from megatron.trainer.metrics import (
@@ -50,6 +49,7 @@ from megatron.trainer.metrics import (
     stage_peaks_gb,
 )
 from megatron.trainer.model import transformer_config_from_args, vocab_size_of_model
+from megatron.trainer.moe_metrics import MoELossLog
 from megatron.trainer.param_gather import ParamGatherHooks
 
 
@@ -544,6 +544,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             samples_per_iteration = window_samples / window_iters
             tokens_per_second = samples_per_iteration * args.seq_length / elapsed
             tflops = flops_per_sample * samples_per_iteration / elapsed / world / 1e12
+            moe_means = moe_losses.interval_means()  # the interval's, as lm loss
             if parallel_state.is_pipeline_last_stage():
                 mean_loss = window_loss / max(window_count, 1)
                 print_last_rank(format_iteration_line(
@@ -551,7 +552,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
                     batch, mean_loss, grad_norm,
                     tokens_per_second, tflops if args.log_throughput else None,
                     peaks, memory_label(observers), num_zeros=num_zeros,
-                    params_norm=params_norm, moe_losses=moe_losses.interval_means()))
+                    params_norm=params_norm, moe_losses=moe_means))
             monitor.log_interval(iteration, window_iters, elapsed, tflops,
                                  tokens_per_second)  # collective (timers)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
