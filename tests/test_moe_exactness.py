@@ -176,7 +176,7 @@ def plan(tmp, corpus):
             save += ["--timeline-file", str(TIMELINE_FILE[0])]
         if name == TENSORBOARD_CASE:
             TENSORBOARD_DIR.append(tmp / "tensorboard")
-            save += ["--tensorboard-dir", str(TENSORBOARD_DIR[0])]
+            save += ["--tensorboard-dir", str(TENSORBOARD_DIR[0]), "--moe-per-layer-logging"]
         runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
                             "params": True})
     # iteration 1's checkpoint with its optimizer state (--ckpt-step: the tracker names
@@ -243,7 +243,9 @@ def test_split_run_equals_unsplit_runs(results, name):
 
 def test_moe_losses_are_written_to_tensorboard(results):
     """Megatron-LM's TensorBoard scalars of the aux losses, every iteration: those the
-    split run logged (equal to the unsplit ones, above), positive."""
+    split run logged (equal to the unsplit ones, above), positive; with
+    --moe-per-layer-logging each layer's too (X: 4 MoE layers, whose mean is the
+    logged value)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(TENSORBOARD_DIR[0]))
@@ -256,6 +258,11 @@ def test_moe_losses_are_written_to_tensorboard(results):
         assert_close_series([value for _, value in written[name]],
                             [step[name] for step in logged], 1e-6, name)
         assert all(value > 0 for _, value in written[name]), name
+        layers = [written[f"moe/{name}_layer_{i}"] for i in range(4)]
+        assert_close_series([sum(layer[step][1] for layer in layers) / 4
+                             for step in range(ITERATIONS)],
+                            [value for _, value in written[name]], 1e-5, f"{name} per layer")
+        assert all(value > 0 for layer in layers for _, value in layer), name
 
 
 def test_optimizer_state_resumes_across_an_expert_parallel_change(results):

@@ -11,6 +11,7 @@ MOE_FLAGS = (
     "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-token-dispatcher-type",
     "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--moe-per-layer-logging",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -70,6 +71,9 @@ def add_moe_arguments(parser):
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="experts divided over this many ranks of the data-parallel group "
                         "(all-to-all over gloo on CPU)")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="also write each layer's aux losses to TensorBoard/wandb "
+                        "(moe/<name>_layer_<i>), as Megatron-LM")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert: as in Megatron-LM it "
                         "defaults to --tensor-model-parallel-size, the only value "
@@ -153,7 +157,7 @@ def _given(args, flag):
                 "--moe-router-bias-update-rate": 1e-3,
                 "--moe-router-load-balancing-type": "aux_loss", "--moe-aux-loss-coeff": 0.0,
                 "--moe-token-dispatcher-type": "allgather", "--moe-grouped-gemm": False,
-                "--expert-model-parallel-size": 1,
+                "--expert-model-parallel-size": 1, "--moe-per-layer-logging": False,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)

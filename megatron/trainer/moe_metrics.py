@@ -81,6 +81,7 @@ class MoELossLog:
         self.num_moe_layers = (count_moe_layers(args.num_layers, args.moe_layer_freq)
                                if self.names else 0)
         self.device = device
+        self.per_layer = bool(getattr(args, "moe_per_layer_logging", False))
         self.window = {}
         self.window_iterations = 0
         if self.names:  # entries of an earlier run in this process (other layers, groups)
@@ -89,8 +90,9 @@ class MoELossLog:
     def report(self, num_microbatches, writers, iteration):
         """This iteration's losses, name -> float (Megatron-LM's value: per layer summed
         over microbatches and ranks, times 1 / microbatches, averaged over the MoE
-        layers), written to TensorBoard/wandb (every iteration, as Megatron-LM); the
-        tracker is zeroed for the next iteration."""
+        layers), written to TensorBoard/wandb (every iteration, as Megatron-LM; with
+        --moe-per-layer-logging each layer's value too); the tracker is zeroed for the
+        next iteration."""
         if not self.names:
             return {}
         recorded = mcore_compat.moe_loss_values()
@@ -102,6 +104,9 @@ class MoELossLog:
             _reduce(name, values)
             losses[name] = (values.sum() / num_microbatches / self.num_moe_layers).item()
             writers.add(name, losses[name], iteration)
+            if self.per_layer:  # every layer, a dense one's 0 too (Megatron-LM's tags)
+                for layer, value in enumerate((values / num_microbatches).tolist()):
+                    writers.add(f"moe/{name}_layer_{layer}", value, iteration)
             self.window[name] = self.window.get(name, 0.0) + losses[name]
         self.window_iterations += 1
         mcore_compat.clear_moe_losses()
