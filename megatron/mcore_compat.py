@@ -8,7 +8,10 @@ and fails with the row when a name is gone or its signature no longer has those
 parameters, so a new release breaks one named test instead of a training run.
 
 Where two supported versions differ, the difference is bridged here, once
-(``backward_step``), and the rest of the project calls the bridge.
+(``backward_step``, the MoE loss tracker), and the rest of the project calls the bridge.
+A name that only some checked versions have is a row ``checked`` on those alone
+(``Entry.holds_on``): the test checks it there and skips it on the others, where the
+bridge uses another row.
 """
 
 import functools
