@@ -60,7 +60,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megatron.trainer import async_save, save_failure, save_results_queue, stop_signals
+from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
 from megatron.trainer.schedule_check import schedule_decision
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -538,9 +538,12 @@ def _move_into_place(staging, final):
     _remove(old)
 
 
-def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
+def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler,
+                    data_iterator=None):
     """Save (collective). With --async-save the tensors are written in the background
-    and the checkpoint is published later, by async_save.maybe_finalize."""
+    and the checkpoint is published later, by async_save.maybe_finalize.
+    ``data_iterator``: the training iterator(s), whose microbatches a pending rerun
+    (--rerun-mode) saves."""
     final = checkpoint_dir(args.save, iteration)
     staging = final + STAGING_SUFFIX
     previous = _tracked_iteration(args.save)
@@ -555,6 +558,9 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         state = _sharded_state_dict(args, model, optimizer, scheduler, iteration,
                                     consumed_samples, with_rng=not args.no_save_rng,
                                     with_optimizer=not args.no_save_optim)
+        rerun_state = rerun.checkpoint_state(args, data_iterator)
+        if rerun_state is not None:  # Megatron-LM's key
+            state["rerun_state_machine"] = rerun_state
         if args.async_save:
             # one background write at a time: megatron-core's writers return their results
             # through one shared queue, so a write that failed fast could hand its failure
@@ -844,6 +850,11 @@ def load_checkpoint(args, model, optimizer, scheduler):
                 and common.get("has_rng", True))
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=load_optim)
+    # as Megatron-LM: a rerun saved by --rerun-mode resumes in the same layout only
+    rerun_entry = common.get("rerun_state_machine")
+    resume_rerun = same_layout and not args.finetune and rerun.pending(args, rerun_entry)
+    if resume_rerun:
+        template["rerun_state_machine"] = rerun.load_template(rerun_entry)
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     try:
         state = dist_checkpointing.load(template, path, strict=strictness)
@@ -864,6 +875,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
         _restore_rng(state["rng_state"])
+    if resume_rerun:
+        rerun.restore(state["rerun_state_machine"])
     if args.finetune:
         if _rank() == 0:
             print(f"  loaded the weights of {path} (--finetune): training starts at "
