@@ -27,6 +27,8 @@ CPU run has no other device (its rerun would land on the same one, and exit 16 a
 for ever), so it stops there, with Megatron-LM's final exit code 17, without saving.
 """
 
+import logging
+import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -75,6 +77,23 @@ def initialize(args):
             error_injection_type=names["RerunDiagnostic"](args.error_injection_type)),
         result_rejected_tracker_filename=args.result_rejected_tracker_filename,
     )
+    _show_stats(args.rerun_mode == "report_stats")
+
+
+def _show_stats(on):
+    """report_stats' report is megatron-core's INFO lines (rank 0, every 2 iterations),
+    which no handler would print: give its logger one on stdout for the run."""
+    log = logging.getLogger("megatron.core.rerun_state_machine")
+    for handler in [h for h in log.handlers if getattr(h, "rerun_stats", False)]:
+        log.removeHandler(handler)
+    if on:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.rerun_stats = True
+        handler.setLevel(logging.INFO)
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 
 
 def mcore_mode(flag):
