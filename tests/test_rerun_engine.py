@@ -76,9 +76,12 @@ def runs(tmp_path_factory):
                                                world_size=2)
     done = _finish(first)
     second = {
-        # the transient fault is gone: the job restarted with validation on
+        # the transient fault is gone: the job restarted with validation on; a strict
+        # load (the checkpoint's rerun object is read, not left unexpected)
         "resumed": start_pretrain(PP2 + ["--rerun-mode", "validate_results",
-                                         "--load", str(root / "transient")], world_size=2),
+                                         "--load", str(root / "transient"),
+                                         "--dist-ckpt-strictness", "raise_all"],
+                                  world_size=2),
         "elsewhere": start_pretrain(ONE + PERSISTENT + ["--load", str(root / "gpu")],
                                     script=HOOKS, env=dict(gpu, FAULT_NODE_NAME="elsewhere")),
     }

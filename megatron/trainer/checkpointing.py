@@ -850,11 +850,13 @@ def load_checkpoint(args, model, optimizer, scheduler):
                 and common.get("has_rng", True))
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=load_optim)
-    # as Megatron-LM: a rerun saved by --rerun-mode resumes in the same layout only
+    # as Megatron-LM: a rerun saved by --rerun-mode resumes in the same layout only; its
+    # per-rank object is read whenever the layout allows, so that a strict load
+    # (--dist-ckpt-strictness raise_*) does not call it unexpected
     rerun_entry = common.get("rerun_state_machine")
-    resume_rerun = same_layout and not args.finetune and rerun.pending(args, rerun_entry)
-    if resume_rerun:
-        template["rerun_state_machine"] = rerun.load_template(rerun_entry)
+    read_rerun = same_layout and not args.finetune and isinstance(rerun_entry, dict)
+    if read_rerun:
+        template["rerun_state_machine"] = rerun.load_template()
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     try:
         state = dist_checkpointing.load(template, path, strict=strictness)
@@ -875,7 +877,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
         _restore_rng(state["rng_state"])
-    if resume_rerun:
+    if read_rerun and rerun.pending(args, rerun_entry):
         rerun.restore(state["rerun_state_machine"])
     if args.finetune:
         if _rank() == 0:

@@ -192,10 +192,12 @@ def decision(args, iteration, on_cuda, injected=False):
             f"another GPU; a CPU run has no other device, so it stops here (exit {failed}) "
             f"without saving; lower --lr, add --clip-grad or check the data."))
     if rsm.state == states.WILL_RERUN_FROM_CHECKPOINT:
+        saved = ("saved a checkpoint holding the rerun" if args.save else
+                 "nothing saved (no --save), so the rerun cannot be resumed")
         return Decision(checkpoint, code, (
-            f"{head}, was reproduced when the iteration was rerun in place; saved a "
-            f"checkpoint holding the rerun (exit {code}, Megatron-LM's): resume the job on "
-            f"other GPUs to tell a faulty GPU from a true result."))
+            f"{head}, was reproduced when the iteration was rerun in place; {saved} (exit "
+            f"{code}, Megatron-LM's): resume the job on other GPUs to tell a faulty GPU from "
+            f"a true result."))
     if rsm.state == states.RERUNNING_AGAIN_FROM_CHECKPOINT:
         return Decision(checkpoint, code, (
             f"{head}: the rerun from the checkpoint landed on the same node and GPU as the "
@@ -245,16 +247,19 @@ def pending(args, common_entry):
     return common_entry.get("state") == _names()["RerunState"].WILL_RERUN_FROM_CHECKPOINT
 
 
-def load_template(common_entry):
-    """The sharded template of a pending rerun: what the machine's state_dict gives in
-    the saved state (its per-rank object under the same key and shape)."""
+def load_template():
+    """The sharded part of a checkpoint's rerun entry as a load request: what the
+    machine's state_dict gives with a rerun pending (its per-rank object under the same
+    key and shape), whatever this run's mode and state."""
     rsm = machine()
-    before = rsm.state
-    rsm.state = common_entry["state"]
+    before = rsm.mode, rsm.state
+    names = _names()
+    rsm.mode = names["RerunMode"].VALIDATE_RESULTS
+    rsm.state = names["RerunState"].WILL_RERUN_FROM_CHECKPOINT
     try:
         return rsm.state_dict(data_iterator=None, ckpt_format="torch_dist")
     finally:
-        rsm.state = before
+        rsm.mode, rsm.state = before
 
 
 def restore(loaded_entry):
