@@ -13,8 +13,8 @@ the way Megatron-LM's ``training.py`` does:
   returns one report per microbatch with its splits' sums added, so a microbatch is
   validated whole, after its splits, and a NaN in any split is seen;
 * ``decision``: after ``should_run_forward_backward`` let go, what
-  ``should_checkpoint_and_exit`` asks (a ``RerunStop``), with one line saying what was
-  found and where;
+  ``should_checkpoint_and_exit`` asks (a ``Decision``: save or not, the exit code, one
+  line saying what was found and where); the loop saves and raises ``RerunStop``;
 * ``checkpoint_state`` / ``load_template`` / ``restore``: the ``rerun_state_machine``
   entry of a checkpoint (Megatron-LM's ``checkpointing.py``).
 
@@ -94,8 +94,6 @@ def _show_stats(on):
         log.setLevel(logging.INFO)
 
 
-
-
 def mcore_mode(flag):
     """Megatron-LM's flag value -> megatron-core's RerunMode value."""
     return "report_determinism_stats" if flag == "report_stats" else flag
@@ -144,8 +142,9 @@ def validate_losses(args, losses_reduced):
 
 
 def injection_pending():
-    """The error injector's pending injection (None: none); a pass that turns it from
-    None to a type injected one (the line then says so: the value itself was fine)."""
+    """The error injector's pending injection, None if none. A pass after which it is
+    set and was not before injected a rejection: the line then says so (the value itself
+    was fine)."""
     return machine().error_injector.injected_error_type
 
 

@@ -504,12 +504,13 @@ def final_evaluation(args, step_func, valid_iterator, test_iterator, model,
 
 
 def _stop_for_rerun(args, decision, iteration, consumed_samples, model, optimizer, scheduler,
-                    train_iterator, progress):
+                    train_iterator, progress, param_gather):
     """What Megatron-LM does when the rerun machine ends the run: save if it asks (the
     state before the rejected iteration, with the rerun to resume), wait for the
     saves, then raise the stop (faults.stops_cleanly prints it and exits with its code)."""
     if decision.checkpoint and args.save:
         progress.step = f"checkpoint save at iteration {iteration} for the rerun"
+        param_gather.sync()  # the parameters of the last step taken
         checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
                                       scheduler, data_iterator=train_iterator)
     if args.async_save:
@@ -548,7 +549,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
                 forward_backward_func, guard, iteration + 1, progress, monitor)
         if isinstance(exit_reason, rerun.Decision):
             _stop_for_rerun(args, exit_reason, iteration, consumed_samples, model, optimizer,
-                            scheduler, train_iterator, progress)
+                            scheduler, train_iterator, progress, param_gather)
         iteration += 1
         batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
         consumed_samples += batch
