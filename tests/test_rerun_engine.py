@@ -10,6 +10,8 @@ validated in iteration 2 (iteration 1 is never validated), on every rank that va
   exit 17 naming the iteration, nothing saved; on the GPU path (tests/fault_hooks.py) the
   rerun is saved with exit 16, and the job resumed on another node reruns the iteration
   from that checkpoint and ends with the final diagnosis (exit 17);
+* a NaN in one Seq1F1B split (tests/fault_hooks.py) is rejected as its microbatch's loss,
+  the one result per microbatch Megatron-LM's loss_func validates;
 * a non-fatal rejection (--check-for-spiky-loss) reruns iteration 2 in place and training
   goes on: at pp=2 with --seq1f1b-splits 2 the losses and grad norms equal those of a
   --rerun-mode disabled run (the rerun replays the same microbatches and RNG);
@@ -71,6 +73,9 @@ def runs(tmp_path_factory):
                                                   "--save-interval", "1"],
                               script=HOOKS, env=gpu),
     }
+    first["nan_in_split"] = start_pretrain(PP2 + ["--rerun-mode", "validate_results"],
+                                           world_size=2, script=HOOKS,
+                                           env={"FAULT_NAN_SPLIT": "2:1"})
     if REPORT_STATS:
         first["report_stats"] = start_pretrain(PP2 + ["--rerun-mode", "report_stats"],
                                                world_size=2)
@@ -101,11 +106,13 @@ def test_transient_error_reruns_in_place_exits_17_and_the_resumed_run_equals_no_
     assert code != 0 and "exitcode  : 17" in err, err[-3000:]  # torchrun reports its workers'
     assert "Need to rerun step to check reproducibility" in err  # megatron-core's own line
     line = one_error_line(err)
+    # the first validation of each rank: stage 0's grad bucket, the last stage's loss
     assert re.match(r"error: --rerun-mode validate_results: iteration 2: found NaN in local "
                     r"grad norm for bucket #0 .* on rank 0 \(injected by --error-injection-"
-                    r"type transient_error; the value was [\d.]+\), rank 1 .*, was not "
-                    r"reproduced when the iteration was rerun in place on the same rank: a "
-                    r"transient fault\. Stopped before the optimizer step \(exit 17", line), line
+                    r"type transient_error; the value was [\d.]+\); found NaN in local forward "
+                    r"loss calculation on rank 1 \(injected .*\), was not reproduced when the "
+                    r"iteration was rerun in place on the same rank: a transient fault\. "
+                    r"Stopped before the optimizer step \(exit 17", line), line
     assert line.endswith(f"checkpoint of iteration 1 in --save {root / 'transient'}."), line
     assert _losses(out) == {1: reference[1]}
     code, out, err = done["resumed"]
@@ -121,13 +128,30 @@ def test_persistent_error_on_cpu_stops_naming_the_iteration_without_saving(runs)
     assert code == 17, err[-3000:]
     line = one_error_line(err)
     assert re.match(r"error: --rerun-mode validate_results: iteration 2: found NaN in local "
-                    r"grad norm .* on rank 0 \(injected by --error-injection-type "
-                    r"persistent_error; .*\), was reproduced when the iteration was rerun in "
+                    r"forward loss calculation on rank 0 \(injected by --error-injection-type "
+                    r"persistent_error; the value was [\d.]+\), was reproduced when the iteration was rerun in "
                     r"place: not a transient fault\. Megatron-LM would save and exit 16 to "
                     r"rerun the iteration on another GPU; a CPU run has no other device, so "
                     r"it stops here \(exit 17\) without saving", line), line
     assert out.count("saved checkpoint at iteration") == 1  # iteration 1's, nothing after
     assert _saved(root / "persistent") == ("1", ["iter_0000001"])
+
+
+def test_a_nan_in_one_split_is_the_microbatch_loss_megatron_lm_validates(runs):
+    """Split 1 of microbatch 0 alone turns NaN in iteration 2 (tests/fault_hooks.py): the
+    machine's first validation on the last stage (invocation #1, not the split's #2)
+    rejects the microbatch's loss, the NaN reproduces in place, the run stops."""
+    _, done = runs
+    code, out, err = done["nan_in_split"]
+    assert code != 0 and "exitcode  : 17" in err, err[-3000:]
+    # (megatron-core 0.16.1 numbers iterations from 0 here, 0.19 from 1)
+    assert re.search(r"Unexpected result nan on rank 1 at iteration #[12] invocation #1 "
+                     r"\(message='found NaN in local forward loss calculation'\)", err), \
+        err[-3000:]
+    line = one_error_line(err)
+    assert re.match(r"error: --rerun-mode validate_results: iteration 2: .*found NaN in local "
+                    r"forward loss calculation on rank 1 \(value nan\), was reproduced", line), \
+        line
 
 
 def test_validate_results_with_splits_equals_disabled(runs):

@@ -8,10 +8,10 @@ the way Megatron-LM's ``training.py`` does:
   tracker as the extra state a rerun restores (Megatron-LM's ``initialize.py``);
 * ``wrap``: the training iterators become ``RerunDataIterator``s, so a rerun replays
   the iteration's microbatches;
-* ``validate_losses``: Megatron-LM's ``loss_func`` checks (NaN, Inf, and
-  ``--check-for-spiky-loss``) on each microbatch's loss sum. Under Seq1F1B the schedule
-  returns one report per microbatch with its splits' sums added, so a microbatch is
-  validated whole, after its splits, and a NaN in any split is seen;
+* ``validating``: Megatron-LM's ``loss_func`` checks (NaN, Inf, and
+  ``--check-for-spiky-loss``) on each microbatch's loss sum, in the forward pass. Under
+  Seq1F1B a microbatch is validated whole, at its last split, with its splits' sums
+  added, so a NaN in any split is seen;
 * ``decision``: after ``should_run_forward_backward`` let go, what
   ``should_checkpoint_and_exit`` asks (a ``Decision``: save or not, the exit code, one
   line saying what was found and where); the loop saves and raises ``RerunStop``;
@@ -119,26 +119,50 @@ def ddp_checks(args):
             "check_for_large_grads": args.check_for_large_grads}
 
 
-def validate_losses(args, losses_reduced):
-    """Megatron-LM's loss_func checks on each microbatch's local loss sum (last pipeline
-    stage; the other ranks have no loss)."""
+def validating(args, forward_step_func):
+    """``forward_step_func`` whose loss function validates each microbatch's local loss
+    sum as Megatron-LM's ``loss_func`` does, in the forward pass (before the backward's
+    gradient checks). Under Seq1F1B the loss function runs once per split: the splits'
+    sums are added and the microbatch is validated at its last split, whole, so a NaN in
+    any split is seen, and the machine sees one result per microbatch as unsplit."""
+    partial_sums = {}  # microbatch -> loss sum of its splits so far
+
+    def forward_step(data_iterator, model):
+        output_tensor, loss_func = forward_step_func(data_iterator, model)
+        split = getattr(data_iterator, "split", None)
+
+        def validated_loss_func(output):
+            result = loss_func(output)
+            loss = result[2]["lm loss"].view(-1)[0]  # the reported (detached) loss sum
+            if split is not None:
+                loss = partial_sums.pop(split.microbatch_id, 0.0) + loss
+                if not split.is_last:
+                    partial_sums[split.microbatch_id] = loss
+                    return result
+            _validate_loss(args, loss)
+            return result
+
+        return output_tensor, validated_loss_func
+
+    return forward_step
+
+
+def _validate_loss(args, loss):
     rsm = machine()
-    for report in losses_reduced:
-        loss = report["lm loss"].view(-1)[0]
-        # disabled: the NaN/inf stop is faults.IterationGuard's (the machine would raise)
-        if args.check_for_nan_in_loss_and_grad and enabled(args):
-            rsm.validate_result(result=loss, rejection_func=torch.isnan,
-                                message="found NaN in local forward loss calculation",
-                                tolerance=0.0, fatal=True)
-            rsm.validate_result(result=loss, rejection_func=torch.isinf,
-                                message="found Inf in local forward loss calculation",
-                                tolerance=0.0, fatal=True)
-        if args.check_for_spiky_loss:
-            rsm.validate_result(result=loss,
-                                rejection_func=partial(rsm.is_unexpectedly_large,
-                                                       threshold=SPIKY_LOSS_FACTOR,
-                                                       context="loss"),
-                                message="Spiky loss", tolerance=0.0, fatal=False)
+    # disabled: the NaN/inf stop is faults.IterationGuard's (the machine would raise)
+    if args.check_for_nan_in_loss_and_grad and enabled(args):
+        rsm.validate_result(result=loss, rejection_func=torch.isnan,
+                            message="found NaN in local forward loss calculation",
+                            tolerance=0.0, fatal=True)
+        rsm.validate_result(result=loss, rejection_func=torch.isinf,
+                            message="found Inf in local forward loss calculation",
+                            tolerance=0.0, fatal=True)
+    if args.check_for_spiky_loss:
+        rsm.validate_result(result=loss,
+                            rejection_func=partial(rsm.is_unexpectedly_large,
+                                                   threshold=SPIKY_LOSS_FACTOR,
+                                                   context="loss"),
+                            message="Spiky loss", tolerance=0.0, fatal=False)
 
 
 def injection_pending():

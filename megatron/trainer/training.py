@@ -173,6 +173,8 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     ``monitor`` (a ``monitoring.Monitor``) times it and empties the CUDA cache.
     When --rerun-mode's machine ends the run, the exit reason is its ``rerun.Decision``
     (the step not taken) and the rest is None."""
+    if rerun.enabled(args) or args.check_for_spiky_loss:  # Megatron-LM's loss_func checks
+        forward_step_func = rerun.validating(args, forward_step_func)
     if monitor is not None:
         forward_backward_func, forward_step_func = monitor.timed_schedule(
             forward_backward_func, forward_step_func)
@@ -181,7 +183,7 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     rerun_machine = rerun.machine()
     injected = False
     while rerun_machine.should_run_forward_backward(data_iterator):
-        pending = rerun.injection_pending()  # the DDP grad checks validate in the pass
+        pending = rerun.injection_pending()  # results are validated inside the pass
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -195,8 +197,6 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        if rerun.enabled(args) or args.check_for_spiky_loss:
-            rerun.validate_losses(args, losses_reduced)
         injected |= pending is None and rerun.injection_pending() is not None
     if rerun.enabled(args):
         progress.step = f"iteration {iteration}'s rerun decision (all_gather over all ranks)"
