@@ -13,8 +13,8 @@ validated in iteration 2 (iteration 1 is never validated), on every rank that va
 * a NaN in one Seq1F1B split (tests/fault_hooks.py) is rejected as its microbatch's loss,
   the one result per microbatch Megatron-LM's loss_func validates;
 * a non-fatal rejection (--check-for-spiky-loss) reruns iteration 2 in place and training
-  goes on: at pp=2 with --seq1f1b-splits 2 the losses and grad norms equal those of a
-  --rerun-mode disabled run (the rerun replays the same microbatches and RNG);
+  goes on: at pp=2 with --seq1f1b-splits 2 and dropout the losses and grad norms equal
+  those of a --rerun-mode disabled run (the rerun replays the same microbatches and RNG);
 * report_stats (megatron-core >= 0.19; 0.16.1's report is broken, and refused): every
   iteration run twice, the same losses, the variability report printed.
 
@@ -29,8 +29,10 @@ from megatron import mcore_compat
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
+# dropout on: a rerun must restore the RNG streams to give the same result
 PP2 = TINY_MODEL + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
-                    "--seq1f1b-splits", "2", "--train-iters", "2"]
+                    "--seq1f1b-splits", "2", "--train-iters", "2", "--hidden-dropout", "0.1",
+                    "--attention-dropout", "0.1"]
 ONE = TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "2"]
 INJECT = ["--rerun-mode", "validate_results", "--error-injection-rate", "1"]
 PERSISTENT = INJECT + ["--error-injection-type", "persistent_error"]

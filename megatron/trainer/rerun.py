@@ -61,12 +61,16 @@ def initialize(args):
     names = _names()
     names["destroy_rerun_state_machine"]()
 
-    def state_save_func():  # as Megatron-LM: dropout's model-parallel RNG streams
-        return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    # as Megatron-LM: dropout's model-parallel RNG streams, but copied both ways.
+    # set_states keeps the dict it is given and every fork() writes into it, so
+    # Megatron-LM's version lets the rerun's forks overwrite the saved streams: the state
+    # restored after the rerun (and saved for a rerun on another GPU) was the rerun's end.
+    def state_save_func():
+        return {"rng_tracker_states": dict(tensor_parallel.get_cuda_rng_tracker().get_states())}
 
     def state_restore_func(state):
         if state["rng_tracker_states"]:
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["rng_tracker_states"]))
 
     names["initialize_rerun_state_machine"](
         state_save_func=state_save_func,
