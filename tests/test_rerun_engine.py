@@ -74,10 +74,10 @@ def runs(tmp_path_factory):
         "gpu": start_pretrain(ONE + PERSISTENT + ["--save", str(root / "gpu"),
                                                   "--save-interval", "1"],
                               script=HOOKS, env=gpu),
+        "nan_in_split": start_pretrain(PP2 + ["--rerun-mode", "validate_results"],
+                                       world_size=2, script=HOOKS,
+                                       env={"FAULT_NAN_SPLIT": "2:1"}),
     }
-    first["nan_in_split"] = start_pretrain(PP2 + ["--rerun-mode", "validate_results"],
-                                           world_size=2, script=HOOKS,
-                                           env={"FAULT_NAN_SPLIT": "2:1"})
     if REPORT_STATS:
         first["report_stats"] = start_pretrain(PP2 + ["--rerun-mode", "report_stats"],
                                                world_size=2)
@@ -117,6 +117,8 @@ def test_transient_error_reruns_in_place_exits_17_and_the_resumed_run_equals_no_
                     r"Stopped before the optimizer step \(exit 17", line), line
     assert line.endswith(f"checkpoint of iteration 1 in --save {root / 'transient'}."), line
     assert _losses(out) == {1: reference[1]}
+    # nothing of iteration 2 (megatron-core 0.16.1 saves iteration 1 again, 0.19 nothing)
+    assert _saved(root / "transient") == ("1", ["iter_0000001"])
     code, out, err = done["resumed"]
     assert code == 0, err[-3000:]
     assert (f"loaded checkpoint from {root / 'transient' / 'iter_0000001'} at iteration 1"
@@ -131,8 +133,9 @@ def test_persistent_error_on_cpu_stops_naming_the_iteration_without_saving(runs)
     line = one_error_line(err)
     assert re.match(r"error: --rerun-mode validate_results: iteration 2: found NaN in local "
                     r"forward loss calculation on rank 0 \(injected by --error-injection-type "
-                    r"persistent_error; the value was [\d.]+\), was reproduced when the iteration was rerun in "
-                    r"place: not a transient fault\. Megatron-LM would save and exit 16 to "
+                    r"persistent_error; the value was [\d.]+\), was reproduced when the "
+                    r"iteration was rerun in place: not a transient fault\. Megatron-LM would "
+                    r"save and exit 16 to "
                     r"rerun the iteration on another GPU; a CPU run has no other device, so "
                     r"it stops here \(exit 17\) without saving", line), line
     assert out.count("saved checkpoint at iteration") == 1  # iteration 1's, nothing after
