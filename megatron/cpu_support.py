@@ -83,6 +83,16 @@ class _CudaOnCpu(types.SimpleNamespace):
     def stream(stream):
         return contextlib.nullcontext()
 
+    # the rerun state machine saves and restores the "CUDA" generator around a rerun:
+    # on CPU that is the CPU generator, which it also saves itself
+    @staticmethod
+    def get_rng_state(*args, **kwargs):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, *args, **kwargs):
+        torch.set_rng_state(state)
+
 
 def _cpu_device(device):
     if device is None:

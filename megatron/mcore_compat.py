@@ -99,7 +99,8 @@ CUDA_CALL_SITES = {
     "dist_checkpointing.exchange_utils": "shard exchange buffers",
     "tensor_parallel.mappings": "sequence-parallel gathers",
     "tensor_parallel.layers": "weight init device",
-    "rerun_state_machine": "loss checks",
+    "rerun_state_machine": "--rerun-mode: its all-reduces on device=\"cuda\", the CUDA RNG state "
+                           "around a rerun, current_device in its lines",
     "timers": "Timer.start/stop synchronize, Timers' all-gather buffer (--timing-log-level)",
     "transformer.moe.router": "router gating moves its weight to current_device(); expert "
                               "bias and global aux-loss buffers",
@@ -376,6 +377,44 @@ TABLE = (
            "wrapped on CPU: the all-to-all split sizes become numpy arrays from CPU tensors "
            "too (all_to_all_single takes no tensor there)",
            "tensor", "as_numpy", "record_stream"),
+    # --- the rerun engine, --rerun-mode (megatron/trainer/rerun.py) ------------------------
+    _mcore("rerun_state_machine:RerunMode", "--rerun-mode's values"),
+    _mcore("rerun_state_machine:RerunDiagnostic", "--error-injection-type's values"),
+    _mcore("rerun_state_machine:RerunErrorInjector", "--error-injection-rate/-type",
+           "error_injection_rate", "error_injection_type"),
+    _mcore("rerun_state_machine:RerunState",
+           "which decision should_checkpoint_and_exit made (the line says what was found)"),
+    _mcore("rerun_state_machine:RerunDataIterator", "replays an iteration's microbatches",
+           "iterable"),
+    _mcore("rerun_state_machine:RerunStateMachine.should_run_forward_backward",
+           "the train step's rerun loop", "self", "data_iterator"),
+    _mcore("rerun_state_machine:RerunStateMachine.should_checkpoint_and_exit",
+           "save and exit codes after the loop", "self"),
+    _mcore("rerun_state_machine:RerunStateMachine.validate_result",
+           "the loss checks of Megatron-LM's loss_func", "self", "result", "rejection_func",
+           "message", "tolerance", "fatal"),
+    _mcore("rerun_state_machine:RerunStateMachine.is_unexpectedly_large",
+           "--check-for-spiky-loss", "self", "result", "threshold", "context"),
+    _mcore("rerun_state_machine:RerunStateMachine.state_dict",
+           "the checkpoint's rerun_state_machine entry (0.16.1: None unless a rerun is "
+           "pending; 0.19: a sentinel in every save)", "self", "data_iterator", "ckpt_format"),
+    _mcore("rerun_state_machine:RerunStateMachine.load_state_dict",
+           "resume a rerun saved in a checkpoint", "self", "state_dict"),
+    _mcore("rerun_state_machine:RerunStateMachine._maybe_report_stats",
+           "--rerun-mode report_stats: 0.16.1's reads Caller.filename, which its Caller "
+           "lacks (refused there)", "self"),
+    _mcore("rerun_state_machine:Caller", "where a rejected result came from (its message)"),
+    _mcore("rerun_state_machine:initialize_rerun_state_machine",
+           "the machine of one run (0.19 copies the constructor's signature)"),
+    _mcore("rerun_state_machine:destroy_rerun_state_machine",
+           "one process trains several runs in turn"),
+    _mcore("rerun_state_machine:get_rerun_state_machine", "the machine"),
+    _mcore("rerun_state_machine:EXIT_CODE_RESUME_TO_DISAMBIGUATE",
+           "exit 16: resume from the rerun checkpoint"),
+    _mcore("rerun_state_machine:EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
+           "exit 17: validation failed"),
+    _mcore("distributed.distributed_data_parallel_config:DistributedDataParallelConfig."
+           "check_for_large_grads", "--check-for-large-grads: DDP's bucket check"),
     *(cuda_call_site(module) for module in CUDA_CALL_SITES),
     # --- torch ---------------------------------------------------------------------------
     _torch("torch.nn.attention.bias:causal_lower_right",
@@ -456,6 +495,15 @@ def require(*names: str) -> None:
 
 
 # --- bridges between supported versions -------------------------------------------------
+
+def rerun_report_stats_works() -> bool:
+    """Whether megatron-core's --rerun-mode report_stats can report: 0.16.1's report
+    logs ``caller.filename``, a field its ``Caller`` does not have (an AttributeError at
+    the first report); 0.19 logs ``caller.message``."""
+    report = get("rerun_state_machine:RerunStateMachine._maybe_report_stats")
+    caller = get("rerun_state_machine:Caller")
+    return "caller.filename" not in inspect.getsource(report) or "filename" in caller._fields
+
 
 @functools.lru_cache(maxsize=None)
 def _backward_step_takes_model_type() -> bool:

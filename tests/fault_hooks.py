@@ -16,6 +16,12 @@ file in its place), set by environment variables:
 * FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
 * FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
   project's (a checkpoint as Megatron-LM writes it, for the load side).
+* FAULT_RERUN_AS_ON_GPU=1: --rerun-mode takes a GPU job's path for a result reproduced in
+  place (save the rerun, exit 16), which a CPU run refuses.
+* FAULT_NODE_NAME=NAME: the node name megatron-core's rerun state machine sees (a job
+  resumed "on another node", the rerun's second run).
+* FAULT_NAN_SPLIT=I:S: in iteration I, the token losses of split S (Seq1F1B) of the first
+  microbatch become NaN on the last pipeline stage, the other splits' stay finite.
 """
 
 import collections
@@ -89,6 +95,42 @@ if os.environ.get("FAULT_MEGATRON_LM_COMMON"):
         return state
 
     checkpointing._sharded_state_dict = _megatron_lm_state
+
+if os.environ.get("FAULT_RERUN_AS_ON_GPU"):
+    from megatron.trainer import rerun
+
+    _decision = rerun.decision
+    rerun.decision = lambda args, iteration, on_cuda, injected=False: _decision(
+        args, iteration, True, injected)
+
+if os.environ.get("FAULT_NODE_NAME"):
+    import types
+
+    from megatron.core import rerun_state_machine
+
+    _uname = os.uname()
+    _node = (_uname[0], os.environ["FAULT_NODE_NAME"], *_uname[2:])
+    rerun_state_machine.os = types.SimpleNamespace(
+        **{name: getattr(os, name) for name in dir(os) if not name.startswith("__")})
+    rerun_state_machine.os.uname = lambda: _node
+
+if os.environ.get("FAULT_NAN_SPLIT"):
+    from megatron.core import parallel_state
+
+    from megatron.trainer import gpt, rerun
+
+    _at, _split = map(int, os.environ["FAULT_NAN_SPLIT"].split(":"))
+    _forward_step = gpt.forward_step
+
+    def _forward_step_with_nan(data_iterator, model, args=None):
+        output, loss_func = _forward_step(data_iterator, model, args=args)
+        split = data_iterator.split
+        if (rerun.machine().current_iteration + 1 == _at and split.microbatch_id == 0
+                and split.split_index == _split and parallel_state.is_pipeline_last_stage()):
+            output = output * float("nan")  # the split's token losses
+        return output, loss_func
+
+    gpt.forward_step = _forward_step_with_nan
 
 sys.argv = [os.path.join(ROOT, "pretrain_gpt.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -242,6 +242,10 @@ def test_megatron_ci_reruns_resume_check_grads(ci_runs):
     assert_trained(proc, output)
     assert_ci_logging(output, directory)
     assert "note: --recompute-num-layers has no effect here" in output
+    # --rerun-mode validate_results: megatron-core's machine validated iteration 2 (the
+    # first is never validated) and let it through
+    assert "RerunStateMachine initialized in mode RerunMode.VALIDATE_RESULTS" in output
+    assert "Result validation enabled" in output
     assert _saved_at(directory / RERUNS_LOAD) == "2"
 
 
@@ -354,14 +358,32 @@ def test_step_batch_size_schedule_as_megatron_lm():
                        world_size=1, cuda_available=False)
 
 
-def test_rerun_mode_disabled_only():
-    """--rerun-mode disabled is this trainer's NaN/inf stop (Megatron-LM's disabled mode);
-    the modes that re-run iterations are refused with the reason."""
-    assert parse("--rerun-mode", "disabled").rerun_mode == "disabled"
-    for mode in ("validate_results", "report_stats"):
-        with pytest.raises(ArgumentErrors, match=f"--rerun-mode {mode}: re-running .* "
-                                                 f"not implemented.*use --rerun-mode disabled"):
-            parse("--rerun-mode", mode)
+def test_rerun_mode_flags():
+    """--rerun-mode and its flags (tests/test_rerun_engine.py runs them): Megatron-LM's
+    values; error injection without the engine, and megatron-core 0.16.1's broken
+    report_stats, refused with the reason."""
+    from megatron import mcore_compat
+
+    args = parse("--rerun-mode", "validate_results", "--error-injection-rate", "10",
+                 "--error-injection-type", "persistent_error", "--check-for-spiky-loss",
+                 "--check-for-large-grads", "--result-rejected-tracker-filename", "t.txt")
+    assert (args.rerun_mode, args.error_injection_rate, args.error_injection_type) == \
+        ("validate_results", 10, "persistent_error")
+    assert args.check_for_spiky_loss and args.check_for_large_grads
+    assert parse().rerun_mode == "disabled" and parse().error_injection_type == "transient_error"
+    with pytest.raises(ArgumentErrors, match="--error-injection-rate injects into the rerun "
+                                             "engine's validation: add --rerun-mode "
+                                             "validate_results"):
+        parse("--error-injection-rate", "3")
+    with pytest.raises(ArgumentErrors, match="--error-injection-rate must be >= 0"):
+        parse("--rerun-mode", "validate_results", "--error-injection-rate", "-1")
+    if mcore_compat.rerun_report_stats_works():
+        assert parse("--rerun-mode", "report_stats").rerun_mode == "report_stats"
+    else:
+        with pytest.raises(ArgumentErrors, match="--rerun-mode report_stats: the installed "
+                                                 "megatron-core's report reads a "
+                                                 "Caller.filename"):
+            parse("--rerun-mode", "report_stats")
 
 
 def test_iteration_based_schedule_counts_samples():

@@ -432,9 +432,30 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "many minutes of the run have passed (decided on all ranks together)")
     g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"],
                    default="disabled",
-                   help="Megatron-LM's rerun engine: only disabled (a NaN/inf stops the run, "
-                        "as Megatron-LM's disabled mode) is implemented; validate_results "
-                        "and report_stats are refused")
+                   help="Megatron-LM's rerun engine (megatron-core's RerunStateMachine). "
+                        "validate_results: a rejected loss or gradient (NaN, Inf, "
+                        "--check-for-spiky-loss, --check-for-large-grads) reruns the "
+                        "iteration in place; not reproduced (transient): exit 17; "
+                        "reproduced: on GPUs save and exit 16 (resume on other GPUs), on "
+                        "CPU exit 17. report_stats: every iteration run twice, the "
+                        "variability logged. disabled (this trainer's default, not "
+                        "Megatron-LM's): the NaN/inf check stops the run with exit 1")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="Megatron-LM's fault injection into --rerun-mode validate_results: "
+                        "about one validated result in this many is rejected (0: none)")
+    g.add_argument("--error-injection-type", default="transient_error",
+                   choices=["correct_result", "transient_error", "persistent_error"],
+                   help="what an injected rejection behaves as on its reruns")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="a microbatch loss 10x the largest of the first 100 is rejected "
+                        "(not fatal: with --rerun-mode validate_results the iteration is "
+                        "rerun and training goes on; disabled: a warning)")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="a bucket's grad norm 10x the largest of the first 100 is rejected "
+                        "(not fatal; megatron-core DDP's check)")
+    g.add_argument("--result-rejected-tracker-filename", default=None,
+                   help="file every rank appends its rejected results to (megatron-core's "
+                        "format)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
                    help="stop at the first NaN/inf loss or gradient, before the optimizer "
                         "step and without saving (default)")
@@ -1086,21 +1107,27 @@ def _check_checkpoint_flags(args, check_files):
         args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
 
 
-_RERUN_REFUSED = {
-    "validate_results": "re-running an iteration that met a NaN/inf (to tell a transient "
-                        "fault from a persistent one) is not implemented: it would replay "
-                        "the iteration's data and RNG through the sequence-split schedule",
-    "report_stats": "re-running every iteration to report the variability of its results "
-                    "is not implemented",
-}
-
-
 def _check_rerun_mode(args):
-    """--rerun-mode: Megatron-LM's disabled mode is this trainer's NaN/inf check."""
-    if args.rerun_mode in _RERUN_REFUSED:
-        raise ArgumentError(f"--rerun-mode {args.rerun_mode}: {_RERUN_REFUSED[args.rerun_mode]}; "
-                            f"use --rerun-mode disabled (a NaN/inf loss or gradient stops "
-                            f"the run with --check-for-nan-in-loss-and-grad, the default)")
+    """--rerun-mode and its flags (megatron-core's rerun state machine)."""
+    _require(args.error_injection_rate >= 0,
+             f"--error-injection-rate must be >= 0, got {args.error_injection_rate}")
+    if args.rerun_mode == "disabled":
+        _require(args.error_injection_rate == 0,
+                 "--error-injection-rate injects into the rerun engine's validation: add "
+                 "--rerun-mode validate_results")
+    if args.rerun_mode == "report_stats" and not _report_stats_works():
+        raise ArgumentError(
+            "--rerun-mode report_stats: the installed megatron-core's report reads a "
+            "Caller.filename its Caller no longer has (fixed in megatron-core 0.19): use "
+            "megatron-core >= 0.19, or --rerun-mode validate_results")
+
+
+def _report_stats_works():
+    if _LIGHT:  # it reads megatron-core (and torch): left to the full parse
+        return True
+    from megatron import mcore_compat
+
+    return mcore_compat.rerun_report_stats_works()
 
 
 def _check_exit_flags(args):

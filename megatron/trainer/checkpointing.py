@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron import mcore_compat
-from megatron.trainer import async_save, save_failure, save_results_queue, stop_signals
+from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
 from megatron.trainer.schedule_check import schedule_decision
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -590,9 +590,12 @@ def _move_into_place(staging, final):
     _remove(old)
 
 
-def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler):
+def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler,
+                    data_iterator=None):
     """Save (collective). With --async-save the tensors are written in the background
-    and the checkpoint is published later, by async_save.maybe_finalize."""
+    and the checkpoint is published later, by async_save.maybe_finalize.
+    ``data_iterator``: the training iterator(s), whose microbatches a pending rerun
+    (--rerun-mode) saves."""
     final = checkpoint_dir(args.save, iteration)
     staging = final + STAGING_SUFFIX
     previous = _tracked_iteration(args.save)
@@ -607,6 +610,9 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         state = _sharded_state_dict(args, model, optimizer, scheduler, iteration,
                                     consumed_samples, with_rng=not args.no_save_rng,
                                     with_optimizer=not args.no_save_optim)
+        rerun_state = rerun.checkpoint_state(args, data_iterator)
+        if rerun_state is not None:  # Megatron-LM's key
+            state["rerun_state_machine"] = rerun_state
         if args.async_save:
             # one background write at a time: megatron-core's writers return their results
             # through one shared queue, so a write that failed fast could hand its failure
@@ -921,6 +927,13 @@ def load_checkpoint(args, model, optimizer, scheduler):
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=load_optim,
                                    avoid_prefix=_saved_without_prefix(common))
+    # as Megatron-LM: a rerun saved by --rerun-mode resumes in the same layout only; its
+    # per-rank object is read whenever the layout allows, so that a strict load
+    # (--dist-ckpt-strictness raise_*) does not call it unexpected
+    rerun_entry = common.get("rerun_state_machine")
+    read_rerun = same_layout and not args.finetune and isinstance(rerun_entry, dict)
+    if read_rerun:
+        template["rerun_state_machine"] = rerun.load_template()
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     try:
         state = dist_checkpointing.load(template, path, strict=strictness)
@@ -944,6 +957,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
         _restore_rng(state["rng_state"])
+    if read_rerun and rerun.pending(args, rerun_entry):
+        rerun.restore(state["rerun_state_machine"])
     if args.finetune:
         if _rank() == 0:
             print(f"  loaded the weights of {path} (--finetune): training starts at "

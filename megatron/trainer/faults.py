@@ -28,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.trainer import device
+from megatron.trainer.rerun import RerunStop
 from megatron.trainer.stop_signals import Interrupted, StopSignals
 
 
@@ -222,6 +223,10 @@ def stops_cleanly(args, progress, guard=None):
         if torch.distributed.get_rank() == 0:
             print(f"error: {error} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except RerunStop as stop:  # --rerun-mode: every rank stops alike, with Megatron-LM's code
+        if torch.distributed.get_rank() == 0:
+            print(f"error: {stop} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
+        sys.exit(stop.code)
     except Interrupted as interrupt:
         _interrupted(args, progress, interrupt.signum)
     except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors

@@ -311,11 +311,6 @@ for _reason, _flags in (
      "not used here; use --exit-signal-handler and --exit-duration-in-mins with a "
      "restarting launcher", "--inprocess- --enable-ft-package --calc-ft-timeouts "
      "--ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval --fault-injector-"),
-    ("Megatron-LM's rerun engine (result validation, error injection, spiky-loss and "
-     "large-gradient checks) is not implemented; the NaN/inf check is "
-     "(--check-for-nan-in-loss-and-grad)", "--error-injection-rate "
-     "--error-injection-type --check-for-spiky-loss --check-for-large-grads "
-     "--result-rejected-tracker-filename"),
     (_OTHER_MODEL, "--titles-data-path --query-in-block-prob --use-one-sent-docs "
                    "--evidence-data-path --block-data-path --embedding-path --indexer- "
                    "--num-classes --img-h --img-w --num-channels --patch-dim "

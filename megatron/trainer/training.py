@@ -39,6 +39,7 @@ from megatron.trainer import (
     initialize,
     monitoring,
     norms,
+    rerun,
 )
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
@@ -77,6 +78,9 @@ def build_model(args, config, model_provider):
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        # --rerun-mode validate_results: each bucket's grad norm validated before the
+        # data-parallel reduction (NaN/Inf, --check-for-large-grads), as Megatron-LM
+        **rerun.ddp_checks(args),
     )
     chunks = []
     for index in range(num_chunks):
@@ -167,23 +171,39 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
                forward_backward_func, guard, iteration, progress, monitor=None):
     """One iteration. Returns (losses, grad norm, step applied, exit reason or None,
     number of zero gradient elements or None: --log-num-zeros-in-grad).
-    ``monitor`` (a ``monitoring.Monitor``) times it and empties the CUDA cache."""
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    ``monitor`` (a ``monitoring.Monitor``) times it and empties the CUDA cache.
+    When --rerun-mode's machine ends the run, the exit reason is its ``rerun.Decision``
+    (the step not taken) and the rest is None."""
+    if rerun.enabled(args) or args.check_for_spiky_loss:  # Megatron-LM's loss_func checks
+        forward_step_func = rerun.validating(args, forward_step_func)
     if monitor is not None:
         forward_backward_func, forward_step_func = monitor.timed_schedule(
             forward_backward_func, forward_step_func)
-    progress.step = f"iteration {iteration}'s pipeline forward/backward (p2p and grad sync)"
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    # Megatron-LM's loop: the machine reruns the forward/backward passes in place when a
+    # result was rejected (with --rerun-mode disabled it runs them once)
+    rerun_machine = rerun.machine()
+    injected = False
+    while rerun_machine.should_run_forward_backward(data_iterator):
+        pending = rerun.injection_pending()  # results are validated inside the pass
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        progress.step = f"iteration {iteration}'s pipeline forward/backward (p2p and grad sync)"
+        losses_reduced = forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        injected |= pending is None and rerun.injection_pending() is not None
+    if rerun.enabled(args):
+        progress.step = f"iteration {iteration}'s rerun decision (all_gather over all ranks)"
+        stop = rerun.decision(args, iteration, device.on_cuda(args), injected)
+        if stop is not None:
+            return None, None, False, stop, None
     # before the step: a non-finite loss or gradient never reaches the parameters
     progress.step = f"iteration {iteration}'s health check (all_gather over all ranks)"
     exit_reason = guard.check(iteration, losses_reduced, model)
@@ -286,6 +306,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
 def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
               forward_step_func, on_finish):
     initialize.set_seeds(args.seed)
+    rerun.initialize(args)  # before the load: a checkpoint may hold a rerun to resume
     # (train, valid, tokenizer), or (train, valid, test, tokenizer) with a test set
     datasets = datasets_provider(args)
     train_ds, valid_ds, tokenizer = datasets[0], datasets[1], datasets[-1]
@@ -308,6 +329,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         progress.step = "checkpoint load"
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args, model, optimizer, scheduler)
+    rerun.start_at(iteration)
 
     recorder = timeline_recorder(args)
     probe = ActivationMemoryProbe() if args.activation_memory_file else None
@@ -359,12 +381,15 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
             SliceCosts.from_model(ModelShape.from_args(args), args.slimpipe_slice_length,
                                   args.slimpipe_attention_balance_exchange_cost))
         print_rank_0(f"> {describe(plan)}")
+    readers = train_iterator  # closed at the end; the loop may read through a wrapper
+    if rerun.enabled(args):  # as Megatron-LM: a rerun replays the iteration's microbatches
+        train_iterator = rerun.wrap(train_iterator)
     try:
         result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
                        scheduler, forward_backward_func, iteration, consumed_samples, guard,
                        progress, observers, test_iterator)
     finally:  # --num-workers: end the reader processes whichever way training ends
-        for iterator in (_as_list(train_iterator) + _as_list(valid_iterator)
+        for iterator in (_as_list(readers) + _as_list(valid_iterator)
                          + _as_list(test_iterator)):
             iterator.close()
     if recorder is not None:
@@ -481,6 +506,22 @@ def final_evaluation(args, step_func, valid_iterator, test_iterator, model,
         print_last_rank("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
 
 
+def _stop_for_rerun(args, decision, iteration, consumed_samples, model, optimizer, scheduler,
+                    train_iterator, progress, param_gather):
+    """What Megatron-LM does when the rerun machine ends the run: save if it asks (the
+    state before the rejected iteration, with the rerun to resume), wait for the
+    saves, then raise the stop (faults.stops_cleanly prints it and exits with its code)."""
+    if decision.checkpoint and args.save:
+        progress.step = f"checkpoint save at iteration {iteration} for the rerun"
+        param_gather.sync()  # the parameters of the last step taken
+        checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
+                                      scheduler, data_iterator=train_iterator)
+    if args.async_save:
+        progress.step = "waiting for the asynchronous checkpoint saves"
+        async_save.maybe_finalize(args, blocking=True)
+    raise rerun.RerunStop(decision.code, decision.message)
+
+
 def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
                 forward_backward_func, iteration, consumed_samples, guard, progress,
                 observers, monitor):
@@ -510,6 +551,9 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             losses, grad_norm, ok, exit_reason, num_zeros = train_step(
                 args, step_func, train_iterator, model, optimizer, scheduler,
                 forward_backward_func, guard, iteration + 1, progress, monitor)
+        if isinstance(exit_reason, rerun.Decision):
+            _stop_for_rerun(args, exit_reason, iteration, consumed_samples, model, optimizer,
+                            scheduler, train_iterator, progress, param_gather)
         iteration += 1
         batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
         consumed_samples += batch
@@ -574,7 +618,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             progress.step = f"checkpoint save at iteration {iteration}"
             param_gather.sync()  # the saved parameters are those of the last step
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer,
-                                          scheduler)
+                                          scheduler, data_iterator=train_iterator)
         spent = time.time() - paused
         window_start += spent
         outside += spent

@@ -8,10 +8,8 @@
 # * hardware: --transformer-impl transformer_engine -> local, --distributed-backend
 #   nccl -> gloo, --bf16 dropped (CPU trains in fp32), the NCCL/cuBLAS environment left out;
 # * data: the test corpus and its GPT-2 BPE files (paths from the environment); --load
-#   keeps its path under $CHECKPOINT_LOAD_PATH, where the test puts no 4B checkpoint;
-# * dropped because refused here: --rerun-mode validate_results (re-running an iteration
-#   that met a NaN/inf is not implemented; only --rerun-mode disabled, the NaN/inf stop,
-#   is).
+#   keeps its path under $CHECKPOINT_LOAD_PATH, where the test puts no 4B checkpoint.
+# Nothing dropped: --rerun-mode validate_results runs megatron-core's rerun engine.
 ARGS=(
     --rotary-base 500
     --finetune
@@ -77,6 +75,7 @@ ARGS=(
     --log-validation-ppl-to-tensorboard
     --log-timers-to-tensorboard
     --log-memory-to-tensorboard
+    --rerun-mode validate_results
     --micro-batch-size 2
     --global-batch-size 2
     --tensor-model-parallel-size 1
