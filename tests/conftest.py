@@ -1,7 +1,7 @@
 """Suite-wide setup: multi-rank tests run over gloo on CPU, also on a GPU machine, and
 every test that starts a process says so.
 
-The distributed tests start real processes (torchrun over tests/dist_runner.py,
+The distributed tests start real processes (tests/dist_runner.py's forked ranks, torchrun,
 pretrain_gpt.py, torch.multiprocessing) and compare them with single-process CPU
 references. On a GPU machine those processes would see the GPU, default to NCCL, and
 2-4 ranks would share one device (NCCL: "Duplicate GPU detected"). So child processes

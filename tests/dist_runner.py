@@ -1,7 +1,11 @@
-"""Run several training configurations in one (torchrun) launch and record what they did.
+"""Run several training configurations in one launch and record what they did.
 
-    torchrun --nproc-per-node W tests/dist_runner.py SPEC.json OUT.json
+    python tests/dist_runner.py --nproc W SPEC.json OUT.json  # W ranks forked from one
     python tests/dist_runner.py SPEC.json OUT.json            # one process
+    torchrun --nproc-per-node W tests/dist_runner.py SPEC.json OUT.json  # also works
+
+The ranks of `--nproc` are forked after the imports (MASTER_ADDR/MASTER_PORT from the
+environment), so a launch imports torch and megatron-core once instead of once per rank.
 
 SPEC is a JSON list of {"name": str, "argv": [pretrain_gpt flags], "params": bool,
 "after": [paths]}: a run with "after" waits until those files exist (what another launch
@@ -194,5 +198,58 @@ def main(spec_path, out_path):
     torch.distributed.destroy_process_group()
 
 
+# what a run imports on first use (torch.optim's step imports torch._dynamo), imported
+# once before the ranks are forked rather than in each rank
+FIRST_USE = ("torch._dynamo", "megatron.core.datasets.blended_megatron_dataset_builder",
+             "megatron.core.datasets.gpt_dataset", "megatron.core.dist_checkpointing.serialization",
+             "megatron.dataprep.gpt_datasets", "psutil", "numpy.random")
+
+
+def fork_ranks(world_size, rank_main, spec_path, out_path):
+    """`world_size` ranks forked from this process, which has imported torch, megatron-core
+    and the trainer once (torchrun would start an agent and `world_size` interpreters that
+    each import them again: about 3 s of CPU per process, a large share of the test pass).
+    Like torchrun, the first rank to fail stops the others, and its exit code is ours.
+    MASTER_ADDR and MASTER_PORT come from the environment."""
+    import importlib
+    import signal
+
+    for name in FIRST_USE:
+        importlib.import_module(name)
+    gc.freeze()  # the imports' objects: shared with the ranks, never copied by a collection
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks = {}
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                              LOCAL_WORLD_SIZE=str(world_size))
+            rank_main(spec_path, out_path)
+            sys.exit(0)  # a rank ends here (its exceptions end it with a traceback, code 1)
+        ranks[pid] = rank
+    failed = 0
+    while ranks:
+        pid, status = os.wait()
+        ranks.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and not failed:
+            failed = code if code > 0 else 128 - code
+            print(f"dist_runner: rank exited with {code}; stopping the other ranks",
+                  file=sys.stderr, flush=True)
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+    sys.exit(failed)
+
+
+def command_line(rank_main):
+    """`[--nproc W] SPEC OUT`: W forked ranks, or this process as the one rank torchrun or
+    the environment describes."""
+    if sys.argv[1] == "--nproc":
+        fork_ranks(int(sys.argv[2]), rank_main, sys.argv[3], sys.argv[4])
+    else:
+        rank_main(sys.argv[1], sys.argv[2])
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    command_line(main)

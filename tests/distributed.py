@@ -61,10 +61,10 @@ class Launch:
             self.cmd = [sys.executable, RUNNER, str(self.spec), str(self.out)]
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             _without_master_port(env)
-        else:
-            self.cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                        str(self.world_size), "--master-port", str(_free_port()), RUNNER,
+        else:  # the ranks forked from one process that imported everything once
+            self.cmd = [sys.executable, "-u", RUNNER, "--nproc", str(self.world_size),
                         str(self.spec), str(self.out)]
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         # output to a file, not a pipe: a launch may print more than a pipe holds while
         # nobody reads it (several launches run at once)
         with open(self.log, "w") as log:
@@ -79,7 +79,7 @@ class Launch:
             raise AssertionError(f"{' '.join(self.cmd)} ran past {self.timeout}s:\n"
                                  f"{self.log.read_text()[-6000:]}") from None
         if returncode != 0 and retry and "EADDRINUSE" in self.log.read_text():
-            # torchrun's port was taken between its choice here and the launcher's listen
+            # the port was taken between its choice here and rank 0's listen
             self._start()
             return self.result(retry=False)
         if returncode != 0:

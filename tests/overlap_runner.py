@@ -1,7 +1,7 @@
 """`tests/dist_runner.py`, plus a record of when the data-parallel gradient reductions
 started, for tests/test_overlap_grad_reduce.py.
 
-    torchrun --nproc-per-node W tests/overlap_runner.py SPEC.json OUT.json
+    python tests/overlap_runner.py --nproc W SPEC.json OUT.json  (as tests/dist_runner.py)
 
 Each rank writes OUT.json.rank<R>.json: for every call of `finalize_model_grads` (one
 per training iteration), per model chunk, how many of its DDP bucket groups already had
@@ -102,4 +102,4 @@ def main(spec_path, out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    dist_runner.command_line(main)

@@ -37,10 +37,10 @@ def _launch(tmp_path, runs):
     """distributed.run_configs through tests/overlap_runner.py, with the printed output."""
     spec, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec.write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), os.path.join(ROOT, "tests", "overlap_runner.py"),
+    cmd = [sys.executable, "-u", os.path.join(ROOT, "tests", "overlap_runner.py"), "--nproc", "4",
            str(spec), str(out)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), proc.stdout
