@@ -31,7 +31,7 @@ import signal
 
 import torch
 
-from megatron.trainer import save_failure
+from megatron.trainer import save_failure, save_results_queue
 
 _queue = None  # megatron-core's AsyncCallsQueue, made at the first asynchronous save
 _pending = {}  # call index -> (iteration, staging directory) of a scheduled save
@@ -61,16 +61,14 @@ def use_forked_results_queue():
     writer ended). Forked, as Megatron-LM makes it for its persistent worker: a spawned
     Manager re-imports the launching script."""
     global _manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     import queue
     from multiprocessing.managers import SyncManager
 
-    current = filesystem_async._results_queue
+    current = save_results_queue.results_queue()
     if current is None or isinstance(current, queue.Queue):  # the synchronous save's
         _manager = SyncManager(ctx=multiprocessing.get_context("fork"))
         _manager.start(initializer=_die_with_parent)
-        filesystem_async._results_queue = _manager.Queue()
+        save_results_queue.set_results_queue(_manager.Queue())
 
 
 _manager = None  # the results queue's server process (kept: it stops when collected)
