@@ -72,16 +72,19 @@ PLANNED = {  # case -> flags after BASE (tied embeddings unless untied)
 }
 
 
-def test_planner_sizes_the_vocabulary_the_trainer_builds():
+def test_planner_sizes_the_vocabulary_the_trainer_builds(monkeypatch):
     """For each case: the model the trainer builds (one stage, in this process over a
-    one-rank gloo group, megatron-core's parallel state torn down after) has the planner's
-    parameter count, total and on the GPU whose weights, gradients and optimizer state it
-    prices (the embedding and output layer), and the planner's logits width is the built
-    output layer's. The vocabulary widths differ between the cases (256, 203, 192), so
-    a planner ignoring --padded-vocab-size or --make-vocab-size-divisible-by fails."""
+    one-rank gloo group) has the planner's parameter count, total and on the GPU whose
+    weights, gradients and optimizer state it prices (the embedding and output layer),
+    and the planner's logits width is the built output layer's. The vocabulary widths
+    differ between the cases (256, 203, 192), so a planner ignoring --padded-vocab-size
+    or --make-vocab-size-divisible-by fails; so did one counting a tied output layer
+    twice at PP = 1."""
     import torch
 
     from megatron import cpu_support
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
     from megatron.dataprep.tokenizer import build_tokenizer
     from megatron.planner.cli import config_from_args, parse
     from megatron.planner.predict import predict
@@ -89,16 +92,17 @@ def test_planner_sizes_the_vocabulary_the_trainer_builds():
 
     model_flags = ["--vocab-size", "190", "--disable-bias-linear", "--transformer-impl",
                    "local", "--max-position-embeddings", "16"]  # biases: ModelShape omits them
+    # left as found for the tests after this one in the process: the RNG tracker, the
+    # CPU generator, the CPU patches, the process group and parallel state (below)
+    monkeypatch.setattr(mp_random, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(mp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
     widths = {}
-    with cpu_support.patched():
+    with cpu_support.patched(), torch.random.fork_rng(devices=[]):
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
                                              rank=0, world_size=1)
         try:
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
             parallel_state.initialize_model_parallel()
-            model_parallel_cuda_manual_seed(1)
+            mp_random.model_parallel_cuda_manual_seed(1)
             for case, flags in PLANNED.items():
                 argv = BASE + model_flags + flags
                 args = args_of(*(model_flags + flags))
