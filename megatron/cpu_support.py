@@ -152,7 +152,8 @@ def _patch_tensor_parallel_random():
             torch.set_rng_state(original)
 
         @contextlib.contextmanager
-        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        def fork(self, name=mcore_compat.get(
+                "tensor_parallel.random:_MODEL_PARALLEL_RNG_TRACKER_NAME")):
             if name not in self.states_:
                 raise Exception(f"rng state {name} is not added")
             original = torch.get_rng_state()

@@ -335,7 +335,8 @@ TABLE = (
            "loads the Adam tensors with the per-parameter 'step' set aside (it would copy "
            "one shared step into every parameter)", "self", "state_dict"),
     _mcore("dist_checkpointing.strategies.filesystem_async:_results_queue",
-           "set to an in-process queue before a synchronous save (save_results_queue.py): "
+           "set to an in-process queue before a synchronous save, to a forked Manager's "
+           "queue before an asynchronous one (save_results_queue.py, async_save.py): "
            "left None, the torch_dist writer makes it with a 'spawn' Manager, a server "
            "process that re-imports the launching script (about 2.5 s of CPU per rank); "
            "the writer puts its results with put() and retrieve_write_results takes them "
@@ -486,6 +487,18 @@ def entry(name: str) -> Entry:
 def get(name: str):
     """The checked object for a table name: how the project reaches a row's name."""
     return check(entry(name))
+
+
+def set_global(name: str, value) -> None:
+    """Set a row's module global (one megatron-core reads when called, such as its
+    writer's results queue). The row is checked first: on a release without the name
+    this fails with the row instead of setting a global nothing reads."""
+    row = entry(name)
+    check(row)
+    module_name, attribute = _split(row.name)
+    if "." in attribute:
+        raise CompatError(f"not a module global: {row}")
+    setattr(importlib.import_module(module_name), attribute, value)
 
 
 def require(*names: str) -> None:

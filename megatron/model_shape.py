@@ -40,7 +40,26 @@ publications that use it.
 
 from dataclasses import dataclass
 
-__all__ = ["ModelShape"]
+__all__ = ["ModelShape", "pad_vocab_size"]
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128,
+                   given: int | None = None) -> int:
+    """The embedding's and output layer's width as Megatron-LM builds them, the one rule
+    the trainer and the planner share: ``given`` (--padded-vocab-size) as it is, else the
+    tokenizer's ``vocab_size`` padded to a multiple of ``divisible_by * tp_size``
+    (--make-vocab-size-divisible-by: each TP rank's slice a multiple of it). A ``given``
+    below ``vocab_size`` raises ValueError: Megatron-LM does not check it, and its
+    embedding lookup then fails on the first token id past the table."""
+    if given is not None:
+        if given < vocab_size:
+            raise ValueError(
+                f"--padded-vocab-size ({given}) is smaller than the tokenizer's vocabulary "
+                f"({vocab_size} tokens): token ids past it would index beyond the "
+                f"embedding; give at least {vocab_size} or drop the flag")
+        return given
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,7 @@ class ModelShape:
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
     vocab_divisible_by: int = 128  # --make-vocab-size-divisible-by (x TP)
+    padded_vocab: int | None = None  # --padded-vocab-size: the width as given, no padding
     max_position_embeddings: int | None = None  # rows of learned position embeddings
     # mixture of experts (Megatron-LM's --num-experts ... flags); None: dense
     num_experts: int | None = None
@@ -121,6 +141,7 @@ class ModelShape:
             position_embedding_type=args.position_embedding_type,
             attention_dropout=args.attention_dropout > 0,
             vocab_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+            padded_vocab=getattr(args, "padded_vocab_size", None),
             max_position_embeddings=getattr(args, "max_position_embeddings", None),
         )
         return cls(**{**fields, **_moe_fields(args), **_mla_fields(args)})
@@ -211,9 +232,9 @@ class ModelShape:
         return 2 * self.num_query_groups * self.head_dim
 
     def padded_vocab_size(self, tp: int = 1) -> int:
-        """Megatron pads the vocabulary to a multiple of ``vocab_divisible_by * tp``."""
-        multiple = self.vocab_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
+        """The embedding's and output layer's width at TP size ``tp``, as the trainer
+        builds it (``pad_vocab_size``)."""
+        return pad_vocab_size(self.vocab_size, tp, self.vocab_divisible_by, self.padded_vocab)
 
     # ----------------------------------------------------------------- FLOPs
     @staticmethod

@@ -7,6 +7,7 @@ line naming the checkpoint; SIGTERM (--exit-signal-handler) during a write finis
 saves the stop iteration, prunes as --save-retain-interval says, and resumes exactly. The
 last two also with --use-persistent-ckpt-worker (one writer for the run, handed copies)."""
 
+import os
 import re
 import signal
 import time
@@ -83,6 +84,47 @@ def test_killed_during_the_background_write_resumes_from_the_last_published(
     # (the killed run's iter_N.incomplete stay until a save of N replaces them, as with a
     # synchronous save killed half-way; the tracker never names them)
     assert not (ckpt / "iter_0000006.incomplete").exists()
+
+
+def test_ctrl_c_during_the_background_write_abandons_it_and_resumes(tmp_path, reference):
+    """Ctrl-C as a terminal sends it (SIGINT to the run's process group) while iteration
+    2's write is in flight (its writer sleeps; it ignores SIGINT in a group of its own):
+    one line naming iteration 1 as the last good state, exit 130, no traceback; the
+    writer is killed (the run does not wait for it) and iter_2.incomplete removed, the
+    tracker still names iteration 1; no process the run started outlives it; resuming
+    trains to the reference's losses. (A Ctrl-C while the writer was being forked once
+    left it untracked, the exit waiting for it, or ran the trainer's handler in it.)"""
+    ckpt = tmp_path / "ckpt"
+    run = start_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save"],
+                         script=HOOKS, env={"FAULT_WRITE_SLEEP_AT_SAVE": "2",
+                                            "FAULT_WRITE_SLEEP": "120"},
+                         new_session=True)
+    try:
+        wait_for_line(run, r"scheduled an asynchronous checkpoint save at iteration 2 ")
+        helpers = psutil.Process(run.pid).children(recursive=True)
+        assert len(helpers) == 2, helpers  # iteration 2's writer and the queue's server
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = _finish(run, timeout=60)  # not waiting for the writer's 120 s
+        gone, alive = psutil.wait_procs(helpers, timeout=10)
+        assert not alive, alive
+    finally:
+        kill_tree(run)
+    assert run.returncode == 130, err[-3000:]
+    error = one_error_line(err)
+    # the signal comes as iteration 2's save returns, in iteration 3 or its save
+    assert re.match(rf"error: SIGINT received during [^:]*iteration [23]\b[^:]*: stopped "
+                    rf"without saving\. The last good state is the checkpoint of iteration 1 in "
+                    rf"--save {ckpt}\. To finish the iteration and save on SIGINT, pass "
+                    rf"--exit-signal-handler --exit-signal SIGINT$", error), error
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "saved checkpoint at iteration 2 " not in out
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "iter_0000001", TRACKER]
+    assert (ckpt / TRACKER).read_text() == "1"
+    resumed = pretrain(BASE + ["--load", str(ckpt)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt / 'iter_0000001'} at iteration 1" in resumed.stdout
+    assert _losses(resumed.stdout) == {i: reference[i] for i in range(2, 7)}
 
 
 WRITERS = {"per-save": [], "persistent": ["--use-persistent-ckpt-worker"]}

@@ -142,3 +142,38 @@ def test_no_module_uses_another_modules_private_names():
                 wrong.append(f"{module}:{node.lineno} uses {ast.unparse(node)}, private to "
                              "another module")
     assert not wrong, "\n".join(wrong)
+
+
+def _megatron_core_names(tree):
+    """Names a module binds to megatron-core modules or objects (``from megatron.core...
+    import x``, ``import megatron.core... as x``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.core"):
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.asname for a in node.names
+                      if a.name.startswith("megatron.core") and a.asname}
+    return names
+
+
+def test_megatron_core_private_names_are_reached_through_mcore_compat():
+    """A private megatron-core name is read or set through its ``mcore_compat`` row
+    (``get``, ``set_global``, a checked patch), never as ``module._name`` or imported by
+    name: the row is what a release without the name fails on."""
+    wrong = []
+    for module, path in MODULES.items():
+        if module == "megatron.mcore_compat":
+            continue
+        tree = ast.parse(path.read_text())
+        core = _megatron_core_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "megatron.core"):
+                wrong += [f"{module}:{node.lineno} imports {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                  and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+                  and node.value.id in core):
+                wrong.append(f"{module}:{node.lineno} uses {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)

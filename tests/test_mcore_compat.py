@@ -87,6 +87,20 @@ def test_names_outside_the_table_are_refused():
         mcore_compat.get("utils:no_such_name")
 
 
+def test_set_global_sets_a_rows_module_global_only(monkeypatch):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    row = "dist_checkpointing.strategies.filesystem_async:_results_queue"
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    made = object()
+    mcore_compat.set_global(row, made)
+    assert filesystem_async._results_queue is made and mcore_compat.get(row) is made
+    with pytest.raises(KeyError, match="add a row"):
+        mcore_compat.set_global("utils:no_such_name", made)
+    with pytest.raises(CompatError, match="not a module global"):  # a method: not set
+        mcore_compat.set_global("models.gpt.gpt_model:GPTModel._preprocess", made)
+
+
 def test_backward_step_bridge_returns_the_input_gradient():
     config = types.SimpleNamespace(timers=None, grad_scale_func=None,
                                    deallocate_pipeline_outputs=False)

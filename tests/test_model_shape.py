@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron.model_shape import ModelShape
+from megatron.model_shape import ModelShape, pad_vocab_size
 from megatron.planner.costs import CostModel, Parallel
 from megatron.planner.gpus import get_gpu
 from megatron.planner.predict import PlanConfig, build_schedule
@@ -17,7 +17,6 @@ from megatron.schedules.attention_balance import SliceCosts
 from megatron.seqsplit.split_lengths import plan_splits, split_flops, split_offsets
 from megatron.trainer.arguments import parse_args
 from megatron.trainer.metrics import model_flops_per_iteration
-from megatron.trainer.model import pad_vocab_size
 
 GPT = ModelShape(4, 64, 4, 4, 256, False, 1000, name="gpt")  # the memory fields' defaults
 LLAMA = ModelShape(4, 96, 6, 2, 160, True, 1000, kv_channels=8, name="llama",
@@ -82,15 +81,20 @@ def test_from_args_round_trip(shape):
         ModelShape.from_args(args)
     args.padded_vocab_size = pad_vocab_size(shape.vocab_size, 1, shape.vocab_divisible_by)
     built = ModelShape.from_args(args, name=shape.name)
-    assert built == replace(shape, vocab_size=shape.padded_vocab_size())
-    assert built.vocab_size == 1024
+    # (--padded-vocab-size's field: the trainer's width, so padding it again keeps it)
+    assert built == replace(shape, vocab_size=shape.padded_vocab_size(), padded_vocab=1024)
+    assert built.vocab_size == built.padded_vocab_size(2) == 1024
 
 
 def test_padded_vocabulary_as_megatron():
-    for vocab, tp, divisible in ((1000, 1, 128), (1000, 4, 128), (50257, 8, 128),
-                                 (1024, 2, 64), (1, 3, 7)):
+    for vocab, tp, divisible, padded in ((1000, 1, 128, 1024), (1000, 4, 128, 1024),
+                                         (50257, 8, 128, 51200), (1024, 2, 64, 1024),
+                                         (1, 3, 7, 21), (1025, 1, 128, 1152)):
         shape = replace(GPT, vocab_size=vocab, vocab_divisible_by=divisible)
-        assert shape.padded_vocab_size(tp) == pad_vocab_size(vocab, tp, divisible)
+        assert shape.padded_vocab_size(tp) == pad_vocab_size(vocab, tp, divisible) == padded
+        # --padded-vocab-size: as given, at any TP size (the trainer checks it divides)
+        given = replace(shape, padded_vocab=vocab + 3)
+        assert given.padded_vocab_size(tp) == vocab + 3
 
 
 def iteration_by_hand(shape, seq, sequences):

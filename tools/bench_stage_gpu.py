@@ -178,7 +178,8 @@ def setup(args):
     """Parse the stage's flags with the trainer's parser, create the (single) process group."""
     from megatron.trainer import initialize
     from megatron.trainer.arguments import parse_args as parse_trainer_args
-    from megatron.trainer.model import pad_vocab_size, transformer_config_from_args
+    from megatron.model_shape import pad_vocab_size
+    from megatron.trainer.model import transformer_config_from_args
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

@@ -199,7 +199,12 @@ def model_from_args(args, t=None) -> ModelShape:
         vocab += 1  # Megatron's NullTokenizer adds the end-of-document token
     elif t.tokenizer_type == "GPT2BPETokenizer":
         vocab = 50257
-    return ModelShape.from_args(t, vocab_size=vocab, name=args.model or "custom")
+    shape = ModelShape.from_args(t, vocab_size=vocab, name=args.model or "custom")
+    try:  # the trainer's refusal of a --padded-vocab-size below the tokenizer's, here too
+        shape.padded_vocab_size(t.tensor_model_parallel_size)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    return shape
 
 
 def config_from_args(args) -> PlanConfig:
@@ -349,7 +354,7 @@ def report(pred: Prediction) -> str:
     lines.append(
         f"model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.num_query_groups} K/V groups), FFN {m.ffn_hidden_size} {'SwiGLU' if m.swiglu else 'GeLU'}, "
-        f"vocab {m.vocab_size}"
+        f"vocab {m.vocab_size} (padded to {m.padded_vocab_size(p.tp)})"
     )
     lines.extend(_model_lines(pred))
     lines.append(

@@ -153,7 +153,10 @@ class CostModel:
             dense += self.vocab * h / self.par.tp  # input embedding
             dense += self.model.position_embedding_params()  # replicated over TP
         if rank == self.par.pp - 1:
-            dense += self.vocab * h / self.par.tp  # untied output layer
+            # the output layer: its own weight when untied, and a tied one's copy on a
+            # last stage that is not the first (one weight when PP = 1)
+            if self.model.untie_embeddings or self.par.pp > 1:
+                dense += self.vocab * h / self.par.tp
             dense += 2 * h if self.model.normalization == "LayerNorm" else h
         return {"dense": dense, "experts": experts}
 

@@ -22,16 +22,18 @@ With --use-persistent-ckpt-worker one writer per rank serves the whole run
 (persistent_writer.py).
 """
 
+import contextlib
 import ctypes
 import functools
 import inspect
 import multiprocessing
 import os
 import signal
+import threading
 
 import torch
 
-from megatron.trainer import save_failure
+from megatron.trainer import save_failure, save_results_queue
 
 _queue = None  # megatron-core's AsyncCallsQueue, made at the first asynchronous save
 _pending = {}  # call index -> (iteration, staging directory) of a scheduled save
@@ -54,6 +56,39 @@ def _calls_queue(args):
     return _queue
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """SIGINT and SIGTERM wait while a writer or the queue's server is forked, then get
+    the trainer's handlers. Without this, a Ctrl-C there raised in the trainer between
+    the fork and megatron-core recording the writer (which abandon() then could not kill:
+    the trainer's exit waited for it), and ran the trainer's handler in the child before
+    its setup ignored the signal (a traceback from the writer). Held, the child starts
+    with a handler that only records, until its setup ignores the signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers are the main thread's; the trainer forks its writers there
+        return
+    held = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+                for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)  # as if it came now
+
+
+def _queue_server_setup():
+    """The results queue's server lives as long as its trainer (multiprocessing's server
+    ignores SIGINT already): it ignores SIGTERM too, and dies with the trainer."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+
+
 def use_forked_results_queue():
     """The writer runs in a forked process and hands its results back through
     megatron-core's module-level queue: a Manager queue (a pipe-backed one would block a
@@ -61,16 +96,15 @@ def use_forked_results_queue():
     writer ended). Forked, as Megatron-LM makes it for its persistent worker: a spawned
     Manager re-imports the launching script."""
     global _manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     import queue
     from multiprocessing.managers import SyncManager
 
-    current = filesystem_async._results_queue
+    current = save_results_queue.results_queue()
     if current is None or isinstance(current, queue.Queue):  # the synchronous save's
         _manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        _manager.start(initializer=_die_with_parent)
-        filesystem_async._results_queue = _manager.Queue()
+        with _stop_signals_held():
+            _manager.start(initializer=_queue_server_setup)
+        save_results_queue.set_results_queue(_manager.Queue())
 
 
 _manager = None  # the results queue's server process (kept: it stops when collected)
@@ -151,8 +185,9 @@ def schedule(args, iteration, staging, needed, request, publish, fail):
             async_fn=functools.partial(_temporal_writer, request.async_fn))
     request.finalize_fns.insert(0, lambda: _finishing.__setitem__(0, info))
     request.finalize_fns.append(publish)
-    call = _calls_queue(args).schedule_async_request(request)
-    _pending[call] = info
+    with _stop_signals_held():  # the writer is forked here (the persistent one once)
+        call = _calls_queue(args).schedule_async_request(request)
+        _pending[call] = info
     if torch.distributed.get_rank() == 0:
         print(f"  scheduled an asynchronous checkpoint save at iteration {iteration} to "
               f"{staging}", flush=True)

@@ -7,6 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.activations import squared_relu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from megatron.model_shape import pad_vocab_size
 from megatron.trainer import device
 from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
@@ -135,25 +136,16 @@ def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_sta
 
 def vocab_size_of_model(args, tokenizer_vocab_size: int) -> int:
     """--padded-vocab-size as given (Megatron-LM's meaning), else the tokenizer's size
-    padded. A size below the tokenizer's is refused: Megatron-LM does not check it, and
-    its embedding lookup then fails on the first token id past the table."""
-    if args.padded_vocab_size is None:
+    padded (model_shape.pad_vocab_size, the planner's rule too). A size below the
+    tokenizer's is refused with one line (on rank 0)."""
+    try:
         return pad_vocab_size(tokenizer_vocab_size, args.tensor_model_parallel_size,
-                              args.make_vocab_size_divisible_by)
-    if args.padded_vocab_size < tokenizer_vocab_size:
+                              args.make_vocab_size_divisible_by, args.padded_vocab_size)
+    except ValueError as error:
         raise SystemExit(
-            f"error: --padded-vocab-size ({args.padded_vocab_size}) is smaller than the "
-            f"tokenizer's vocabulary ({tokenizer_vocab_size} tokens): token ids past it would "
-            f"index beyond the embedding; give at least {tokenizer_vocab_size} or drop the flag"
+            f"error: {error}"
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-            else 1)
-    return args.padded_vocab_size
-
-
-def pad_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
-    """Megatron-LM pads the vocabulary so each TP rank's slice is a multiple of 128."""
-    multiple = divisible_by * tp_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+            else 1) from None
 
 
 def stage_flags():
