@@ -72,15 +72,24 @@ def initialize(args):
         if state["rng_tracker_states"]:
             tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["rng_tracker_states"]))
 
-    names["initialize_rerun_state_machine"](
-        state_save_func=state_save_func,
-        state_restore_func=state_restore_func,
-        mode=names["RerunMode"](mcore_mode(args.rerun_mode)),
-        error_injector=names["RerunErrorInjector"](
-            error_injection_rate=args.error_injection_rate,
-            error_injection_type=names["RerunDiagnostic"](args.error_injection_type)),
-        result_rejected_tracker_filename=args.result_rejected_tracker_filename,
-    )
+    # megatron-core announces every machine it makes with a warning; a disabled one (this
+    # trainer's default) is not news, and would be a second line beside a run's error line
+    announcer = logging.getLogger("megatron.core.rerun_state_machine")
+    level = announcer.level
+    if args.rerun_mode == "disabled":
+        announcer.setLevel(logging.ERROR)
+    try:
+        names["initialize_rerun_state_machine"](
+            state_save_func=state_save_func,
+            state_restore_func=state_restore_func,
+            mode=names["RerunMode"](mcore_mode(args.rerun_mode)),
+            error_injector=names["RerunErrorInjector"](
+                error_injection_rate=args.error_injection_rate,
+                error_injection_type=names["RerunDiagnostic"](args.error_injection_type)),
+            result_rejected_tracker_filename=args.result_rejected_tracker_filename,
+        )
+    finally:
+        announcer.setLevel(level)
     _show_stats(args.rerun_mode == "report_stats")
 
 
