@@ -5,7 +5,8 @@ steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile 
 sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
 sequence parallelism (experts split over TP as Megatron-LM's default), with selective
 recomputation, on packed documents (X on the corpus with every split case), and with the
-experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all, distributed optimizer).
+experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all, distributed optimizer),
+and under SlimPipe (X and D, 4 slices).
 Every iteration's logged aux losses (Megatron-LM's names) equal too. The distributed
 optimizer's state resumes across an expert-parallel change in both directions (EP=2 to
 EP=1 and EP=1 to EP=2): the resumed iteration equals the uninterrupted runs'.
@@ -89,6 +90,7 @@ BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
 PP2 = ["--pipeline-model-parallel-size", "2"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"]
+SLIMPIPE_4 = ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", "4"]
 # name -> (model, split count, extra flags of the split run, world size, model chunks)
 CASES = {
     "N_pp2_s2": ("N", 2, [], 2, 1),
@@ -121,6 +123,10 @@ CASES = {
     "D_pp2_tp2_sp_s3": ("D", 3, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                         4, 1),
     "Q_pp2_tp2_s3": ("Q", 3, ["--tensor-model-parallel-size", "2"], 4, 1),
+    # SlimPipe's slices (uniform, as `average` at 48 = 4 x 12): the whole-microbatch
+    # routing statistics (aux_loss + z-loss; seq_aux + global_aux + expert bias, MLA)
+    "X_pp2_slimpipe_n4": ("X", 4, SLIMPIPE_4, 2, 1),
+    "D_pp2_slimpipe_n4": ("D", 4, SLIMPIPE_4, 2, 1),
 }
 # a model trained on packed documents: name -> the model it is, started from its init
 DOCUMENT_MODELS = {"Xd": "X", "Dd": "D"}
@@ -177,7 +183,8 @@ def plan(tmp, corpus):
         if name == TENSORBOARD_CASE:
             TENSORBOARD_DIR.append(tmp / "tensorboard")
             save += ["--tensorboard-dir", str(TENSORBOARD_DIR[0]), "--moe-per-layer-logging"]
-        runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra + save,
+        splits = [] if "slimpipe" in extra else _splits(n)  # SlimPipe: its slices
+        runs[world].append({"name": name, "argv": base + PP2 + splits + extra + save,
                             "params": True})
     # iteration 1's checkpoint with its optimizer state (--ckpt-step: the tracker names
     # 2), at the other EP size (pp=2 x dp=2, unsplit): iteration 2 trains as uninterrupted

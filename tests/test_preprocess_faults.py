@@ -20,6 +20,11 @@ pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
+# how soon a stopped or broken preprocessing run must end. It takes about 4 s on an idle
+# machine (a dead worker is reported after 0.5 s polls and a 3 s grace, then the others
+# are killed and reaped); the CI pass runs up to 8 training ranks beside it on 2 cores,
+# which stretched that past 10 s once. It used to hang for ever.
+PROMPT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,7 @@ class Run:
         with open(self.err_path) as f:
             return f.read()
 
-    def workers_gone(self, timeout=10):
+    def workers_gone(self, timeout=PROMPT_S):
         _, alive = psutil.wait_procs(self.workers, timeout=timeout)
         return not alive
 
@@ -108,7 +113,7 @@ def test_killed_worker_fails_within_seconds_and_writes_nothing(tmp_path, start):
     run.wait_until_encoding()
     victim = run.workers[-1].pid  # the later one: the error must name it, not the first
     os.kill(victim, signal.SIGKILL)
-    rc = run.proc.wait(timeout=10)  # it used to hang forever
+    rc = run.proc.wait(timeout=PROMPT_S)  # it used to hang forever
     err = run.stderr()
     assert rc == 1, err
     assert (f"error: a preprocessing worker (pid {victim}) died (killed by signal 9 (SIGKILL), "
@@ -121,7 +126,7 @@ def test_sigterm_stops_promptly(tmp_path, start):
     run = start(tmp_path / "out")
     run.wait_until_encoding()
     os.kill(run.proc.pid, signal.SIGTERM)
-    rc = run.proc.wait(timeout=10)
+    rc = run.proc.wait(timeout=PROMPT_S)
     err = run.stderr()
     assert rc == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM; temporary files removed, nothing written" in err
@@ -134,7 +139,7 @@ def test_main_killed_leaves_only_temporaries_that_the_next_run_removes(
     run = start(tmp_path / "out")
     run.wait_until_encoding()
     os.kill(run.proc.pid, signal.SIGKILL)
-    run.proc.wait(timeout=10)
+    run.proc.wait(timeout=PROMPT_S)
     assert run.workers_gone(), "workers outlived a killed main process"
     leftovers = run.temporaries()
     assert leftovers and run.finals() == []  # nothing half-written under the final names
