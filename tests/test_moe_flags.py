@@ -3,6 +3,8 @@ Megatron-LM's defaults and meanings, the unimplemented ones are refused with the
 reason, and SplitRouter's deferred aux-loss gradient equals megatron-core's unsplit one.
 In-process, no processes; the trained runs are in tests/test_moe_exactness.py."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import (
@@ -10,7 +12,7 @@ from megatron.core.transformer.moe.moe_utils import (
     switch_load_balancing_loss_func,
 )
 
-from megatron.seqsplit.model import split_aware_local_spec
+from megatron.seqsplit.model import moe_layer_pattern, split_aware_local_spec
 from megatron.seqsplit.moe import (
     RoutingStatistics,
     SplitRouter,
@@ -171,7 +173,7 @@ def test_logged_moe_losses_are_megatron_lms_names_and_layer_count():
     types and z-loss (none for a dense model), averaged over the MoE layers that
     --moe-layer-freq makes, printed after the lm loss."""
     from megatron.trainer.metrics import format_iteration_line
-    from megatron.trainer.moe_metrics import count_moe_layers, tracked_names
+    from megatron.trainer.moe_metrics import tracked_names
 
     args = args_of("--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss",
                    "global_aux_loss", "--moe-aux-loss-coeff", "1", "0.5",
@@ -180,8 +182,12 @@ def test_logged_moe_losses_are_megatron_lms_names_and_layer_count():
                                    "z_loss"]
     assert tracked_names(args_of("--num-experts", "4")) == ["load_balancing_loss"]
     assert tracked_names(args_of()) == []
-    assert count_moe_layers(4, moe_freq_type("[0]*1+[1]*3")) == 3
-    assert count_moe_layers(4, 2) == 2 and count_moe_layers(4, 1) == 4
+    # the layers averaged over: the model's own --moe-layer-freq rule
+    def moe_layers(freq):
+        return sum(moe_layer_pattern(SimpleNamespace(num_layers=4, moe_layer_freq=freq)))
+
+    assert moe_layers(moe_freq_type("[0]*1+[1]*3")) == 3
+    assert moe_layers(2) == 2 and moe_layers(1) == 4
     line = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1],
                                  moe_losses={"load_balancing_loss": 1.00264, "z_loss": 4.3})
     assert "| lm loss: 2.5 | load_balancing_loss: 1.00264 | z_loss: 4.3 | grad norm:" in line

@@ -21,6 +21,7 @@ import torch
 
 from megatron import mcore_compat
 from megatron.core import parallel_state
+from megatron.seqsplit.model import moe_layer_pattern
 
 # Megatron-LM's logged name of each --moe-router-load-balancing-type
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -37,13 +38,6 @@ def tracked_names(args):
     if args.moe_z_loss_coeff is not None:
         names.append("z_loss")
     return names
-
-
-def count_moe_layers(num_layers, moe_layer_freq):
-    """MoE layers among ``num_layers`` under --moe-layer-freq (N or a 0/1 pattern)."""
-    if isinstance(moe_layer_freq, list):
-        return sum(moe_layer_freq)
-    return sum(1 for i in range(num_layers) if i % moe_layer_freq == 0)
 
 
 def _sum(values, group):
@@ -78,8 +72,7 @@ class MoELossLog:
     def __init__(self, args, device):
         self.names = tracked_names(args)
         self.num_layers = args.num_layers
-        self.num_moe_layers = (count_moe_layers(args.num_layers, args.moe_layer_freq)
-                               if self.names else 0)
+        self.num_moe_layers = sum(moe_layer_pattern(args)) if self.names else 0
         self.device = device
         self.per_layer = bool(getattr(args, "moe_per_layer_logging", False))
         self.window = {}

@@ -37,6 +37,7 @@ import torch
 from megatron import mcore_compat
 
 _RSM = "rerun_state_machine:"
+_MACHINE_LOGGER = "megatron.core.rerun_state_machine"  # its announcements and reports
 # Megatron-LM's pretrain_gpt.py: a loss 10x the largest of the first 100 is spiky
 SPIKY_LOSS_FACTOR = 10
 
@@ -74,7 +75,7 @@ def initialize(args):
 
     # megatron-core announces every machine it makes with a warning; a disabled one (this
     # trainer's default) is not news, and would be a second line beside a run's error line
-    announcer = logging.getLogger("megatron.core.rerun_state_machine")
+    announcer = logging.getLogger(_MACHINE_LOGGER)
     level = announcer.level
     if args.rerun_mode == "disabled":
         announcer.setLevel(logging.ERROR)
@@ -96,7 +97,7 @@ def initialize(args):
 def _show_stats(on):
     """report_stats' report is megatron-core's INFO lines (rank 0, every 2 iterations),
     which no handler would print: give its logger one on stdout for the run."""
-    log = logging.getLogger("megatron.core.rerun_state_machine")
+    log = logging.getLogger(_MACHINE_LOGGER)
     for handler in [h for h in log.handlers if getattr(h, "rerun_stats", False)]:
         log.removeHandler(handler)
     if on:

@@ -167,6 +167,20 @@ def reduce_losses(losses_reduced):
     return out
 
 
+def _run_schedule(args, forward_backward_func, forward_step_func, data_iterator, model,
+                  forward_only):
+    """One call of the pipeline schedule over the iteration's microbatches."""
+    return forward_backward_func(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler,
                forward_backward_func, guard, iteration, progress, monitor=None):
     """One iteration. Returns (losses, grad norm, step applied, exit reason or None,
@@ -189,15 +203,8 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         progress.step = f"iteration {iteration}'s pipeline forward/backward (p2p and grad sync)"
-        losses_reduced = forward_backward_func(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=False,
-        )
+        losses_reduced = _run_schedule(args, forward_backward_func, forward_step_func,
+                                       data_iterator, model, forward_only=False)
         injected |= pending is None and rerun.injection_pending() is not None
     if rerun.enabled(args):
         progress.step = f"iteration {iteration}'s rerun decision (all_gather over all ranks)"
@@ -240,15 +247,8 @@ def evaluate(args, forward_step_func, data_iterator, model, forward_backward_fun
     with torch.no_grad(), (monitor.evaluation() if monitor is not None
                            else contextlib.nullcontext()):
         for _ in range(args.eval_iters):
-            totals += forward_backward_func(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=args.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=True,
-            )
+            totals += _run_schedule(args, forward_backward_func, forward_step_func,
+                                    data_iterator, model, forward_only=True)
             if monitor is not None:
                 monitor.empty_unused_memory(level=1)
     for chunk in model:
