@@ -133,6 +133,13 @@ def _refuse(what):
         f"run, pytest -m 'not {DISTRIBUTED}', stays free of processes")
 
 
+def check_process_start(what):
+    """Raise `UnmarkedProcessStart` if the test now running has no `distributed` marker
+    (for processes started without Popen or multiprocessing: tests/forked_cli.py)."""
+    if _unmarked_test is not None:
+        _refuse(what)
+
+
 def _guarded_popen_init(self, args, *rest, **kwargs):
     if _unmarked_test is not None:
         _refuse(args if isinstance(args, str) else " ".join(map(str, args))[:200])

@@ -246,26 +246,31 @@ def _single_process_env():
                                      RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"))
 
 
-def pretrain(argv, timeout=300):
-    """`python pretrain_gpt.py ARGV` as one process, to the end."""
-    return subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT,
-                          env=_single_process_env(), capture_output=True, text=True,
+def pretrain(argv, timeout=300, env=None, script="pretrain_gpt.py"):
+    """`python pretrain_gpt.py ARGV` (or `script`) as one process, to the end: forked from
+    this worker's pre-imported server (tests/forked_cli.py), a CompletedProcess."""
+    import forked_cli
+
+    return forked_cli.run([script] + argv, dict(_single_process_env(), **(env or {})),
                           timeout=timeout)
 
 
 def start_pretrain(argv, world_size=1, launcher_flags=(), script="pretrain_gpt.py", env=None,
                    new_session=False):
     """pretrain_gpt.py (or `script`, e.g. tests/fault_hooks.py) started in the background:
-    one process, or `world_size` torchrun workers (`launcher_flags` go to torchrun);
+    one process (forked from the pre-imported server, tests/forked_cli.py), or
+    `world_size` torchrun workers (`launcher_flags` go to torchrun: what users launch);
     `env` adds variables; `new_session`: a process group of its own (a terminal's Ctrl-C
     reaches all of it). Stop it with `kill_tree`."""
     if world_size == 1:
-        cmd, base = [sys.executable, script] + argv, _single_process_env()
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(world_size), "--master-port", str(_free_port()), *launcher_flags,
-               script] + argv
-        base = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+        import forked_cli
+
+        return forked_cli.start([script] + argv, dict(_single_process_env(), **(env or {})),
+                                new_session=new_session)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+           str(world_size), "--master-port", str(_free_port()), *launcher_flags,
+           script] + argv
+    base = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(base, **(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=new_session)

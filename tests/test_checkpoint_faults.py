@@ -136,15 +136,8 @@ def test_megatron_lm_checkpoint_without_manifest_loads(tmp_path):
     """A checkpoint as Megatron-LM writes it (its common keys, no checksums.json; saved
     here through tests/fault_hooks.py) loads as before, with a warning."""
     ckpt = tmp_path / "ckpt"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", FAULT_MEGATRON_LM_COMMON="1")
-    env.pop("MASTER_PORT", None)
-    import subprocess
-    import sys
-    saved = subprocess.run([sys.executable, "tests/fault_hooks.py", *BASE, "--train-iters", "1",
-                            "--save", str(ckpt), "--save-interval", "1"],
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           env=env, capture_output=True, text=True, timeout=300)
+    saved = pretrain([*BASE, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1"],
+                     env={"FAULT_MEGATRON_LM_COMMON": "1"}, script="tests/fault_hooks.py")
     assert saved.returncode == 0, saved.stderr[-3000:]
     (ckpt / "iter_0000001" / "checksums.json").unlink()
     loaded = pretrain(BASE + ["--train-iters", "2", "--load", str(ckpt),

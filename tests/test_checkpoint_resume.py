@@ -1,13 +1,11 @@
 """Checkpoints: a resumed run prints the losses of an uninterrupted one, with the plain and
 the distributed optimizer, into the same or another parallel layout; bad loads fail clearly."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 
-from distributed import ROOT, TINY_MODEL, assert_close_series, assert_params_close, run_configs
+import distributed
+from distributed import TINY_MODEL, assert_close_series, assert_params_close, run_configs
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
@@ -82,9 +80,7 @@ def test_distributed_optimizer_resumes_and_reshards(tmp_path):
 
 
 def _pretrain(tmp_path, argv):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1")
-    return subprocess.run([sys.executable, "pretrain_gpt.py"] + argv, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return distributed.pretrain(argv)
 
 
 def test_bad_checkpoints_are_clear_errors(tmp_path):

@@ -6,15 +6,14 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 
 import numpy
 import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from distributed import ROOT, TINY_MODEL
+import distributed
+from distributed import TINY_MODEL
 from megatron.dataprep.gpt_datasets import DataPathError, parse_data_path
 from test_dataprep_fixtures import run_preprocess, write_jsonl
 
@@ -51,10 +50,7 @@ def copy_pair(source, prefix):
 
 
 def pretrain(prefix):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1")
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *DATA_FLAGS,
-                           "--data-path", str(prefix)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return distributed.pretrain([*DATA_FLAGS, "--data-path", str(prefix)])
 
 
 def assert_refused(prefix, bad_file, *words):

@@ -25,3 +25,11 @@ def test_unmarked_test_cannot_start_a_multiprocessing_process():
 def test_marked_test_may_start_one():
     assert subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True,
                           text=True, check=True).stdout == "42\n"
+
+
+def test_unmarked_test_cannot_fork_a_run_from_the_server():
+    """tests/forked_cli.py starts runs without Popen: it asks the tripwire itself."""
+    import forked_cli
+
+    with pytest.raises(UnmarkedProcessStart, match="pytest.mark.distributed"):
+        forked_cli.start(["pretrain_gpt.py", "--help"], env={})

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import distributed
 from distributed import ROOT, _free_port
 from megatron.trainer.arguments import ArgumentErrors, build_parser, parse_args
 from megatron.trainer.megatron_lm_flags import NO_OP_FLAGS, REFUSED_FLAGS, SIZE_ONE_FLAGS
@@ -299,8 +300,7 @@ def test_every_problem_is_reported_at_once():
     argv = BASE + ["--moe-expert-capacity-factor", "2", "--lr-decay-style", "bogus",
                    "--lr-warmup-fractoin", "0.1", "--context-parallel-size", "2",
                    "--save", "/tmp/never", "--micro-batch-size", "two", "--min-lr", "1"]
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = distributed.pretrain(argv, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     expected = ["--moe-expert-capacity-factor is refused", "argument --lr-decay-style: invalid choice",
