@@ -158,44 +158,12 @@ def wait_for_files(paths, timeout=1200):
             time.sleep(0.2)
 
 
-class GroupCache:
-    """`torch.distributed.new_group` that hands back the group an earlier configuration
-    created for the same ranks and role (megatron-core's `group_desc`), instead of a new
-    gloo group: a group is a store rendezvous, sockets between its ranks and I/O
-    threads, about a fifth of a small configuration's CPU, and consecutive configurations
-    mostly ask for the same groups again. Every rank makes the same calls in the same
-    order (megatron-core creates every group on every rank), so all ranks hit or miss
-    together. A group with `pg_options` is always new."""
-
-    def __init__(self):
-        self.groups = {}
-        self._new_group = torch.distributed.new_group
-
-    def new_group(self, ranks=None, timeout=None, backend=None, pg_options=None,
-                  use_local_synchronization=False, group_desc=None, **rest):
-        kwargs = dict(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
-                      use_local_synchronization=use_local_synchronization,
-                      group_desc=group_desc, **rest)
-        if pg_options is not None or rest:
-            return self._new_group(**kwargs)
-        key = (None if ranks is None else tuple(sorted(ranks)), timeout, backend,
-               use_local_synchronization, group_desc)
-        if key not in self.groups:
-            self.groups[key] = self._new_group(**kwargs)
-        return self.groups[key]
-
-    def kept(self):
-        return [group for group in self.groups.values() if group is not None]
-
-
 def main(spec_path, out_path):
     runs = json.load(open(spec_path))
     # torch and megatron-core are tens of thousands of long-lived objects: without the
     # freeze each configuration's full collection (destroy_groups_except) scans them
     # all again, a third of a small configuration's time
     gc.freeze()
-    groups = GroupCache()
-    torch.distributed.new_group = groups.new_group
     results = {}
     for run in runs:
         wait_for_files(run.get("after", ()))
@@ -221,7 +189,7 @@ def main(spec_path, out_path):
             torch.save(captured["params"], path)
             entry["params"] = path
         results[run["name"]] = entry
-        destroy_groups_except(keep=groups.kept())  # the next configuration's: cached
+        destroy_groups_except()  # the next configuration builds its own groups
         gc.freeze()  # what survived that full collection: the next one skips it
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         with open(out_path, "w") as handle:
@@ -248,6 +216,10 @@ def fork_ranks(world_size, rank_main, spec_path, out_path):
 
     for name in FIRST_USE:
         importlib.import_module(name)
+    # gloo connects a group's pairs when they are first used instead of all at creation:
+    # megatron-core creates a dozen groups per configuration and most pairs never talk
+    # (a fifth less CPU for a tp=2 x pp=2 launch; the same losses)
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     gc.freeze()  # the imports' objects: shared with the ranks, never copied by a collection
     sys.stdout.flush()
     sys.stderr.flush()
