@@ -105,7 +105,11 @@ def _worker(rank, port, queue, with_documents):
 @pytest.mark.distributed
 @pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
 def test_asker_and_helper_equal_local_attention_float64(with_documents):
-    ctx = mp.get_context("spawn")
+    # forkserver: one server process imports this module (torch, the trainer) once for
+    # every test of the session, and forks the two ranks from it; spawn would import it
+    # all again in each rank
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(rank, port, queue, with_documents))
