@@ -281,11 +281,20 @@ def kill_tree(proc):
     and the multiprocessing manager megatron-core's checkpoint writer leaves behind a
     killed run, holding its output pipes. Returns the run's remaining (stdout, stderr)."""
     import psutil
+    import signal
 
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         children = []
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            # a group of its own (forked runs, new_session): the kernel signals every
+            # member, also one being forked right now, which the list above would miss
+            # (megatron-core's checkpoint writer forks a process per file mid-save)
+            os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     for member in [proc] + children:
         try:
             member.kill()

@@ -6,7 +6,8 @@ a short test run; the suite starts dozens. `start(argv)` asks this worker's serv
 per pytest process, started on first use) to fork a child that runs the script as
 `python SCRIPT ARGV` would: its own pid (signals and psutil reach it), stdout/stderr on
 pipes the caller owns, stdin /dev/null, the caller's environment, working directory and
-argv, default signal dispositions, optionally a session of its own, and the
+argv, default signal dispositions, a process group (or optionally a session) of its
+own, and the
 interpreter's normal exit (non-daemon threads joined, atexit handlers run, an uncaught
 exception printed with exit code 1). The server has run nothing but imports, so the child
 starts as clean as a new interpreter, minus the import time.
@@ -96,6 +97,8 @@ def _become(request):
         os.close(fd)
     if request["new_session"]:
         os.setsid()
+    else:  # a process group of its own, so kill_tree ends it and all it forked at once
+        os.setpgid(0, 0)
     for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it

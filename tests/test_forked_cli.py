@@ -15,7 +15,8 @@ SCRIPT = textwrap.dedent("""
     import atexit, os, sys, threading, time, warnings
     mode = sys.argv[1]
     print("argv", sys.argv[1:], "cwd", os.getcwd(), "var", os.environ.get("FORKED_VAR"),
-          "pgid_is_pid", os.getpgid(0) == os.getpid(), "main", __name__)
+          "session_of_its_own", os.getsid(0) == os.getpid(),
+          "group_of_its_own", os.getpgid(0) == os.getpid(), "main", __name__)
     atexit.register(lambda: print("atexit ran", flush=True))
     warnings.warn("hidden by PYTHONWARNINGS")
     if mode == "thread":  # a non-daemon thread is joined before exit, as at shutdown
@@ -38,7 +39,8 @@ def _run(tmp_path, mode, **kwargs):
 def test_a_forked_run_is_the_script_as_a_fresh_interpreter_runs_it(tmp_path):
     out, err = (process := _run(tmp_path, "exit3")).communicate(timeout=60)
     assert process.returncode == 3
-    assert f"argv ['exit3'] cwd {tmp_path} var seen pgid_is_pid False main __main__" in out
+    assert (f"argv ['exit3'] cwd {tmp_path} var seen session_of_its_own False "
+            "group_of_its_own True main __main__") in out
     assert "atexit ran" in out and err == ""  # the warning filtered, as PYTHONWARNINGS says
 
     out, _ = (process := _run(tmp_path, "thread")).communicate(timeout=60)
@@ -51,7 +53,7 @@ def test_a_forked_run_is_the_script_as_a_fresh_interpreter_runs_it(tmp_path):
 
 def test_signals_reach_the_run_by_its_pid(tmp_path):
     process = _run(tmp_path, "wait", new_session=True)
-    assert "pgid_is_pid True" in process.stdout.readline()
+    assert "session_of_its_own True" in process.stdout.readline()
     assert process.stdout.readline() == "waiting\n"
     assert process.poll() is None
     os.killpg(process.pid, signal.SIGTERM)
