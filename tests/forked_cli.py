@@ -18,6 +18,7 @@ interpreters (tests/distributed.py `start_pretrain` with world_size > 1).
     python tests/forked_cli.py SOCKET   # the server (started by `start`)
 """
 
+import gc
 import json
 import os
 import select
@@ -91,6 +92,10 @@ def _become(request):
     """Turn the forked child into `python SCRIPT ARGV` in the caller's environment."""
     import warnings
 
+    # the server froze its imports' objects (gc.freeze: its forks copy fewer pages); a
+    # fresh interpreter collects them at exit, which extensions rely on (triton's
+    # nanobind module prints "leaked N instances" to stderr otherwise)
+    gc.unfreeze()
     stdin, stdout, stderr = request["fds"]
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
@@ -140,8 +145,6 @@ def _preimport():
 
     for name in dist_runner.FIRST_USE:
         importlib.import_module(name)
-    import gc
-
     gc.freeze()
 
 
