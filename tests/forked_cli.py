@@ -7,9 +7,8 @@ per pytest process, started on first use) to fork a child that runs the script a
 `python SCRIPT ARGV` would: its own pid (signals and psutil reach it), stdout/stderr on
 pipes the caller owns, stdin /dev/null, the caller's environment, working directory and
 argv, default signal dispositions, a process group (or optionally a session) of its
-own, and the
-interpreter's normal exit (non-daemon threads joined, atexit handlers run, an uncaught
-exception printed with exit code 1). The server has run nothing but imports, so the child
+own, and the interpreter's normal exit (non-daemon threads joined, atexit handlers run,
+an uncaught exception printed with exit code 1). The server has run nothing but imports, so the child
 starts as clean as a new interpreter, minus the import time.
 
 The tests of what users launch through torchrun, and of importing itself, still start real
@@ -104,7 +103,7 @@ def _become(request):
         os.setsid()
     else:  # a process group of its own, so kill_tree ends it and all it forked at once
         os.setpgid(0, 0)
-    for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+    for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -124,8 +123,8 @@ def _become(request):
     sys.stdin = open(0, "r", closefd=False)
     sys.stdout = open(1, "w", buffering=1 if unbuffered or os.isatty(1) else -1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
-    for stream in (sys.stdout, sys.stderr):
-        if unbuffered:
+    if unbuffered:
+        for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)
     script = os.path.join(request["cwd"], request["argv"][0])
     sys.argv = [script] + request["argv"][1:]
@@ -308,5 +307,4 @@ if __name__ == "__main__":
     _preimport()
     _request = _serve(sys.argv[1])
     if _request is not None:
-        del _preimport, _serve
         _become(_request)
