@@ -29,9 +29,33 @@ GQA_ROPE_SWIGLU = ["--group-query-attention", "--num-query-groups", "2",
 
 
 def _free_port():
-    with socket.socket() as sock:
+    """A port free now, for a launcher that binds it a second or two later: below the
+    kernel's ephemeral range, which every connect() (gloo's pairs, TCPStore clients of the
+    tests running beside) draws from, so none of those can take it meanwhile
+    (EADDRINUSE in torchrun's rendezvous, seen once in CI)."""
+    import random
+
+    low = _ephemeral_range()[0]
+    for _ in range(100 if low > 11000 else 0):
+        port = random.randrange(10000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the range: any port free now
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = map(int, handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _without_master_port(env):
