@@ -64,6 +64,68 @@ def test_configs_and_spec_alternate():
     assert tl["argv"][tl["argv"].index("--timeline-file") + 1] == tl["meta"]["timeline_file"]
 
 
+def test_interleaved_spec_runs_every_configuration_in_one_run_per_round():
+    configs = build_configs([4], ["average", "uniform_comp"])
+    spec = build_spec(configs, ["--x"], runs=2, warmup_iters=1, timed_iters=2, out_dir="/o",
+                      timeline_runs=1, interleave=True, quiet={"threshold": 0.5})
+    timed = [r for r in spec if r["kind"] == TIMED]
+    assert [r["name"] for r in timed] == ["interleaved#0", "interleaved#1"]
+    # one run per round, trained on the 1F1B flags; the schedule comes from each entry
+    for k, run in enumerate(timed):
+        assert run["argv"] == ["--x", "--train-iters", "9", "--log-interval", "9"]
+        assert run["meta"] == {"round": k} and run["quiet"] == {"threshold": 0.5}
+        assert [e["config"] for e in run["interleave"]] == [
+            c.name for c in configs[k:] + configs[:k]]
+    assert timed[0]["interleave"][2]["schedule"] == {
+        "seq1f1b_splits": 4, "balance_method": "uniform_comp", "schedule": None}
+    assert timed[0]["interleave"][0]["schedule"]["seq1f1b_splits"] == 1
+    # the instrumented runs stay one configuration each
+    assert [r["kind"] for r in spec].count(TIMELINE) == 3
+
+
+def test_interleaved_schedules_rotate_per_cycle_and_split_per_configuration(monkeypatch):
+    from megatron.benchmarks import runner
+
+    built = []
+
+    def get_func(**kwargs):  # stands in for the trainer's get_forward_backward_func
+        built.append(kwargs)
+        return lambda **call: ("ran", kwargs["seq1f1b_splits"], kwargs["balance_method"])
+
+    calls = []
+
+    def train_step(func):  # the trainer calls the schedule once per iteration
+        calls.append(func())
+
+    monkeypatch.setattr(runner.training, "get_forward_backward_func", get_func)
+    monkeypatch.setattr(runner.training, "train_step", train_step)
+    entries = [{"config": c.name, "schedule": c.schedule_keywords()}
+               for c in build_configs([4], ["average", "uniform_comp"])]
+    ran = []
+    with runner.interleaved_schedules(entries, ran):
+        func = runner.training.get_forward_backward_func(seq1f1b_splits=1,
+                                                         balance_method="average", schedule=None)
+        for _ in range(6):
+            runner.training.train_step(func)
+    assert runner.training.train_step is train_step  # restored
+    assert [b["seq1f1b_splits"] for b in built] == [1, 4, 4]
+    a, u = "seq1f1b_s4_average", "seq1f1b_s4_uniform_comp"
+    assert ran == ["1f1b", a, u, a, u, "1f1b"]  # cycle 1 starts one later
+    assert calls == [("ran", 1, "average"), ("ran", 4, "average"), ("ran", 4, "uniform_comp"),
+                     ("ran", 4, "average"), ("ran", 4, "uniform_comp"), ("ran", 1, "average")]
+    # two ranks' (durations, losses, runtimes, ran) -> one record per configuration
+    run = {"kind": TIMED, "meta": {"round": 3}, "interleave": entries}
+    gathered = [([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [], ["megatron-core", "executor", "executor"],
+                 ran), ([1, 2, 3, 4, 5, 6], [7.0] * 6, [], ran)]
+    records = runner.split_interleaved(run, gathered)
+    assert [(r["name"], r["config"], r["runtime"]) for r in records] == [
+        ("1f1b#3", "1f1b", "megatron-core"), (f"{a}#3", a, "executor"),
+        (f"{u}#3", u, "executor")]
+    assert records[0]["iteration_seconds"] == [[0.1, 0.6], [1, 6]]
+    assert records[2]["iteration_seconds"] == [[0.3, 0.5], [3, 5]]
+    assert all(r["meta"] == {"round": 3, "interleaved": True} for r in records)
+
+
 def _timeline(p, m, s, f, b, gap=0.0):
     """A timeline of the schedule with fixed unit times (optionally a gap before each unit)."""
     from megatron.schedules.simulate import simulate
@@ -169,6 +231,12 @@ def test_bench_end_to_end(tmp_path):
     assert [(r["runtime"], r["timeline_runtime"], r["memory_runtime"]) for r in data["runs"]] \
         == [("megatron-core", "executor", "executor"), ("executor",) * 3]
     assert "| 1F1B | megatron-core; executor |" in proc.stdout
+    # the timed iterations ran interleaved: one run per round, split per configuration
+    records = json.loads((tmp_path / "runs" / "records.json").read_text())
+    timed = [r for r in records if r["kind"] == TIMED]
+    assert [r["name"] for r in timed] == ["1f1b#0", "seq1f1b_s2_uniform_comp#0",
+                                          "seq1f1b_s2_uniform_comp#1", "1f1b#1"]
+    assert all(r["meta"]["interleaved"] and len(r["iteration_seconds"][0]) == 2 for r in timed)
     for run in data["runs"]:
         assert ISSUE_KEYS <= set(run)
         assert run["tokens_per_s"] > 0 and 0 <= run["bubble_fraction"] < 1

@@ -11,14 +11,18 @@ One torchrun launch (``--pp`` processes) trains the same model on the same data
 (mock by default) with 1F1B and with Seq1F1B for every split count and balance
 method (``megatron.benchmarks.runner``, in-process ``pretrain`` calls):
 
-1. ``--runs`` rounds; in each, one timed run of every configuration (the order
-   rotates from round to round), each training ``--warmup-iters`` +
-   ``--timed-iters`` iterations, tokens/s measured over the timed ones. No observer
-   is attached, so 1F1B is megatron-core's own schedule function and Seq1F1B this
-   project's executor. Then (first ``--timeline-runs`` rounds) one timeline run of
-   every configuration (``--timeline-file``, the last of ``--warmup-iters`` + 1
-   iterations): bubble per stage (idle / span), per-unit times, the planner's
-   replay of them.
+1. ``--runs`` rounds; in each, ONE timed run that changes schedule at every
+   iteration, cycling through the configurations (the order rotates from cycle to
+   cycle and round to round) until each has trained ``--warmup-iters`` +
+   ``--timed-iters`` iterations; tokens/s of a configuration over its timed
+   iterations. Neighbouring iterations see the same machine, so a host whose speed
+   drifts within minutes cannot favour one schedule; the schedules are exact, so the
+   model trains as under any one of them. (``--no-interleave``: one run per
+   configuration and round instead.) No observer is attached, so 1F1B is
+   megatron-core's own schedule function and Seq1F1B this project's executor.
+   Then (first ``--timeline-runs`` rounds) one timeline run of every configuration
+   (``--timeline-file``, the last of ``--warmup-iters`` + 1 iterations): bubble per
+   stage (idle / span), per-unit times, the planner's replay of them.
 2. One memory run per configuration (``--activation-memory-file``): activation peak
    per stage (the probe's hooks slow forwards, so nothing is timed from it).
 
@@ -118,6 +122,9 @@ def parse_args(argv=None):
     g.add_argument("--unit-cpu-runs", type=int, default=0,
                    help="extra timeline runs per configuration that time each unit with its "
                    "thread's CPU time (work without waiting for a core; CPU diagnosis)")
+    g.add_argument("--no-interleave", action="store_true",
+                   help="time each configuration in a run of its own in every round, instead "
+                   "of one run per round that changes schedule at every iteration")
     g.add_argument("--no-instrumented", action="store_true",
                    help="skip the timeline and memory runs (throughput only)")
     add_machine_args(g)
@@ -270,7 +277,8 @@ def main(argv=None):
     quiet = quiet_options(args)
     spec = build_spec(configs, base, args.runs, args.warmup_iters, args.timed_iters, out_dir,
                       instrument=not args.no_instrumented, quiet=quiet,
-                      timeline_runs=args.timeline_runs, unit_cpu_runs=args.unit_cpu_runs)
+                      timeline_runs=args.timeline_runs, unit_cpu_runs=args.unit_cpu_runs,
+                      interleave=not args.no_interleave)
     command = "python tools/bench.py " + " ".join(shlex.quote(a) for a in
                                                   (argv if argv is not None else sys.argv[1:]))
     meta_path = os.path.join(out_dir, "meta.json")
@@ -298,6 +306,7 @@ def run_meta(args, command, base, before, started, quiet):
             "num_attention_heads": args.num_attention_heads,
             "data": args.data_path or "mock", "runs": args.runs,
             "warmup_iters": args.warmup_iters, "timed_iters": args.timed_iters,
+            "interleave": not args.no_interleave,
             "machine_before": before, "machine_after": machine_notes(args.threads_per_process),
             "wall_s": round(time.time() - started, 1), "pretrain_argv": base,
             "quiet": quiet}
@@ -320,8 +329,9 @@ def report(args, configs, records, meta, out_dir):
     print(f"# pp={args.pp} m={args.microbatches} x {args.micro_batch_size} x "
           f"{args.seq_length} tokens; {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads; data {'mock' if not args.data_path else args.data_path}; "
-          f"{args.runs} alternating timed runs of {args.warmup_iters} warm-up + "
-          f"{args.timed_iters} timed iterations")
+          f"{args.runs} rounds of {args.warmup_iters} warm-up + {args.timed_iters} timed "
+          f"iterations per configuration, "
+          f"{'separate runs' if args.no_interleave else 'interleaved iteration by iteration'}")
     print(f"# load average before {before['load_average']} after "
           f"{meta['machine_after']['load_average']} on {before['host_cpus']} CPUs; "
           f"{meta['wall_s']} s")

@@ -84,6 +84,12 @@ class BenchConfig:
     def label(self) -> str:
         return "1F1B" if self.splits == 1 else f"Seq1F1B s={self.splits} {self.balance_method}"
 
+    def schedule_keywords(self) -> Dict:
+        """The ``get_forward_backward_func`` keywords that select this schedule (what
+        ``flags`` asks the trainer for), for runs that change schedule per iteration."""
+        return {"seq1f1b_splits": self.splits,
+                "balance_method": self.balance_method or "average", "schedule": None}
+
     def flags(self) -> List[str]:
         if self.splits == 1:
             return []
@@ -143,7 +149,7 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
                warmup_iters: int, timed_iters: int, out_dir: str,
                instrument: bool = True, quiet: Optional[Dict] = None,
                timeline_runs: Optional[int] = None, unit_cpu_runs: int = 0,
-               memory_runs: bool = True) -> List[Dict]:
+               memory_runs: bool = True, interleave: bool = False) -> List[Dict]:
     """Runs for ``megatron.benchmarks.runner``, in execution order.
 
     Round ``k`` (of ``runs``) is one timed run of every configuration (order rotated
@@ -152,7 +158,12 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
     the list (memory does not depend on the machine's speed). ``quiet`` (the runner's
     ``{"threshold", "max_wait", "retries"}``) applies to the timed and timeline runs,
     whose wall times other processes on the host would distort. ``memory_runs=False``
-    leaves the memory runs out."""
+    leaves the memory runs out.
+
+    ``interleave``: round ``k``'s timed runs are ONE run that changes schedule at every
+    iteration (the runner's ``interleaved_schedules``: each configuration's
+    ``warmup_iters`` + ``timed_iters`` iterations in turn, the order rotating per cycle);
+    the runner splits it into one timed record per configuration."""
     if runs < 1 or timed_iters < 1 or warmup_iters < 0:
         raise ValueError("need runs >= 1, timed iterations >= 1, warm-up iterations >= 0")
     timeline_runs = runs if timeline_runs is None else timeline_runs
@@ -165,7 +176,14 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
 
     for k in range(runs):
         order = round_order(configs, k)
-        for config in order:
+        if interleave:
+            add({"name": f"interleaved#{k}", "config": "interleaved", "kind": TIMED,
+                 "meta": {"round": k},
+                 "interleave": [{"config": c.name, "schedule": c.schedule_keywords()}
+                                for c in order],
+                 "argv": list(base_argv)
+                 + _iteration_flags(len(order) * (warmup_iters + timed_iters))})
+        for config in order if not interleave else ():
             add({"name": f"{config.name}#{k}", "config": config.name, "kind": TIMED,
                  "meta": {"round": k},
                  "argv": list(base_argv) + config.flags()

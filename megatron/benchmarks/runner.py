@@ -83,6 +83,39 @@ def recorded_runtimes(runtimes):
         training.get_forward_backward_func = original
 
 
+@contextlib.contextmanager
+def interleaved_schedules(entries, ran):
+    """Change the pipeline schedule at every iteration of one ``pretrain`` call.
+
+    ``entries``: one dict per configuration, ``{"config": name, "schedule": {...}}`` with
+    the keywords of ``get_forward_backward_func`` that select it (splits, balance
+    method). Cycle ``c`` (one iteration of every configuration) runs the entries
+    rotated by ``c``, so each configuration runs early and late in a cycle and after
+    every other one. Neighbouring iterations see the same machine, which pairs them far
+    more tightly than separate runs on a host whose speed drifts within minutes. The
+    schedules are exact, so the model trains as under any one of them. ``ran`` gets each
+    iteration's configuration name."""
+    original_get, original_step = training.get_forward_backward_func, training.train_step
+    funcs, current = {}, {}
+
+    def get(*args, **kwargs):
+        for entry in entries:
+            funcs[entry["config"]] = original_get(*args, **{**kwargs, **entry["schedule"]})
+        return lambda **call: funcs[current["config"]](**call)
+
+    def step(*args, **kwargs):
+        cycle, position = divmod(len(ran), len(entries))
+        current["config"] = entries[(position + cycle) % len(entries)]["config"]
+        ran.append(current["config"])
+        return original_step(*args, **kwargs)
+
+    training.get_forward_backward_func, training.train_step = get, step
+    try:
+        yield
+    finally:
+        training.get_forward_backward_func, training.train_step = original_get, original_step
+
+
 def system_busy_seconds():
     """CPU seconds all processes of this host spent busy so far (None off Linux)."""
     try:
@@ -182,16 +215,34 @@ def thread_clock_timelines(enabled):
 
 
 def run_one(run):
-    """Train one configuration; returns (per-iteration seconds on this rank, losses,
-    the schedule's runtimes)."""
-    durations, runtimes = [], []
+    """Train one configuration (or, with ``interleave``, several in turn); returns
+    (per-iteration seconds on this rank, losses, the schedules' runtimes, the
+    configuration each iteration ran: empty without ``interleave``)."""
+    durations, runtimes, ran = [], [], []
     thread_clock = run.get("meta", {}).get("clock") == "thread"
+    interleave = run.get("interleave")
     with timed_train_steps(durations), thread_clock_timelines(thread_clock), \
-            recorded_runtimes(runtimes):
+            recorded_runtimes(runtimes), (interleaved_schedules(interleave, ran) if interleave
+                                          else contextlib.nullcontext()):
         result = training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                                    pretrain_gpt.forward_step, argv=run["argv"])
     destroy_leftover_groups()
-    return durations, list(result.losses), runtimes
+    return durations, list(result.losses), runtimes, ran
+
+
+def split_interleaved(run, gathered):
+    """One record per configuration of an interleaved run: the iterations it ran (per
+    rank) and its runtime; ``losses`` is the whole run's (one model trained throughout)."""
+    ran = next(names for _, _, _, names in gathered if names)
+    out = []
+    for index, entry in enumerate(run["interleave"]):
+        mine = [i for i, name in enumerate(ran) if name == entry["config"]]
+        runtimes = {names[index] for _, _, names, _ in gathered if len(names) > index}
+        out.append({"name": f"{entry['config']}#{run['meta']['round']}", "config": entry["config"],
+                    "kind": run["kind"], "meta": dict(run["meta"], interleaved=True),
+                    "iteration_seconds": [[d[i] for i in mine] for d, _, _, _ in gathered],
+                    "runtime": ", ".join(sorted(runtimes)) or None})
+    return out
 
 
 _GROUP = None  # a gloo group for the runner's own (CPU tensor) collectives
@@ -224,31 +275,38 @@ def main(spec_path, out_path):
                 waited, _ = wait_for_quiet(quiet["threshold"], quiet.get("max_wait", 300))
             meter = ForeignLoad()
             meter.start()
-            durations, losses, runtimes = run_one(run)
+            durations, losses, runtimes, ran = run_one(run)
             foreign = meter.stop()
             attempts.append({"foreign_cores": foreign, "waited_s": waited})
             if not quiet or foreign is None or foreign < quiet["threshold"]:
                 break
         gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, (durations, losses, runtimes),
+        torch.distributed.all_gather_object(gathered, (durations, losses, runtimes, ran),
                                             group=_GROUP)
         if torch.distributed.get_rank() == world - 1:
-            all_losses = next((l for _, l, _ in reversed(gathered) if l), [])
-            runtime = ", ".join(sorted({name for _, _, names in gathered for name in names}))
-            entry = {"name": run["name"], "config": run.get("config", run["name"]),
-                     "kind": run.get("kind", "timed"), "meta": run.get("meta", {}),
-                     "iteration_seconds": [d for d, _, _ in gathered], "losses": all_losses,
-                     "runtime": runtime or None,
-                     "foreign_cores": attempts[-1]["foreign_cores"], "attempts": attempts,
-                     "threads_after": thread_count()}
-            results.append(entry)
-            per_iter = [max(step) for step in zip(*entry["iteration_seconds"])]
-            load = entry["foreign_cores"]
-            print(f"[bench] {index + 1}/{len(runs)} {run['name']} ({runtime}): ms/iteration "
-                  f"{' '.join(f'{1000 * t:.0f}' for t in per_iter)} | final loss "
-                  f"{all_losses[-1] if all_losses else float('nan'):.6f} | other processes "
-                  f"{'n/a' if load is None else f'{load:.2f}'} cores | threads {entry['threads_after']}"
-                  f"{f' (attempt {len(attempts)})' if len(attempts) > 1 else ''}", flush=True)
+            all_losses = next((l for _, l, _, _ in reversed(gathered) if l), [])
+            if run.get("interleave"):
+                entries = split_interleaved(run, gathered)
+            else:
+                runtime = ", ".join(sorted({n for _, _, names, _ in gathered for n in names}))
+                entries = [{"name": run["name"], "config": run.get("config", run["name"]),
+                            "kind": run.get("kind", "timed"), "meta": run.get("meta", {}),
+                            "iteration_seconds": [d for d, _, _, _ in gathered],
+                            "runtime": runtime or None}]
+            for entry in entries:
+                entry.update({"losses": all_losses,
+                              "foreign_cores": attempts[-1]["foreign_cores"],
+                              "attempts": attempts, "threads_after": thread_count()})
+                results.append(entry)
+                per_iter = [max(step) for step in zip(*entry["iteration_seconds"])]
+                load = entry["foreign_cores"]
+                print(f"[bench] {index + 1}/{len(runs)} {entry['name']} ({entry['runtime']}"
+                      f"{', interleaved' if run.get('interleave') else ''}): ms/iteration "
+                      f"{' '.join(f'{1000 * t:.0f}' for t in per_iter)} | final loss "
+                      f"{all_losses[-1] if all_losses else float('nan'):.6f} | other processes "
+                      f"{'n/a' if load is None else f'{load:.2f}'} cores | threads "
+                      f"{entry['threads_after']}"
+                      f"{f' (attempt {len(attempts)})' if len(attempts) > 1 else ''}", flush=True)
             with open(out_path + ".partial", "w") as handle:
                 json.dump(results, handle)
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
