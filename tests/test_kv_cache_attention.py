@@ -405,6 +405,45 @@ def test_cpu_split_attention_keeps_no_mask(b, hq, g, lq, lk):
     assert kept < kept_ref
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,g", [(4, 4), (4, 2)])
+def test_cpu_split_fuses_the_cache_and_the_kernel_into_one_node(dtype, hq, g):
+    """On CPU a split with a prefix is one autograd node (cache write + the two mask-free
+    kernels + the K/V gradient bookkeeping) and gives bitwise the outputs, gradients and
+    stashed prefix gradients of the two nodes (`_PrefixKV`, then the kernel) it replaces;
+    it saves the same tensors (aliases of the cache buffer)."""
+    from megatron.seqsplit.attention_backends import SDPABackend
+
+    class TwoNodes(SDPABackend):  # the same kernels, the cache's own node before them
+        def runs_split_kernel_cpu(self, call):
+            return False
+
+    lengths = [5, 3, 4, 4]
+    q, k, v, w = (t.to(dtype) for t in make_inputs(sum(lengths), 2, hq, g))
+    results, nodes, stashes = [], [], []
+    for backend in (get_backend("auto"), TwoNodes()):
+        store = KVCacheStore()
+        run = SplitRun(q, k, v, w, lengths, store, "sdpa/buffer")
+        run.attend = lambda *a, backend=backend, **kw: split_causal_attention(
+            *a, backend=backend, softmax_scale=SCALE, **kw)
+        for j in range(len(lengths)):
+            run.forward(j)
+        # the node under the output's permute back to megatron layout
+        nodes.append([type(o.grad_fn.next_functions[0][0]).__name__ for o in run.outs])
+        run.backward(3)
+        entry = store.lookup((0, 0))
+        stashes.append((entry.grad_key.clone(), entry.grad_value.clone()))
+        for j in (2, 1, 0):
+            run.backward(j)
+        assert store.num_entries() == 0
+        results.append(run.results())
+    assert all(n == "_CachedSplitAttentionBackward" for n in nodes[0][1:]), nodes[0]
+    assert "_CachedSplitAttentionBackward" not in nodes[1]
+    for got, want in zip(results[0] + stashes[0], results[1] + stashes[1]):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert stashes[0][0].dtype == torch.float32  # half precision stashes sum in fp32
+
+
 def test_chunked_cache_holds_split_chunks_and_saves_no_mask():
     """The chunked layout: K/V allocated split by split, no lq x lk mask or prefix copy saved."""
     L, b, hq, g, lengths = 48, 2, 4, 2, [8, 16, 24]

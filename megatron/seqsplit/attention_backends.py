@@ -127,6 +127,12 @@ class AttentionBackend:
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         raise NotImplementedError
 
+    def runs_split_kernel_cpu(self, call: "AttentionCall") -> bool:
+        """Whether a split with a prefix and no packed documents runs
+        `cpu_split_attention`'s two mask-free kernels (the buffer KV cache then fuses its
+        own bookkeeping with them: `kv_cache._CachedSplitAttention`)."""
+        return False
+
     def __repr__(self):
         return f"{type(self).__name__}()"
 
@@ -159,6 +165,10 @@ class SDPABackend(AttentionBackend):
     """
 
     name = "sdpa"
+
+    def runs_split_kernel_cpu(self, call: AttentionCall) -> bool:
+        return (call.device_type == "cpu" and not call.dropout and not call.documents
+                and not sdpa_expands_kv_heads(call))
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         _check_shapes(q, k, v, document_ids)
@@ -451,6 +461,9 @@ class AutoBackend(AttentionBackend):
         if name not in self._backends:
             self._backends[name] = _named_backend(name)
         return self._backends[name]
+
+    def runs_split_kernel_cpu(self, call: AttentionCall) -> bool:
+        return self.backend_for(call).runs_split_kernel_cpu(call)
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         backend = self.backend_for(AttentionCall.of(q, k, document_ids, dropout_p))

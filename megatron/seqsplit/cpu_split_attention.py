@@ -76,6 +76,25 @@ def _merge(out_own, lse_own, out_prefix, lse_prefix):
     return out.to(out_own.dtype), lse
 
 
+def own_and_prefix_forward(q, k_prefix, v_prefix, k_own, v_own, softmax_scale):
+    """The own block (causal) and the whole prefix (unmasked), merged: (out, lse)."""
+    out, lse = _flash_forward(q, k_own, v_own, 0.0, True, scale=softmax_scale)[:2]
+    return _merge(out, lse, *_flash_forward(q, k_prefix, v_prefix, 0.0, False,
+                                            scale=softmax_scale)[:2])
+
+
+def own_and_prefix_backward(grad_out, q, k_prefix, v_prefix, k_own, v_own, out, lse,
+                            softmax_scale):
+    """Each part's fused backward with the merged ``out`` and ``lse``: (dq, dk_prefix,
+    dv_prefix, dk_own, dv_own), the prefix's and the own block's K/V gradients apart."""
+    grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
+    dq, dk_own, dv_own = _flash_backward(grad_out, q, k_own, v_own, out, lse, 0.0, True,
+                                         scale=softmax_scale)
+    dq_prefix, dk_prefix, dv_prefix = _flash_backward(grad_out, q, k_prefix, v_prefix, out,
+                                                      lse, 0.0, False, scale=softmax_scale)
+    return dq.add_(dq_prefix), dk_prefix, dv_prefix, dk_own, dv_own
+
+
 def _document_prefix_parts(prefix_rows):
     """(batch rows, query count, first key) of each unmasked prefix call with documents:
     per batch row, the queries of the document open at the split's start. (Without
@@ -91,11 +110,12 @@ class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, own_bias, prefix_rows):
         prefix = k.shape[2] - q.shape[2]
-        out, lse = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, own_bias is None,
-                                  attn_mask=own_bias, scale=softmax_scale)
         if prefix_rows is None:  # one part, every row: the merge is the result, no copy back
-            out, lse = _merge(out, lse, *_flash_forward(q, k[:, :, :prefix], v[:, :, :prefix],
-                                                        0.0, False, scale=softmax_scale))
+            out, lse = own_and_prefix_forward(q, k[:, :, :prefix], v[:, :, :prefix],
+                                              k[:, :, prefix:], v[:, :, prefix:], softmax_scale)
+        else:
+            out, lse = _flash_forward(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, False,
+                                      attn_mask=own_bias, scale=softmax_scale)[:2]
         for batch, rows, first in _document_prefix_parts(prefix_rows or ()):
             part = (batch, slice(None), slice(0, rows))
             before = _flash_forward(q[part], k[batch, :, first:prefix], v[batch, :, first:prefix],
@@ -109,17 +129,17 @@ class _SplitAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, own_bias = ctx.saved_tensors
         prefix = k.shape[2] - q.shape[2]
+        if ctx.prefix_rows is None:  # the prefix part covers every key before the block
+            dq, dk_prefix, dv_prefix, dk_own, dv_own = own_and_prefix_backward(
+                grad_out, q, k[:, :, :prefix], v[:, :, :prefix], k[:, :, prefix:],
+                v[:, :, prefix:], out, lse, ctx.softmax_scale)
+            # one copy of each part into the prefix-long gradient, no zero fill
+            return (dq, torch.cat([dk_prefix, dk_own], dim=2),
+                    torch.cat([dv_prefix, dv_own], dim=2), None, None, None)
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
         dq, dk_own, dv_own = _flash_backward(
-            grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, own_bias is None,
+            grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, False,
             attn_mask=own_bias, scale=ctx.softmax_scale)
-        if ctx.prefix_rows is None:  # the prefix part covers every key before the block
-            dq_prefix, dk_prefix, dv_prefix = _flash_backward(
-                grad_out, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False,
-                scale=ctx.softmax_scale)
-            # one copy of each part into the prefix-long gradient, no zero fill
-            return (dq.add_(dq_prefix), torch.cat([dk_prefix, dk_own], dim=2),
-                    torch.cat([dv_prefix, dv_own], dim=2), None, None, None)
         # with documents, keys no query sees get no gradient: zeros
         dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
         dk[:, :, prefix:], dv[:, :, prefix:] = dk_own, dv_own

@@ -26,7 +26,9 @@ from functools import partial
 
 import torch
 
+from megatron.seqsplit.attention_backends import AttentionCall
 from megatron.seqsplit.attention_exchange import UnitExchange
+from megatron.seqsplit.cpu_split_attention import own_and_prefix_backward, own_and_prefix_forward
 from megatron.seqsplit.documents import key_documents
 from megatron.seqsplit.kv_chunks import chunked_split_attention
 
@@ -155,20 +157,26 @@ def _split_grad(grad, acc, offset: int, end: int):
     split's, whose prefix is the longest) is a copy of its prefix gradient, sized to that
     prefix: no zero-filled full-sequence buffer, and every earlier split reads and adds
     within it."""
-    own = grad[offset:end]
+    return _split_grad_parts(grad[:offset], grad[offset:end], acc, offset, end, owned=False)
+
+
+def _split_grad_parts(prefix, own, acc, offset: int, end: int, owned: bool = True):
+    """`_split_grad` with the gradient's prefix part and own part given apart; ``owned``:
+    ``prefix`` is a tensor of its own (not a view of a longer gradient), so the first
+    stash can be that tensor instead of a copy."""
     if acc is not None:
         if end > acc.shape[0]:
             raise AssertionError(f"split [{offset}, {end}) runs backward after a split with a "
                                  f"shorter prefix ({acc.shape[0]}): splits must run backward "
                                  "last to first")
-        own = (own + acc[offset:end]).to(grad.dtype)
+        own = (own + acc[offset:end]).to(own.dtype)
     if offset > 0:
         if acc is None:
             # Half precision gradients are summed over up to s splits: keep them in fp32.
-            dtype = torch.float32 if grad.element_size() < 4 else grad.dtype
-            acc = grad[:offset].to(dtype=dtype, copy=True)
+            dtype = torch.float32 if prefix.element_size() < 4 else prefix.dtype
+            acc = prefix.to(dtype=dtype, copy=not owned)
         else:
-            acc[:offset] += grad[:offset]
+            acc[:offset] += prefix
     return own, acc
 
 
@@ -194,6 +202,49 @@ class _PrefixKV(torch.autograd.Function):
 
 def _to_bhld(x):  # megatron [l, b, h, d] -> kernel [b, h, l, d] (a view)
     return x.permute(1, 2, 0, 3)
+
+
+def _from_bhld(x):  # kernel [b, h, l, d] -> megatron [l, b, h, d] (a view)
+    return x.permute(2, 0, 1, 3)
+
+
+class _CachedSplitAttention(torch.autograd.Function):
+    """`_PrefixKV` and the CPU split kernel (`cpu_split_attention`: the own block causal,
+    the prefix unmasked, merged by LSE) as one autograd node, for a split with a prefix
+    and no packed documents on CPU.
+
+    Apart, the kernel's backward builds the prefix-long K/V gradient (one ``cat`` of its
+    two parts per split, layer and tensor) and `_PrefixKV` cuts it up again, copying the
+    prefix part into the first stash. Here the prefix part goes straight to the entry's
+    accumulators (the first stash IS the kernel's tensor) and the own part is returned:
+    the same values, without those copies or the second node's Python. The saved tensors
+    are the same aliases of the cache buffer (the activation memory is unchanged).
+    Takes and returns kernel layout for the query, megatron layout for K/V."""
+
+    @staticmethod
+    def forward(ctx, q, key, value, entry, offset, on_first_split_done, softmax_scale):
+        k_all, v_all = _write_and_expose(entry, key, value, offset)
+        k_all, v_all = _to_bhld(k_all), _to_bhld(v_all)
+        out, lse = own_and_prefix_forward(q, k_all[:, :, :offset], v_all[:, :, :offset],
+                                          k_all[:, :, offset:], v_all[:, :, offset:],
+                                          softmax_scale)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.entry, ctx.offset, ctx.end = entry, offset, offset + key.shape[0]
+        ctx.on_first_split_done, ctx.softmax_scale = on_first_split_done, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        entry, offset, end = ctx.entry, ctx.offset, ctx.end
+        dq, dk_prefix, dv_prefix, dk_own, dv_own = own_and_prefix_backward(
+            grad_out, q, k_all[:, :, :offset], v_all[:, :, :offset], k_all[:, :, offset:],
+            v_all[:, :, offset:], out, lse, ctx.softmax_scale)
+        gk, entry.grad_key = _split_grad_parts(_from_bhld(dk_prefix), _from_bhld(dk_own),
+                                               entry.grad_key, offset, end)
+        gv, entry.grad_value = _split_grad_parts(_from_bhld(dv_prefix), _from_bhld(dv_own),
+                                                 entry.grad_value, offset, end)
+        return dq, gk, gv, None, None, None, None
 
 
 from megatron.seqsplit.names import KV_CACHE_LAYOUTS  # noqa: E402,F401 - re-exported
@@ -232,6 +283,15 @@ def split_causal_attention(
         entry_id = (split.microbatch_id, layer_key)
         entry = _buffer_entry(store, entry_id, split, key, value)
         tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        if (tracked and split.offset > 0 and value.shape[-1] == key.shape[-1]
+                and key_documents(split, split.offset + split.length, query.device) is None
+                and backend.runs_split_kernel_cpu(
+                    AttentionCall.of(_to_bhld(query), _to_bhld(key), None, dropout_p))):
+            release = partial(store.release, entry_id)
+            out = _CachedSplitAttention.apply(_to_bhld(query), key, value, entry, split.offset,
+                                              release, softmax_scale)
+            store.release_after_last_forward(entry_id, split, tracked)
+            return _from_bhld(out).contiguous()
         if tracked:
             release = partial(store.release, entry_id)
             k_all, v_all = _PrefixKV.apply(key, value, entry, split.offset, release)
@@ -250,4 +310,4 @@ def split_causal_attention(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
         softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents,
     )
-    return out[..., :v_dim].permute(2, 0, 1, 3).contiguous()
+    return _from_bhld(out[..., :v_dim]).contiguous()
