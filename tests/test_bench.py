@@ -270,9 +270,15 @@ def test_stage_emulation_tiny_cpu(tmp_path):
     # the whole pipeline predicted from the measured unit times, for both schedules (which
     # bubble is smaller depends on those times: at this toy size host overhead dominates a
     # unit, and tests assert no timing)
-    preds = {p["splits"]: p for p in data["predictions"]}
-    assert set(preds) == {1, 4} and all(0 <= p["bubble_fraction"] < 1 for p in preds.values())
+    preds = {(p["splits"], p.get("without_split_overhead", False)): p
+             for p in data["predictions"]}
+    assert set(preds) == {(1, False), (4, False), (4, True)}
+    assert all(0 <= p["bubble_fraction"] < 1 for p in preds.values())
     assert "Whole pipeline predicted" in proc.stdout
+    # the bound: split units scaled to 1F1B's compute keep each rank's busy time at 1F1B's
+    assert preds[4, True]["busy_per_rank_s"] == pytest.approx(preds[1, False]["busy_per_rank_s"])
+    assert "Seq1F1B s=4 average, units scaled to 1F1B's compute (no split overhead)" \
+        in proc.stdout
 
 
 def test_kv_cache_layout_comparison_tiny():

@@ -249,6 +249,8 @@ def report(args, results, predictions):
     base_pred = next((p for p in predictions if p["splits"] == 1 and "tokens_per_s" in p), None)
     for p in predictions:
         label = "1F1B" if p["splits"] == 1 else f"Seq1F1B s={p['splits']} {p['balance_method']}"
+        if p.get("without_split_overhead"):
+            label += ", units scaled to 1F1B's compute (no split overhead)"
         if "tokens_per_s" not in p:
             lines.append(f"| {label} | OOM | | | |")
             continue
@@ -290,6 +292,7 @@ def main(argv=None):
         measure,
         predict_pipeline,
         profile_ops,
+        without_split_overhead,
     )
 
     targs, config = setup(args)
@@ -338,6 +341,14 @@ def main(argv=None):
         pred = predict_pipeline(by_rank, args.pp, args.microbatches, splits, tokens, p2p)
         pred.update({"splits": splits, "balance_method": method})
         predictions.append(pred)
+        whole = runs.get((1, None), {})
+        if splits > 1 and not pred.get("oom") and all(
+                r in whole and not whole[r].oom for r in by_rank):
+            free = {r: without_split_overhead(run, whole[r]) for r, run in by_rank.items()}
+            bound = predict_pipeline(free, args.pp, args.microbatches, splits, tokens, p2p)
+            bound.update({"splits": splits, "balance_method": method,
+                          "without_split_overhead": True})
+            predictions.append(bound)
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     command = "python tools/bench_stage_gpu.py " + " ".join(argv if argv is not None
                                                             else sys.argv[1:])

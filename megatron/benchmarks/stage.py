@@ -26,6 +26,7 @@ planner's simulator, the whole pipeline's span, bubble and tokens/s. Nothing
 communicates, so no message time enters the unit times.
 """
 
+import dataclasses
 import functools
 import gc
 import statistics
@@ -259,6 +260,18 @@ def measure(emulator: StageEmulator, microbatches: int, splits: int, balance_met
     run.busy_s = statistics.mean(busy)
     run.units = records[-1]
     return run
+
+
+def without_split_overhead(run: StageRun, whole: StageRun) -> StageRun:
+    """``run``'s split units scaled so that a microbatch's splits cost what ``whole`` (the
+    same rank under 1F1B) measured for the whole microbatch, forward and backward apart:
+    the splits keep their measured proportions (how unequal they are) and lose the
+    overhead of splitting. The simulator on these gives the best a balance method can
+    reach with splitting made free."""
+    scale_f = whole.forward_s[0] / sum(run.forward_s)
+    scale_b = whole.backward_s[0] / sum(run.backward_s)
+    return dataclasses.replace(run, forward_s=[t * scale_f for t in run.forward_s],
+                               backward_s=[t * scale_b for t in run.backward_s])
 
 
 def predict_pipeline(runs_by_rank: Dict[int, StageRun], pp: int, microbatches: int,
