@@ -208,6 +208,14 @@ def _from_bhld(x):  # kernel [b, h, l, d] -> megatron [l, b, h, d] (a view)
     return x.permute(2, 0, 1, 3)
 
 
+def _runs_split_kernel_cpu(backend, query, key, dropout_p) -> bool:
+    """Whether ``backend`` would run this split on the CPU split kernel (False for any
+    callable that is not one of our attention backends)."""
+    asks = getattr(backend, "runs_split_kernel_cpu", None)
+    return asks is not None and asks(AttentionCall.of(_to_bhld(query), _to_bhld(key), None,
+                                                      dropout_p))
+
+
 class _CachedSplitAttention(torch.autograd.Function):
     """`_PrefixKV` and the CPU split kernel (`cpu_split_attention`: the own block causal,
     the prefix unmasked, merged by LSE) as one autograd node, for a split with a prefix
@@ -285,8 +293,7 @@ def split_causal_attention(
         tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if (tracked and split.offset > 0 and value.shape[-1] == key.shape[-1]
                 and key_documents(split, split.offset + split.length, query.device) is None
-                and backend.runs_split_kernel_cpu(
-                    AttentionCall.of(_to_bhld(query), _to_bhld(key), None, dropout_p))):
+                and _runs_split_kernel_cpu(backend, query, key, dropout_p)):
             release = partial(store.release, entry_id)
             out = _CachedSplitAttention.apply(_to_bhld(query), key, value, entry, split.offset,
                                               release, softmax_scale)

@@ -35,6 +35,10 @@ class RecomputedAttentionKernel:
     def __getattr__(self, name):  # name, supports_dropout, ... of the wrapped backend
         return getattr(self.backend, name)
 
+    def runs_split_kernel_cpu(self, call) -> bool:
+        # the KV cache's fused CPU node would run the kernel outside this checkpoint
+        return False
+
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         def kernel(q_, k_, v_, document_ids_):
             return self.backend(q_, k_, v_, softmax_scale=softmax_scale, dropout_p=dropout_p,
