@@ -13,7 +13,10 @@ pipeline schedule (``runtime``: ``megatron-core`` or ``executor``, from the func
 host during the run (``foreign_cores``). A run with
 ``"quiet": {"threshold": C, "max_wait": S, "retries": N}`` first waits (up to S
 seconds) until other processes use fewer than C cores, and is repeated (up to N
-times) when they used C or more during it; the last attempt is kept.
+times) when they used C or more during it; the last attempt is kept. A run with
+``"interleave": [{"config": name, "schedule": {...}}, ...]`` changes schedule at every
+iteration (``interleaved_schedules``) and is written as one record per configuration,
+named ``name#round`` (``split_interleaved``).
 
 Timing: ``train_step`` (forward-backward of all microbatches + optimizer step) is
 timed on every rank by wrapping ``megatron.trainer.training.train_step`` for the
