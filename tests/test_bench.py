@@ -83,6 +83,16 @@ def test_interleaved_spec_runs_every_configuration_in_one_run_per_round():
     assert [r["kind"] for r in spec].count(TIMELINE) == 3
 
 
+def test_interleaving_refuses_no_warmup(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--warmup-iters", "0"])
+    assert "--warmup-iters 0 would time the run's slow first iteration" in capsys.readouterr().err
+    assert bench.parse_args(["--warmup-iters", "0", "--no-interleave"]).warmup_iters == 0
+
+
 def test_interleaved_schedules_rotate_per_cycle_and_split_per_configuration(monkeypatch):
     from megatron.benchmarks import runner
 

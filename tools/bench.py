@@ -161,6 +161,12 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_iters < 0:
         parser.error("--warmup-iters must be >= 0")
+    if args.warmup_iters == 0 and not args.no_interleave:
+        # the run's first iteration (start-up, first allocations) is slow, and interleaved
+        # it would belong to one configuration only
+        parser.error("--warmup-iters 0 would time the run's slow first iteration for one "
+                     "configuration only when the schedules are interleaved: use "
+                     "--warmup-iters 1 or more, or --no-interleave")
     if args.num_layers % args.pp:
         parser.error(f"--num-layers {args.num_layers} is not divisible by --pp {args.pp}")
     return args
