@@ -183,11 +183,12 @@ def build_spec(configs: Sequence[BenchConfig], base_argv: Sequence[str], runs: i
                                 for c in order],
                  "argv": list(base_argv)
                  + _iteration_flags(len(order) * (warmup_iters + timed_iters))})
-        for config in order if not interleave else ():
-            add({"name": f"{config.name}#{k}", "config": config.name, "kind": TIMED,
-                 "meta": {"round": k},
-                 "argv": list(base_argv) + config.flags()
-                 + _iteration_flags(warmup_iters + timed_iters)})
+        else:
+            for config in order:
+                add({"name": f"{config.name}#{k}", "config": config.name, "kind": TIMED,
+                     "meta": {"round": k},
+                     "argv": list(base_argv) + config.flags()
+                     + _iteration_flags(warmup_iters + timed_iters)})
         if instrument and k < timeline_runs:
             for config in order:
                 path = timeline_path(out_dir, config, k)

@@ -166,16 +166,20 @@ class SDPABackend(AttentionBackend):
 
     name = "sdpa"
 
-    def runs_split_kernel_cpu(self, call: AttentionCall) -> bool:
-        return (call.device_type == "cpu" and not call.dropout and not call.documents
+    @staticmethod
+    def _cpu_kernels(call: AttentionCall) -> bool:
+        """A split (lq < lk) runs `cpu_split_attention`'s mask-free kernels."""
+        return (call.device_type == "cpu" and not call.dropout
                 and not sdpa_expands_kv_heads(call))
+
+    def runs_split_kernel_cpu(self, call: AttentionCall) -> bool:
+        return self._cpu_kernels(call) and not call.documents
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
         _check_shapes(q, k, v, document_ids)
         lq, lk = q.shape[2], k.shape[2]
         call = AttentionCall.of(q, k, document_ids, dropout_p)
-        cpu_kernels = (q.device.type == "cpu" and dropout_p == 0.0
-                       and not sdpa_expands_kv_heads(call))
+        cpu_kernels = self._cpu_kernels(call)
         if document_ids is not None and lq < lk and cpu_kernels:
             return split_document_attention_cpu(
                 q, k, v, softmax_scale, _shared_own_block_bias(document_ids, lq, q.dtype),

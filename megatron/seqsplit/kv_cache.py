@@ -230,7 +230,7 @@ class _CachedSplitAttention(torch.autograd.Function):
     Takes and returns kernel layout for the query, megatron layout for K/V."""
 
     @staticmethod
-    def forward(ctx, q, key, value, entry, offset, on_first_split_done, softmax_scale):
+    def forward(ctx, q, key, value, entry, offset, softmax_scale):
         k_all, v_all = _write_and_expose(entry, key, value, offset)
         k_all, v_all = _to_bhld(k_all), _to_bhld(v_all)
         out, lse = own_and_prefix_forward(q, k_all[:, :, :offset], v_all[:, :, :offset],
@@ -238,7 +238,7 @@ class _CachedSplitAttention(torch.autograd.Function):
                                           softmax_scale)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         ctx.entry, ctx.offset, ctx.end = entry, offset, offset + key.shape[0]
-        ctx.on_first_split_done, ctx.softmax_scale = on_first_split_done, softmax_scale
+        ctx.softmax_scale = softmax_scale  # offset > 0: split 0's _PrefixKV frees the entry
         return out
 
     @staticmethod
@@ -252,7 +252,7 @@ class _CachedSplitAttention(torch.autograd.Function):
                                                entry.grad_key, offset, end)
         gv, entry.grad_value = _split_grad_parts(_from_bhld(dv_prefix), _from_bhld(dv_own),
                                                  entry.grad_value, offset, end)
-        return dq, gk, gv, None, None, None, None
+        return dq, gk, gv, None, None, None
 
 
 from megatron.seqsplit.names import KV_CACHE_LAYOUTS  # noqa: E402,F401 - re-exported
@@ -294,9 +294,8 @@ def split_causal_attention(
         if (tracked and split.offset > 0 and value.shape[-1] == key.shape[-1]
                 and key_documents(split, split.offset + split.length, query.device) is None
                 and _runs_split_kernel_cpu(backend, query, key, dropout_p)):
-            release = partial(store.release, entry_id)
             out = _CachedSplitAttention.apply(_to_bhld(query), key, value, entry, split.offset,
-                                              release, softmax_scale)
+                                              softmax_scale)
             store.release_after_last_forward(entry_id, split, tracked)
             return _from_bhld(out).contiguous()
         if tracked:
