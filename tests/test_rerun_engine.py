@@ -13,8 +13,10 @@ validated in iteration 2 (iteration 1 is never validated), on every rank that va
 * a NaN in one Seq1F1B split (tests/fault_hooks.py) is rejected as its microbatch's loss,
   the one result per microbatch Megatron-LM's loss_func validates;
 * a non-fatal rejection (--check-for-spiky-loss) reruns iteration 2 in place and training
-  goes on: at pp=2 with --seq1f1b-splits 2 and dropout the losses and grad norms equal
-  those of a --rerun-mode disabled run (the rerun replays the same microbatches and RNG);
+  goes on: at pp=2 with --seq1f1b-splits 2 and dropout the losses, grad norms and MoE
+  load-balancing losses equal those of a --rerun-mode disabled run (the rerun replays the
+  same microbatches and RNG; the repeated pass's MoE losses are counted once), and the
+  timeline written (--timeline-file) holds one pass of iteration 2's units;
 * report_stats (megatron-core >= 0.19; 0.16.1's report is broken, and refused): every
   iteration run twice, the same losses, the variability report printed.
 
@@ -26,13 +28,18 @@ import pytest
 
 from distributed import TINY_MODEL, kill_tree, one_error_line, start_pretrain
 from megatron import mcore_compat
+from megatron.schedules.seq1f1b import seq1f1b_rank_units
+from megatron.schedules.timeline import read_timeline
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
-# dropout on: a rerun must restore the RNG streams to give the same result
+# dropout on: a rerun must restore the RNG streams to give the same result; experts with
+# a load-balancing loss: what a repeated pass records must be logged once
 PP2 = TINY_MODEL + ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
                     "--seq1f1b-splits", "2", "--train-iters", "2", "--hidden-dropout", "0.1",
-                    "--attention-dropout", "0.1"]
+                    "--attention-dropout", "0.1", "--num-experts", "4", "--moe-router-topk",
+                    "2", "--moe-router-load-balancing-type", "aux_loss",
+                    "--moe-aux-loss-coeff", "0.1", "--disable-bias-linear"]
 ONE = TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "2"]
 INJECT = ["--rerun-mode", "validate_results", "--error-injection-rate", "1"]
 PERSISTENT = INJECT + ["--error-injection-type", "persistent_error"]
@@ -44,7 +51,14 @@ REPORT_STATS = mcore_compat.rerun_report_stats_works()
 def _losses(out):
     """{iteration: (lm loss, grad norm)} as printed."""
     return {int(m.group(1)): (m.group(2), m.group(3)) for m in re.finditer(
-        r" iteration +(\d+)/ +\d+ \|.*?lm loss: ([\d.e+-]+) \| grad norm: ([\d.e+-]+) \|", out)}
+        r" iteration +(\d+)/ +\d+ \|.*?lm loss: ([\d.e+-]+) \|.*? grad norm: ([\d.e+-]+) \|",
+        out)}
+
+
+def _balancing_losses(out):
+    """{iteration: load_balancing_loss} as printed."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(
+        r" iteration +(\d+)/ +\d+ \|.*?load_balancing_loss: ([\d.e+-]+) \|", out)}
 
 
 def _finish(procs, timeout=600):
@@ -67,7 +81,9 @@ def runs(tmp_path_factory):
         "transient": start_pretrain(PP2 + INJECT + ["--save", str(root / "transient"),
                                                     "--save-interval", "1"], world_size=2),
         "goes_on": start_pretrain(PP2 + INJECT + ["--check-for-spiky-loss",
-                                                  "--no-check-for-nan-in-loss-and-grad"],
+                                                  "--no-check-for-nan-in-loss-and-grad",
+                                                  "--timeline-file",
+                                                  str(root / "goes_on_timeline.json")],
                                   world_size=2),
         "persistent": start_pretrain(ONE + PERSISTENT + ["--save", str(root / "persistent"),
                                                          "--save-interval", "1"]),
@@ -169,6 +185,22 @@ def test_validate_results_with_splits_equals_disabled(runs):
     assert "First rerun: unexpected result is not reproducible" in err, err[-3000:]
     assert "Continuing normal execution because failed validation was not fatal" in err
     assert _losses(out) == _losses(done["disabled"][1])
+
+
+def test_a_rerun_pass_is_recorded_and_logged_once(runs):
+    """Iteration 2 ran twice in the run that goes on: its MoE load-balancing loss is the
+    disabled run's (not the sum over both passes) and the timeline of the last iteration
+    holds each unit once, in Seq1F1B's order (pp=2, 4 microbatches, s=2)."""
+    root, done = runs
+    code, out, err = done["goes_on"]
+    assert code == 0, err[-3000:]
+    balancing = _balancing_losses(out)
+    assert sorted(balancing) == [1, 2], out[-3000:]
+    assert balancing == _balancing_losses(done["disabled"][1])
+    timeline = read_timeline(str(root / "goes_on_timeline.json"))
+    for rank, units in enumerate(timeline.ranks):
+        assert [(u["kind"], u["microbatch"], u["split"]) for u in units] == [
+            (u.kind, u.microbatch, u.split) for u in seq1f1b_rank_units(rank, 2, 4, 2)]
 
 
 def test_gpu_path_saves_the_rerun_and_another_node_gives_the_diagnosis(runs):

@@ -114,6 +114,7 @@ class MoELossLog:
         return means
 
     def clear(self):
-        """Megatron-LM clears the tracker after an evaluation."""
+        """Megatron-LM clears the tracker after an evaluation; the trainer also clears it
+        before every forward/backward pass, so a pass the rerun machine repeats counts once."""
         if self.names:
             mcore_compat.clear_moe_losses()

@@ -182,10 +182,13 @@ def _run_schedule(args, forward_backward_func, forward_step_func, data_iterator,
 
 
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler,
-               forward_backward_func, guard, iteration, progress, monitor=None):
+               forward_backward_func, guard, iteration, progress, monitor=None,
+               before_pass=None):
     """One iteration. Returns (losses, grad norm, step applied, exit reason or None,
     number of zero gradient elements or None: --log-num-zeros-in-grad).
     ``monitor`` (a ``monitoring.Monitor``) times it and empties the CUDA cache.
+    ``before_pass`` runs before every forward/backward pass: once, or again for each pass
+    the rerun machine repeats (what a pass records must then count once).
     When --rerun-mode's machine ends the run, the exit reason is its ``rerun.Decision``
     (the step not taken) and the rest is None."""
     if rerun.enabled(args) or args.check_for_spiky_loss:  # Megatron-LM's loss_func checks
@@ -199,6 +202,8 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     injected = False
     while rerun_machine.should_run_forward_backward(data_iterator):
         pending = rerun.injection_pending()  # results are validated inside the pass
+        if before_pass is not None:
+            before_pass()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -539,18 +544,25 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
     param_gather = ParamGatherHooks(model)  # --overlap-param-gather: on after a good step
     moe_losses = MoELossLog(args, next(model[0].parameters()).device)
     batch_sizes = GlobalBatchSizes(args)
+
+    def before_pass():
+        # the files and logs describe the iteration's last pass: a pass the rerun machine
+        # repeats must not leave its units, memory samples or MoE losses counted twice
+        for observer in observers:
+            observer.reset()
+        moe_losses.clear()
+
     while iteration < args.train_iters:
         if args.async_save:  # as Megatron-LM: publish the background saves that are done
             progress.step = f"asynchronous checkpoint finalization before iteration {iteration + 1}"
             async_save.maybe_finalize(args)
-        for observer in observers:
-            observer.reset()  # keep the last iteration only
         args.num_microbatches = batch_sizes.microbatches_at(consumed_samples)
         monitor.before_step(iteration)
         with monitor.step_label(iteration + 1):
             losses, grad_norm, ok, exit_reason, num_zeros = train_step(
                 args, step_func, train_iterator, model, optimizer, scheduler,
-                forward_backward_func, guard, iteration + 1, progress, monitor)
+                forward_backward_func, guard, iteration + 1, progress, monitor,
+                before_pass=before_pass)
         if isinstance(exit_reason, rerun.Decision):
             _stop_for_rerun(args, exit_reason, iteration, consumed_samples, model, optimizer,
                             scheduler, train_iterator, progress, param_gather)
