@@ -21,7 +21,8 @@ file in its place), set by environment variables:
 * FAULT_NODE_NAME=NAME: the node name megatron-core's rerun state machine sees (a job
   resumed "on another node", the rerun's second run).
 * FAULT_NAN_SPLIT=I:S: in iteration I, the token losses of split S (Seq1F1B) of the first
-  microbatch become NaN on the last pipeline stage, the other splits' stay finite.
+  microbatch become NaN on the last pipeline stage, the other splits' stay finite;
+  FAULT_NAN_SPLIT=I: every microbatch's token losses in iteration I (any schedule).
 """
 
 import collections
@@ -119,15 +120,19 @@ if os.environ.get("FAULT_NAN_SPLIT"):
 
     from megatron.trainer import gpt, rerun
 
-    _at, _split = map(int, os.environ["FAULT_NAN_SPLIT"].split(":"))
+    _at, _, _split = os.environ["FAULT_NAN_SPLIT"].partition(":")
+    _at, _split = int(_at), (int(_split) if _split else None)
     _forward_step = gpt.forward_step
 
     def _forward_step_with_nan(data_iterator, model, args=None):
         output, loss_func = _forward_step(data_iterator, model, args=args)
-        split = data_iterator.split
-        if (rerun.machine().current_iteration + 1 == _at and split.microbatch_id == 0
-                and split.split_index == _split and parallel_state.is_pipeline_last_stage()):
-            output = output * float("nan")  # the split's token losses
+        hit = (rerun.machine().current_iteration + 1 == _at
+               and parallel_state.is_pipeline_last_stage())
+        if hit and _split is not None:
+            split = data_iterator.split
+            hit = split.microbatch_id == 0 and split.split_index == _split
+        if hit:
+            output = output * float("nan")  # the token losses (of the split)
         return output, loss_func
 
     gpt.forward_step = _forward_step_with_nan

@@ -10,7 +10,6 @@ last two also with --use-persistent-ckpt-worker (one writer for the run, handed 
 import os
 import re
 import signal
-import time
 
 import psutil
 import pytest
@@ -89,7 +88,8 @@ def test_killed_during_the_background_write_resumes_from_the_last_published(
 def test_ctrl_c_during_the_background_write_abandons_it_and_resumes(tmp_path, reference):
     """Ctrl-C as a terminal sends it (SIGINT to the run's process group) while iteration
     2's write is in flight (its writer sleeps; it ignores SIGINT in a group of its own):
-    one line naming iteration 1 as the last good state, exit 130, no traceback; the
+    one line naming iteration 1 as the last good state and iteration 2's save as
+    abandoned, exit 130, no traceback; the
     writer is killed (the run does not wait for it) and iter_2.incomplete removed, the
     tracker still names iteration 1; no process the run started outlives it; resuming
     trains to the reference's losses. (A Ctrl-C while the writer was being forked once
@@ -113,7 +113,10 @@ def test_ctrl_c_during_the_background_write_abandons_it_and_resumes(tmp_path, re
     error = one_error_line(err)
     # the signal comes as iteration 2's save returns, in iteration 3 or its save
     assert re.match(rf"error: SIGINT received during [^:]*iteration [23]\b[^:]*: stopped "
-                    rf"without saving\. The last good state is the checkpoint of iteration 1 in "
+                    rf"without saving; the asynchronous saves? of iterations? 2( and 3)?, still "
+                    rf"being written, (is|are) abandoned and {ckpt}/iter_0000002\.incomplete"
+                    rf"(, {ckpt}/iter_0000003\.incomplete)? removed\. "
+                    rf"The last good state is the checkpoint of iteration 1 in "
                     rf"--save {ckpt}\. To finish the iteration and save on SIGINT, pass "
                     rf"--exit-signal-handler --exit-signal SIGINT$", error), error
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
@@ -125,6 +128,31 @@ def test_ctrl_c_during_the_background_write_abandons_it_and_resumes(tmp_path, re
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"loaded checkpoint from {ckpt / 'iter_0000001'} at iteration 1" in resumed.stdout
     assert _losses(resumed.stdout) == {i: reference[i] for i in range(2, 7)}
+
+
+def test_a_nan_stop_publishes_the_save_in_flight(tmp_path, reference):
+    """A NaN loss in iteration 3 (tests/fault_hooks.py) while iteration 2's write is in
+    flight (its writer sleeps 5 s): that save holds a state checked finite before its
+    step, so the stop waits for the write and publishes it instead of abandoning it.
+    One line naming iteration 2 as the last good state, exit 1; the tracker names
+    iteration 2, verified (checksums.json), nothing of iteration 3; resuming from it
+    trains to the reference's losses."""
+    ckpt = tmp_path / "ckpt"
+    run = pretrain(BASE + ["--save", str(ckpt), "--save-interval", "1", "--async-save"],
+                   script=HOOKS, env={"FAULT_WRITE_SLEEP_AT_SAVE": "2",
+                                      "FAULT_WRITE_SLEEP": "5", "FAULT_NAN_SPLIT": "3"})
+    assert run.returncode == 1, run.stderr[-3000:]
+    error = one_error_line(run.stderr)
+    assert re.match(r"error: non-finite values at iteration 3: lm loss nan on rank 0 .*"
+                    rf"The last good state is the checkpoint of iteration 2 in --save {ckpt}\.$",
+                    error), error
+    assert (ckpt / TRACKER).read_text() == "2"
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "iter_0000001", "iter_0000002", TRACKER]
+    assert (ckpt / "iter_0000002" / "checksums.json").is_file()
+    resumed = pretrain(BASE + ["--load", str(ckpt)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(resumed.stdout) == {i: reference[i] for i in range(3, 7)}
 
 
 WRITERS = {"per-save": [], "persistent": ["--use-persistent-ckpt-worker"]}

@@ -175,6 +175,12 @@ def pending():
     return 0 if _queue is None else _queue.get_num_unfinalized_calls()
 
 
+def in_flight():
+    """(iteration, staging directory) of every save scheduled and not yet published,
+    oldest first: what a stop now abandons."""
+    return sorted((info[0], info[1]) for info in _pending.values())
+
+
 def schedule(args, iteration, staging, needed, request, publish, fail):
     """Run ``request``'s write in the background; ``publish()`` (collective) runs after
     megatron-core's own finalize functions once every rank's write is done; ``fail(error)``

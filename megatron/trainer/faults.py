@@ -27,7 +27,7 @@ import torch
 
 from megatron.core import parallel_state
 
-from megatron.trainer import device
+from megatron.trainer import async_save, device
 from megatron.trainer.rerun import RerunStop
 from megatron.trainer.stop_signals import Interrupted, StopSignals
 
@@ -193,6 +193,31 @@ def timeout_error(error, step, args):
         f"(check its log and its node); the job stops. ({detail.strip()[:300]})")
 
 
+def _publish_saves_in_flight(args):
+    """--async-save: the saves still being written hold earlier iterations' states, each
+    checked finite before its step, so a non-finite stop (raised alike on every rank)
+    waits for them and publishes them instead of abandoning them. A write that fails has
+    already said so in its own line; the stop goes on."""
+    try:
+        async_save.maybe_finalize(args, blocking=True)
+    except SystemExit:
+        pass
+
+
+def _abandoned_saves():
+    """What a stop does to the asynchronous saves still being written (--async-save): they
+    are abandoned (the trainer's exit kills their writers and removes their directories)."""
+    saves = async_save.in_flight()
+    if not saves:
+        return ""
+    many = len(saves) > 1
+    iterations = " and ".join(str(iteration) for iteration, _ in saves)
+    directories = ", ".join(staging for _, staging in saves)
+    return (f"; the asynchronous save{'s' if many else ''} of iteration{'s' if many else ''} "
+            f"{iterations}, still being written, {'are' if many else 'is'} abandoned and "
+            f"{directories} removed")
+
+
 def _interrupted(args, progress, signum):
     """Every rank stops; rank 0 says where and what is saved. Exit 0 with
     --exit-signal-handler-for-training (Megatron-LM's orderly shutdown), else 128 + the
@@ -205,8 +230,8 @@ def _interrupted(args, progress, signum):
                   f" To finish the iteration and save on {name}, pass --exit-signal-handler"
                   + (f" --exit-signal {name}" if name != "SIGTERM" else ""))
         print(f"{'error' if code else 'note'}: {name} received during {progress.step}: "
-              f"stopped without saving. {_latest_checkpoint(args)}{advice}",
-              file=sys.stderr, flush=True)
+              f"stopped without saving{_abandoned_saves()}. {_latest_checkpoint(args)}"
+              f"{advice}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -220,6 +245,7 @@ def stops_cleanly(args, progress, guard=None):
     try:
         yield
     except NonFiniteError as error:
+        _publish_saves_in_flight(args)
         if torch.distributed.get_rank() == 0:
             print(f"error: {error} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
         sys.exit(1)
