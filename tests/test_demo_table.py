@@ -15,17 +15,22 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "demo_table.py"
 
 
-def _iteration_line(iteration, loss):
+def _iteration_line(iteration, loss, tokens_per_s):
     return (f" iteration {iteration:8d}/{3:8d} | consumed samples: {8 * iteration:12d} |"
             f" elapsed time per iteration (ms): 10.0 | learning rate: 3.000000e-04 |"
             f" global batch size:     8 | lm loss: {loss:.6g} | grad norm: 1.5 |"
-            f" tokens/s: 999.0 | TFLOP/s per device: 0.0100 |"
+            f" tokens/s: {tokens_per_s} | TFLOP/s per device: 0.0100 |"
             f" activation peak per pipeline stage (GB): 0.010 0.005 |")
 
 
-def write_run(runs, name, losses, tokens_per_s, rank1_start, peaks, validation=5.0):
-    """One fabricated run: ``rank1_start`` sets the timeline's bubble (units last 1 s)."""
-    lines = ["W some warning", *(_iteration_line(i + 1, loss) for i, loss in enumerate(losses)),
+def write_run(runs, name, losses, tokens_per_s, rank1_start, peaks, validation=5.0,
+              speeds=None):
+    """One fabricated run: ``rank1_start`` sets the timeline's bubble (units last 1 s);
+    ``speeds``: each iteration line's tokens/s (default: 999 each; the [summary] line
+    says ``tokens_per_s``)."""
+    speeds = speeds or [999.0] * len(losses)
+    lines = ["W some warning", *(_iteration_line(i + 1, loss, speed)
+                                 for i, (loss, speed) in enumerate(zip(losses, speeds))),
              f" validation loss at iteration 3 | lm loss value: {validation:.6g} | lm loss PPL: 1 |",
              f"[summary] iterations: 3 (skipped 0) | time: 1.0s | ms/iteration: 10.0 | "
              f"final lm loss: {losses[-1]:.6g} | tokens/s: {tokens_per_s} | "
@@ -57,8 +62,12 @@ def rows(stdout):
 
 @pytest.mark.distributed
 def test_figures_and_ratios_come_from_the_files(tmp_path):
-    write_run(tmp_path, "1f1b", [7.0, 6.5, 6.0], 1000.0, 1.0, [4 * 2**20, 2 * 2**20])
-    write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0], 1500.0, 0.5, [2 * 2**20, 3 * 2**20])
+    # tokens/s: the median of the iterations after the first (warm-up), not the
+    # [summary] line's mean over all of them
+    write_run(tmp_path, "1f1b", [7.0, 6.5, 6.0], 700.0, 1.0, [4 * 2**20, 2 * 2**20],
+              speeds=[100.0, 900.0, 1100.0])
+    write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0], 900.0, 0.5, [2 * 2**20, 3 * 2**20],
+              speeds=[50.0, 1400.0, 1600.0])
     result = table(tmp_path, "1f1b", "seq1f1b_s4")
     assert result.returncode == 0, result.stderr
     got = rows(result.stdout)
@@ -69,9 +78,16 @@ def test_figures_and_ratios_come_from_the_files(tmp_path):
     assert "say nothing about GPU speed" in result.stdout.splitlines()[-1]
 
     # other files, other figures: nothing is a constant
-    write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0], 500.0, 0.0, [4 * 2**20, 8 * 2**20])
+    write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0], 500.0, 0.0, [4 * 2**20, 8 * 2**20],
+              speeds=[5000.0, 500.0, 500.0])
     got = rows(table(tmp_path, "1f1b", "seq1f1b_s4").stdout)
     assert got["seq1f1b_s4"][:4] == ["500 (0.50)", "0.0%", "4.0 MiB (1.00)", "8.0 MiB (2.00)"]
+
+    # a run of one iteration has no iteration after the warm-up: the [summary] line's
+    write_run(tmp_path, "1f1b", [7.0], 800.0, 1.0, [4, 2], speeds=[10.0])
+    write_run(tmp_path, "seq1f1b_s4", [7.0], 1200.0, 1.0, [4, 2], speeds=[20.0])
+    got = rows(table(tmp_path, "1f1b", "seq1f1b_s4").stdout)
+    assert got["1f1b"][0] == "800 (1.00)" and got["seq1f1b_s4"][0] == "1200 (1.50)"
 
 
 @pytest.mark.distributed

@@ -5,8 +5,9 @@
 
 For every run NAME the directory holds NAME.log (pretrain_gpt.py's output with
 --log-interval 1), timeline_NAME.json (--timeline-file) and memory_NAME.json
-(--activation-memory-file). The first run is the baseline. Columns: tokens/s of the
-[summary] line, the bubble of the recorded training iteration (Timeline.bubble_fraction),
+(--activation-memory-file). The first run is the baseline. Columns: tokens/s, the
+median of the iteration lines' tokens/s after the first iteration (warm-up: allocations
+and lazy initialisation; the [summary] line's when a run logged one iteration), the bubble of the recorded training iteration (Timeline.bubble_fraction),
 the probe's activation peak of stage 0 and of the worst stage, the final loss, and
 whether every iteration's and validation loss equals the baseline's within --rtol.
 Exits 1, with one line per differing run, when the losses differ.
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,11 +26,13 @@ from megatron.schedules.timeline import read_timeline  # noqa: E402
 
 ITERATION = re.compile(r"\biteration +(\d+)/ *\d+ \|.*?\| lm loss: ([^ |]+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([^ |]+) \|")
+ITERATION_SPEED = re.compile(r"\biteration +(\d+)/ *\d+ \|.*?\| tokens/s: ([^ |]+) \|")
 SUMMARY = re.compile(r"\[summary\].*final lm loss: ([^ |]+) \|.*tokens/s: ([^ |]+) \|")
 
 CPU_NOTE = ("On CPU the equal losses and the activation peaks (bytes counted by the probe) carry "
-            "over to GPUs; tokens/s and the bubble time one run on 2 shared cores (gloo, probe "
-            "and timeline on) and say nothing about GPU speed.")
+            "over to GPUs; tokens/s (median over the iterations after the first) and the "
+            "bubble time one run on 2 shared cores (gloo, probe and timeline on) and say "
+            "nothing about GPU speed.")
 
 
 class RunError(Exception):
@@ -37,13 +41,16 @@ class RunError(Exception):
 
 def read_log(path):
     """Losses keyed by ("train" | "valid", iteration), final loss and tokens/s of a log."""
-    losses, summary = {}, None
+    losses, summary, speeds = {}, None, {}
     with open(path, errors="replace") as handle:
         for line in handle:
             for kind, pattern in (("train", ITERATION), ("valid", VALIDATION)):
                 match = pattern.search(line)
                 if match:
                     losses[(kind, int(match.group(1)))] = float(match.group(2))
+            match = ITERATION_SPEED.search(line)
+            if match:
+                speeds[int(match.group(1))] = float(match.group(2))
             match = SUMMARY.search(line)
             if match:
                 summary = match
@@ -51,8 +58,11 @@ def read_log(path):
         raise RunError(f"{path} has no [summary] line (did the run finish?)")
     if not losses:
         raise RunError(f"{path} has no iteration lines with an lm loss")
+    after_warmup = [speed for iteration, speed in speeds.items() if iteration > 1]
+    tokens_per_s = (statistics.median(after_warmup) if after_warmup
+                    else float(summary.group(2)))
     return {"losses": losses, "final_loss": float(summary.group(1)),
-            "tokens_per_s": float(summary.group(2))}
+            "tokens_per_s": tokens_per_s}
 
 
 def read_run(runs_dir, name):
