@@ -18,6 +18,7 @@ down), each trained with Seq1F1B at pp=2 against one process.
 """
 
 import pytest
+import torch
 
 from distributed import (
     GQA_ROPE_SWIGLU,
@@ -145,6 +146,19 @@ def test_split_run_equals_unsplit_runs(results, name):
         assert_params_close(run["params"], expected["params"])
 
 
+def key_bias_entries(names, heads=4, groups=2, channels=16):
+    """The key part of every layer's QKV bias (megatron-core's layout: per query group,
+    its query heads, then its key, then its value), for _SCALED's attention. Without QK
+    norm its exact gradient is zero: q . b_k shifts all of a query's scores alike, which
+    softmax ignores. What it trains to is rounding noise normalised by Adam (moves of up
+    to lr per step; two exact runs ended 1e-6 apart on an AVX2 host while the query and
+    value biases agreed to 4e-8), so it is left out of the parameter comparison."""
+    per_group = (heads // groups + 2) * channels
+    key = torch.zeros(groups, per_group, dtype=torch.bool)
+    key[:, heads // groups * channels:(heads // groups + 1) * channels] = True
+    return {name: key.flatten() for name in names if name.endswith("linear_qkv.bias")}
+
+
 @pytest.mark.parametrize("recipe", RECIPE_CASES)
 def test_megatron_lm_recipe_trains_exactly_with_seq1f1b(results, recipe):
     n, _ = RECIPE_CASES[recipe]
@@ -157,10 +171,9 @@ def test_megatron_lm_recipe_trains_exactly_with_seq1f1b(results, recipe):
     assert run["final_validation_loss"] is not None
     assert_close_series([run["final_validation_loss"]], [ref["final_validation_loss"]], 1e-5,
                         f"{recipe} validation loss")
-    assert_params_close(run["params"], ref["params"])
-    import torch
-
     names = set(torch.load(ref["params"]))
+    noise_only = key_bias_entries(names) if recipe == "qwen2.5" else None  # no QK norm
+    assert_params_close(run["params"], ref["params"], not_compared=noise_only)
     has = {"qk norm": any("q_layernorm" in n for n in names),
            "qkv bias": any(n.endswith("linear_qkv.bias") for n in names),
            "output layer": "output_layer.weight" in names,
