@@ -5,11 +5,12 @@
 
 For every run NAME the directory holds NAME.log (pretrain_gpt.py's output with
 --log-interval 1), timeline_NAME.json (--timeline-file) and memory_NAME.json
-(--activation-memory-file). The first run is the baseline. Columns: tokens/s, the
-median of the iteration lines' tokens/s after the first iteration (warm-up: allocations
-and lazy initialisation; the [summary] line's when a run logged one iteration), the bubble of the recorded training iteration (Timeline.bubble_fraction),
-the probe's activation peak of stage 0 and of the worst stage, the final loss, and
-whether every iteration's and validation loss equals the baseline's within --rtol.
+(--activation-memory-file). The first run is the baseline. Columns: tokens/s (the
+median of the iteration lines' after the run's first, whose allocations and lazy set-up
+make it a warm-up; the [summary] line's when a run logged one iteration), the bubble of
+the recorded training iteration (Timeline.bubble_fraction), the probe's activation peak
+of stage 0 and of the worst stage, the final loss, and whether every iteration's and
+validation loss equals the baseline's within --rtol.
 Exits 1, with one line per differing run, when the losses differ.
 """
 
@@ -58,7 +59,8 @@ def read_log(path):
         raise RunError(f"{path} has no [summary] line (did the run finish?)")
     if not losses:
         raise RunError(f"{path} has no iteration lines with an lm loss")
-    after_warmup = [speed for iteration, speed in speeds.items() if iteration > 1]
+    # the run's first logged iteration is its warm-up (iteration 1, or the first after a load)
+    after_warmup = [speed for iteration, speed in speeds.items() if iteration > min(speeds)]
     tokens_per_s = (statistics.median(after_warmup) if after_warmup
                     else float(summary.group(2)))
     return {"losses": losses, "final_loss": float(summary.group(1)),
