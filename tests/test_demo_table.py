@@ -24,13 +24,18 @@ def _iteration_line(iteration, loss, tokens_per_s):
 
 
 def write_run(runs, name, losses, tokens_per_s, rank1_start, peaks, validation=5.0,
-              speeds=None):
+              speeds=None, restarts=()):
     """One fabricated run: ``rank1_start`` sets the timeline's bubble (units last 1 s);
     ``speeds``: each iteration line's tokens/s (default: 999 each; the [summary] line
-    says ``tokens_per_s``)."""
+    says ``tokens_per_s``); ``restarts``: iterations a new process (a resume) logs first."""
     speeds = speeds or [999.0] * len(losses)
-    lines = ["W some warning", *(_iteration_line(i + 1, loss, speed)
-                                 for i, (loss, speed) in enumerate(zip(losses, speeds))),
+    iteration_lines = []
+    for i, (loss, speed) in enumerate(zip(losses, speeds)):
+        if i + 1 in restarts:
+            iteration_lines.append("> setup done in 0.9s: tp=1 pp=2 dp=1 microbatches=8")
+        iteration_lines.append(_iteration_line(i + 1, loss, speed))
+    lines = ["W some warning", "> setup done in 1.0s: tp=1 pp=2 dp=1 microbatches=8",
+             *iteration_lines,
              f" validation loss at iteration 3 | lm loss value: {validation:.6g} | lm loss PPL: 1 |",
              f"[summary] iterations: 3 (skipped 0) | time: 1.0s | ms/iteration: 10.0 | "
              f"final lm loss: {losses[-1]:.6g} | tokens/s: {tokens_per_s} | "
@@ -82,6 +87,12 @@ def test_figures_and_ratios_come_from_the_files(tmp_path):
               speeds=[5000.0, 500.0, 500.0])
     got = rows(table(tmp_path, "1f1b", "seq1f1b_s4").stdout)
     assert got["seq1f1b_s4"][:4] == ["500 (0.50)", "0.0%", "4.0 MiB (1.00)", "8.0 MiB (2.00)"]
+
+    # a log of two processes (a resumed run): each process's first iteration is a warm-up
+    write_run(tmp_path, "seq1f1b_s4", [7.0, 6.5, 6.0, 5.5, 5.0], 500.0, 0.0, [4, 8],
+              speeds=[10.0, 1400.0, 20.0, 1500.0, 1600.0], restarts=(3,))
+    got = rows(table(tmp_path, "1f1b", "seq1f1b_s4").stdout)
+    assert got["seq1f1b_s4"][0] == "1500 (1.50)"
 
     # a run of one iteration has no iteration after the warm-up: the [summary] line's
     write_run(tmp_path, "1f1b", [7.0], 800.0, 1.0, [4, 2], speeds=[10.0])

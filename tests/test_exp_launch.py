@@ -154,17 +154,29 @@ def test_cpu_demo_commands_compare_three_schedules_in_one_table(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [line[2:] for line in result.stdout.splitlines() if line.startswith("+ ")]
     trainings = [shlex.split(line) for line in lines if "pretrain_gpt.py" in line]
-    names, schedules = [], []
-    for words in trainings:
-        assert words[-2] == ">"  # the whole output goes to the log the table reads
+    # the demo's checkpoints are removed before the first round: every run starts at 0
+    assert lines.index(f"rm -rf {runs / 'checkpoints'}") < lines.index(
+        next(line for line in lines if "pretrain_gpt.py" in line))
+    names, schedules, stops = [], [], []
+    for round_index, words in enumerate(trainings):
+        # the whole output goes to the log the table reads; the second round adds to it
+        assert words[-2] == (">" if round_index < 3 else ">>")
         argv = _without_data(words[words.index("pretrain_gpt.py") + 1:-2])
         args = parse_args(argv, world_size=2, cuda_available=False)
         name = Path(words[-1]).stem
         assert args.timeline_file == str(runs / f"timeline_{name}.json")
         assert args.activation_memory_file == str(runs / f"memory_{name}.json")
         assert args.log_interval == 1  # every iteration's loss is compared
+        # each round resumes the run's own checkpoint and stops with one
+        assert args.save == args.load == str(runs / "checkpoints" / name)
+        assert args.save_interval == args.exit_interval
+        stops.append((args.exit_interval, args.train_iters))
         names.append(name)
         schedules.append((args.pipeline_schedule, args.seq1f1b_splits, args.slimpipe_slices))
+    # two rounds, the schedules in turn, that together train every iteration once
+    assert len(trainings) == 6 and names[3:] == names[:3] and schedules[3:] == schedules[:3]
+    assert all(interval * 2 == iters for interval, iters in stops)
+    names = names[:3]
     assert schedules[0][1:] == (1, None) and schedules[1][1:] == (4, None)
     assert schedules[2] == ("slimpipe", 1, 4)
     table = [shlex.split(line) for line in lines if "tools/demo_table.py" in line]

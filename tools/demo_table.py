@@ -5,10 +5,12 @@
 
 For every run NAME the directory holds NAME.log (pretrain_gpt.py's output with
 --log-interval 1), timeline_NAME.json (--timeline-file) and memory_NAME.json
-(--activation-memory-file). The first run is the baseline. Columns: tokens/s (the
-median of the iteration lines' after the run's first, whose allocations and lazy set-up
-make it a warm-up; the [summary] line's when a run logged one iteration), the bubble of
-the recorded training iteration (Timeline.bubble_fraction), the probe's activation peak
+(--activation-memory-file). A log may hold several processes of one run (exp.sh trains
+in two rounds, the second resuming the first's checkpoint). The first run is the
+baseline. Columns: tokens/s (the median of the iteration lines, leaving out each
+process's first, whose allocations and lazy set-up make it a warm-up; the last [summary]
+line's when nothing else is left), the bubble of the last process's recorded training
+iteration (Timeline.bubble_fraction), the probe's activation peak
 of stage 0 and of the worst stage, the final loss, and whether every iteration's and
 validation loss equals the baseline's within --rtol.
 Exits 1, with one line per differing run, when the losses differ.
@@ -28,12 +30,14 @@ from megatron.schedules.timeline import read_timeline  # noqa: E402
 ITERATION = re.compile(r"\biteration +(\d+)/ *\d+ \|.*?\| lm loss: ([^ |]+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([^ |]+) \|")
 ITERATION_SPEED = re.compile(r"\biteration +(\d+)/ *\d+ \|.*?\| tokens/s: ([^ |]+) \|")
+# a process's set-up line: the iteration line after it is that process's warm-up
+START = re.compile(r"> setup done in ")
 SUMMARY = re.compile(r"\[summary\].*final lm loss: ([^ |]+) \|.*tokens/s: ([^ |]+) \|")
 
 CPU_NOTE = ("On CPU the equal losses and the activation peaks (bytes counted by the probe) carry "
-            "over to GPUs; tokens/s (median over the iterations after the first) and the "
-            "bubble time one run on 2 shared cores (gloo, probe and timeline on) and say "
-            "nothing about GPU speed.")
+            "over to GPUs; tokens/s (median over the iterations, each process's first left "
+            "out) and the bubble time runs on 2 shared cores (gloo, probe and timeline on) "
+            "and say nothing about GPU speed.")
 
 
 class RunError(Exception):
@@ -43,15 +47,20 @@ class RunError(Exception):
 def read_log(path):
     """Losses keyed by ("train" | "valid", iteration), final loss and tokens/s of a log."""
     losses, summary, speeds = {}, None, {}
+    warming_up = True  # the next iteration line is the first of a process
     with open(path, errors="replace") as handle:
         for line in handle:
+            if START.search(line):
+                warming_up = True
             for kind, pattern in (("train", ITERATION), ("valid", VALIDATION)):
                 match = pattern.search(line)
                 if match:
                     losses[(kind, int(match.group(1)))] = float(match.group(2))
             match = ITERATION_SPEED.search(line)
             if match:
-                speeds[int(match.group(1))] = float(match.group(2))
+                if not warming_up:
+                    speeds[int(match.group(1))] = float(match.group(2))
+                warming_up = False
             match = SUMMARY.search(line)
             if match:
                 summary = match
@@ -59,9 +68,7 @@ def read_log(path):
         raise RunError(f"{path} has no [summary] line (did the run finish?)")
     if not losses:
         raise RunError(f"{path} has no iteration lines with an lm loss")
-    # the run's first logged iteration is its warm-up (iteration 1, or the first after a load)
-    after_warmup = [speed for iteration, speed in speeds.items() if iteration > min(speeds)]
-    tokens_per_s = (statistics.median(after_warmup) if after_warmup
+    tokens_per_s = (statistics.median(speeds.values()) if speeds
                     else float(summary.group(2)))
     return {"losses": losses, "final_loss": float(summary.group(1)),
             "tokens_per_s": tokens_per_s}
