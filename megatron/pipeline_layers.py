@@ -3,8 +3,9 @@
 Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers`` and
 ``--decoder-last-pipeline-num-layers`` fix the first and last stages' layer counts and the
 remaining layers divide evenly among the middle stages (megatron-core's
-``TransformerConfig`` checks and ``get_num_layers_to_build``); without them every stage
-holds ``num_layers / pp``. The planner, the argument checks and the tests share this one
+``TransformerConfig`` checks and ``get_num_layers_to_build``);
+``--account-for-embedding/loss-in-pipeline-split`` count the embedding / the loss as a
+layer of an even split instead; without them every stage holds ``num_layers / pp``. The planner, the argument checks and the tests share this one
 rule, so the model megatron-core builds and what they assume cannot drift apart.
 """
 
@@ -13,9 +14,18 @@ class UnevenSplitError(ValueError):
     """A layer split megatron-core would refuse; the message names the flags."""
 
 
-def stage_layer_counts(num_layers, pp, first=None, last=None, vp=None):
+def stage_layer_counts(num_layers, pp, first=None, last=None, vp=None,
+                       account_for_embedding=False, account_for_loss=False):
     """Layers on each of the ``pp`` pipeline ranks (all of a rank's virtual stages together),
-    checked as megatron-core checks them (each rank's count divides by ``vp``)."""
+    checked as megatron-core checks them (each rank's count divides by ``vp``).
+
+    ``account_for_embedding`` / ``account_for_loss`` (Megatron-LM's
+    ``--account-for-embedding/loss-in-pipeline-split``): the embedding and the output
+    layer with the loss count as one layer each in an even split, so the first / last
+    stage builds one transformer layer fewer (megatron-core's ``get_num_layers_to_build``)."""
+    if account_for_embedding or account_for_loss:
+        return _accounted_counts(num_layers, pp, first, last, vp, account_for_embedding,
+                                 account_for_loss)
     if first is None and last is None:
         if num_layers % pp:
             raise UnevenSplitError(
@@ -57,6 +67,34 @@ def stage_layer_counts(num_layers, pp, first=None, last=None, vp=None):
                     f"pipeline rank {rank} holds {count} layers, not divisible by the "
                     f"{vp} virtual pipeline stages per rank; change --num-layers, "
                     f"--decoder-first/last-pipeline-num-layers or the virtual stage count")
+    return counts
+
+
+def _accounted_counts(num_layers, pp, first, last, vp, embedding, loss):
+    flags = " and ".join(flag for flag, on in (
+        ("--account-for-embedding-in-pipeline-split", embedding),
+        ("--account-for-loss-in-pipeline-split", loss)) if on)
+    if first is not None or last is not None:  # megatron-core asserts the same
+        raise UnevenSplitError(f"{flags} cannot be combined with --decoder-first/last-"
+                               f"pipeline-num-layers; give one way of unequal stages")
+    if vp is not None and vp > 1:
+        raise UnevenSplitError(f"{flags} with virtual pipeline stages is not supported "
+                               f"here yet; drop the virtual stages or give the stages' layers "
+                               f"with --decoder-first/last-pipeline-num-layers")
+    slots = num_layers + int(embedding) + int(loss)
+    if slots % pp:
+        raise UnevenSplitError(
+            f"with {flags} the {num_layers} layers plus the "
+            f"{'embedding and loss' if embedding and loss else 'embedding' if embedding else 'loss'}"
+            f" ({slots}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    counts = [slots // pp] * pp
+    if embedding:
+        counts[0] -= 1
+    if loss:
+        counts[-1] -= 1
+    if 0 in counts:
+        raise UnevenSplitError(f"with {flags} pipeline rank {counts.index(0)} would hold no "
+                               f"transformer layer; give every stage at least one layer")
     return counts
 
 

@@ -6,6 +6,8 @@ A 6-layer model (tied embeddings: the first and last stages share the embedding)
   s = 2 and 3 against s = 1 on that layout and against one process;
 * interleaved, pp=2 x 2 virtual stages as 2 + 4 layers (chunks of 1, 2, 1, 2 layers),
   s = 2 against s = 1 and one process;
+* pp=4 with --account-for-embedding/loss-in-pipeline-split (megatron-core builds
+  1 + 2 + 2 + 1 layers), s = 2 against s = 1 and one process;
 loss, grad norm, validation loss and every parameter within 1e-5. The pp=4 s = 2 run
 saves its checkpoint, which an even pp=2 x dp=2 run then loads: the same parameters and
 validation loss (a checkpoint of unequal stages reshards into another layout). A pp=4
@@ -14,6 +16,7 @@ The argument checks (Megatron-LM's and megatron-core's rules) run in process.
 """
 
 import pytest
+import torch
 
 from distributed import TINY_MODEL, TRACKER, Plan, assert_close_series, assert_params_close, \
     init_run
@@ -30,10 +33,15 @@ PP4_UNEVEN = ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-n
               "1", "--decoder-last-pipeline-num-layers", "1"]
 PP2V2_UNEVEN = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
                 "2", "--decoder-first-pipeline-num-layers", "2"]
+# the embedding and the loss counted as layers: (6 + 2) / 4 = 2 slots per stage, so
+# megatron-core builds 1 + 2 + 2 + 1 layers
+PP4_ACCOUNTED = ["--pipeline-model-parallel-size", "4", "--account-for-embedding-in-pipeline-split",
+                 "--account-for-loss-in-pipeline-split"]
 TIMELINE = []  # where the pp=4 s=2 run writes its timeline (set by `plan`)
 # name -> (world, layout, splits, chunks)
 CASES = {f"pp4_s{n}": (4, PP4_UNEVEN, n, 1) for n in (1, 2, 3)}
 CASES.update({f"pp2v2_s{n}": (2, PP2V2_UNEVEN, n, 2) for n in (1, 2)})
+CASES.update({f"pp4acc_s{n}": (4, PP4_ACCOUNTED, n, 1) for n in (1, 2)})
 
 
 def _splits(n):
@@ -140,6 +148,33 @@ def test_stage_layer_counts_follow_megatron_core():
         stage_layer_counts(11, 3, 3, vp=2)
 
 
+def test_accounted_embedding_and_loss_follow_megatron_core():
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for num_layers, pp, embedding, loss in ((6, 4, True, True), (7, 2, False, True),
+                                            (7, 2, True, False), (30, 8, True, True),
+                                            (10, 2, True, True)):
+        config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
+                                   pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                   account_for_embedding_in_pipeline_split=embedding,
+                                   account_for_loss_in_pipeline_split=loss)
+        built = [get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)]
+        assert stage_layer_counts(num_layers, pp, account_for_embedding=embedding,
+                                  account_for_loss=loss) == built, (num_layers, pp)
+    assert stage_layer_counts(7, 2, account_for_loss=True) == [4, 3]
+    for args, kwargs, words in (
+            ((6, 2), {"account_for_loss": True}, r"the 6 layers plus the loss \(7\) must be "
+                                                  r"divisible by --pipeline-model-parallel-size"),
+            ((2, 4), {"account_for_embedding": True, "account_for_loss": True},
+             "pipeline rank 0 would hold no transformer layer"),
+            ((6, 4, 1), {"account_for_loss": True}, "cannot be combined with --decoder-first"),
+            ((6, 2, None, None, 2), {"account_for_embedding": True},
+             "with virtual pipeline stages is not supported here yet")):
+        with pytest.raises(UnevenSplitError, match=words):
+            stage_layer_counts(*args, **kwargs)
+
+
 def test_flags_are_checked_up_front():
     from megatron.trainer.arguments import ArgumentError, parse_args
 
@@ -147,6 +182,13 @@ def test_flags_are_checked_up_front():
         return parse_args(MODEL + BATCH + list(flags), world_size=world, cuda_available=False)
 
     assert parse(*PP4_UNEVEN).stage_layer_counts == [1, 2, 2, 1]
+    assert parse(*PP4_ACCOUNTED).stage_layer_counts == [1, 2, 2, 1]
+    with pytest.raises(ArgumentError, match="with virtual pipeline stages is not supported"):
+        parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+              "2", "--account-for-loss-in-pipeline-split", world=2)
+    with pytest.raises(ArgumentError, match="--slimpipe-attention-balance pairs the layers"):
+        parse(*PP4_ACCOUNTED, "--slimpipe-slices", "4", "--seq1f1b-kv-cache", "chunked",
+              "--slimpipe-attention-balance")
     args = parse(*PP2V2_UNEVEN, world=2)
     assert (args.stage_layer_counts, args.virtual_pipeline_model_parallel_size) == ([2, 4], 2)
     with pytest.raises(ArgumentError, match="--decoder-first-pipeline-num-layers"):

@@ -254,6 +254,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="transformer layers on the last pipeline stage (default: an even "
                         "split); the middle stages share the rest evenly")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer when dividing the layers among the "
+                        "pipeline stages (the first stage builds one layer fewer)")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as a layer when dividing the layers "
+                        "among the pipeline stages (the last stage builds one layer fewer)")
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    default=None, help="interleaved schedule: microbatches each chunk runs "
                                       "before the next chunk starts (default: the pp size)")
@@ -772,7 +778,9 @@ def _derive_parallel_layout(args, world_size):
     try:  # after the virtual stages: each rank's layers must divide among its chunks
         args.stage_layer_counts = stage_layer_counts(
             args.num_layers, pp, args.decoder_first_pipeline_num_layers,
-            args.decoder_last_pipeline_num_layers, args.virtual_pipeline_model_parallel_size)
+            args.decoder_last_pipeline_num_layers, args.virtual_pipeline_model_parallel_size,
+            account_for_embedding=args.account_for_embedding_in_pipeline_split,
+            account_for_loss=args.account_for_loss_in_pipeline_split)
     except UnevenSplitError as error:
         raise ArgumentError(str(error)) from None
 
@@ -1223,6 +1231,7 @@ def _validate_virtual_pipeline(args):
     _require(pp >= 2, "virtual pipeline stages need --pipeline-model-parallel-size >= 2")
     _require(args.decoder_first_pipeline_num_layers is not None
              or args.decoder_last_pipeline_num_layers is not None
+             or _accounts_stages(args)  # stage_layer_counts names what is wrong
              or args.num_layers % (pp * vp) == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp}) x virtual stages ({vp})")
@@ -1350,9 +1359,15 @@ def _validate_attention_balance(args):
     _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
     # paired units exchange attention layer by layer, so both stages need the same layers
     _require(args.decoder_first_pipeline_num_layers is None
-             and args.decoder_last_pipeline_num_layers is None,
+             and args.decoder_last_pipeline_num_layers is None and not _accounts_stages(args),
              f"{flag} pairs the layers of two pipeline stages one to one and needs equal "
-             "stages; drop it or --decoder-first/last-pipeline-num-layers")
+             "stages; drop it or --decoder-first/last-pipeline-num-layers and "
+             "--account-for-embedding/loss-in-pipeline-split")
+
+
+def _accounts_stages(args):
+    """--account-for-embedding/loss-in-pipeline-split: stages unequal by one layer."""
+    return args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
 
 
 def _gcd(a, b):

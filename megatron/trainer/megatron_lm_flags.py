@@ -275,8 +275,7 @@ for _reason, _flags in (
      "--heterogeneous-"),
     ("MuP parameterisation is not implemented (it changes initialisation, learning rates "
      "and the attention scale); drop it", "--use-mup --mup-"),
-    (_UNEVEN, "--standalone-embedding-stage --pipeline-model-parallel-layout "
-              "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"),
+    (_UNEVEN, "--standalone-embedding-stage --pipeline-model-parallel-layout"),
     (_FP8, "--fp4- --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
            "--num-layers-at-end-in-bf16 --use-grouped-gemm-for-dense-mlp "
            "--reuse-grad-buf-for-mxfp8-param-ag --keep-fp8-transpose-cache "
