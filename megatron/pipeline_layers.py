@@ -5,8 +5,9 @@ Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers`` and
 remaining layers divide evenly among the middle stages (megatron-core's
 ``TransformerConfig`` checks and ``get_num_layers_to_build``);
 ``--account-for-embedding/loss-in-pipeline-split`` count the embedding / the loss as a
-layer of an even split instead; without them every stage holds ``num_layers / pp``. The planner, the argument checks and the tests share this one
-rule, so the model megatron-core builds and what they assume cannot drift apart.
+layer of an even split instead; without them every stage holds ``num_layers / pp``. The
+planner, the argument checks and the tests share this one rule, so the model
+megatron-core builds and what they assume cannot drift apart.
 """
 
 
@@ -71,9 +72,8 @@ def stage_layer_counts(num_layers, pp, first=None, last=None, vp=None,
 
 
 def _accounted_counts(num_layers, pp, first, last, vp, embedding, loss):
-    flags = " and ".join(flag for flag, on in (
-        ("--account-for-embedding-in-pipeline-split", embedding),
-        ("--account-for-loss-in-pipeline-split", loss)) if on)
+    counted = [part for part, on in (("embedding", embedding), ("loss", loss)) if on]
+    flags = " and ".join(f"--account-for-{part}-in-pipeline-split" for part in counted)
     if first is not None or last is not None:  # megatron-core asserts the same
         raise UnevenSplitError(f"{flags} cannot be combined with --decoder-first/last-"
                                f"pipeline-num-layers; give one way of unequal stages")
@@ -84,9 +84,8 @@ def _accounted_counts(num_layers, pp, first, last, vp, embedding, loss):
     slots = num_layers + int(embedding) + int(loss)
     if slots % pp:
         raise UnevenSplitError(
-            f"with {flags} the {num_layers} layers plus the "
-            f"{'embedding and loss' if embedding and loss else 'embedding' if embedding else 'loss'}"
-            f" ({slots}) must be divisible by --pipeline-model-parallel-size ({pp})")
+            f"with {flags} the {num_layers} layers plus the {' and '.join(counted)} "
+            f"({slots}) must be divisible by --pipeline-model-parallel-size ({pp})")
     counts = [slots // pp] * pp
     if embedding:
         counts[0] -= 1
