@@ -2,8 +2,9 @@
 # Experiments.
 #
 #   bash exp.sh            CPU demo, end to end on the built-in corpus (Python's standard
-#                          library): corpus -> BPE tokenizer -> .bin/.idx -> pp=2 training
-#                          with 1F1B, Seq1F1B (s=4) and SlimPipe (4 slices), in turns:
+#                          library): corpus -> BPE tokenizer -> .bin/.idx -> pp=2 training,
+#                          2 microbatches of 2048 tokens per iteration, with 1F1B,
+#                          Seq1F1B (s=4) and SlimPipe (4 slices), in turns:
 #                          two rounds of 5 iterations, the second resuming -> one table
 #                          (tools/demo_table.py; non-zero exit if the losses differ) +
 #                          timelines with stage 0's activation memory over time.
@@ -68,12 +69,16 @@ if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
       --vocab-file "$DATA/tokenizer/vocab.json" --merge-file "$DATA/tokenizer/merges.txt" \
       --append-eod --workers 2
   fi
+  # Long-context shape: few microbatches per iteration (2 on 2 stages: 1F1B idles a third
+  # of the span) and 512-token splits. With 8 microbatches of 1024 tokens the bubble left
+  # was mostly stage imbalance and 256-token units cost 1.16x on CPU: no gain to show
+  # (docs/results.md, the CPU demo).
   MODEL_ARGS=(
-    --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 1024
-    --max-position-embeddings 1024 --position-embedding-type rope --swiglu
+    --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 2048
+    --max-position-embeddings 2048 --position-embedding-type rope --swiglu
     --normalization RMSNorm --untie-embeddings-and-output-weights
     --attention-dropout 0 --hidden-dropout 0
-    --micro-batch-size 1 --global-batch-size 8 --train-iters 10
+    --micro-batch-size 1 --global-batch-size 2 --train-iters 10
     --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --lr-decay-style cosine
     --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 10 --eval-iters 1
     --data-path "$DATA/stdlib_content_document" --split 98,2,0
@@ -116,7 +121,7 @@ if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
     --titles "${NAMES[@]}" -o "$RUNS/timelines.png"
   if [[ $DRY_RUN == 0 ]]; then
     echo
-    echo "== pp=2, 8 microbatches of 1024 tokens, 10 iterations in 2 rounds, CPU (gloo) =="
+    echo "== pp=2, 2 microbatches of 2048 tokens, 10 iterations in 2 rounds, CPU (gloo) =="
   fi
   run $PYTHON tools/demo_table.py "$RUNS" "${NAMES[@]}"
   run rm -rf "$RUNS/checkpoints"  # 0.5 GB that only the second round needed

@@ -167,6 +167,11 @@ def test_cpu_demo_commands_compare_three_schedules_in_one_table(tmp_path):
         assert args.timeline_file == str(runs / f"timeline_{name}.json")
         assert args.activation_memory_file == str(runs / f"memory_{name}.json")
         assert args.log_interval == 1  # every iteration's loss is compared
+        # the long-context regime the demo shows: as many microbatches as stages (1F1B
+        # idles a third of the span) and 512-token splits (smaller ones cost more than
+        # they save on CPU: docs/results.md)
+        assert args.global_batch_size // args.micro_batch_size == 2
+        assert args.pipeline_model_parallel_size == 2 and args.seq_length == 2048
         # each round resumes the run's own checkpoint and stops with one
         assert args.save == args.load == str(runs / "checkpoints" / name)
         assert args.save_interval == args.exit_interval
