@@ -86,6 +86,8 @@ if [[ -z "${MODEL:-}" && -z "${GPUS_PER_NODE:-}" ]]; then
     --merge-file "$DATA/tokenizer/merges.txt" --seed 1234
     --pipeline-model-parallel-size 2
   )
+  # one thread per process, what torchrun sets anyway; set here, it skips its banner
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   # name | schedule flags. Every run trains the same model on the same data, so the
   # losses must be equal; the table tool checks it and fails the demo if they are not.
   SCHEDULES=(
