@@ -5,7 +5,7 @@ Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers`` and
 remaining layers divide evenly among the middle stages (megatron-core's
 ``TransformerConfig`` checks and ``get_num_layers_to_build``);
 ``--account-for-embedding/loss-in-pipeline-split`` count the embedding / the loss as a
-layer of an even split instead; without them every stage holds ``num_layers / pp``. The
+layer of an even split instead (of the virtual stages too); without them every stage holds ``num_layers / pp``. The
 planner, the argument checks and the tests share this one rule, so the model
 megatron-core builds and what they assume cannot drift apart.
 """
@@ -23,7 +23,9 @@ def stage_layer_counts(num_layers, pp, first=None, last=None, vp=None,
     ``account_for_embedding`` / ``account_for_loss`` (Megatron-LM's
     ``--account-for-embedding/loss-in-pipeline-split``): the embedding and the output
     layer with the loss count as one layer each in an even split, so the first / last
-    stage builds one transformer layer fewer (megatron-core's ``get_num_layers_to_build``)."""
+    model chunk builds one transformer layer fewer (megatron-core's
+    ``get_num_layers_to_build``); with ``vp`` virtual stages the layers plus the counted
+    parts divide by ``pp * vp`` instead (``chunk_layer_counts`` gives the chunks)."""
     if account_for_embedding or account_for_loss:
         return _accounted_counts(num_layers, pp, first, last, vp, account_for_embedding,
                                  account_for_loss)
@@ -77,27 +79,43 @@ def _accounted_counts(num_layers, pp, first, last, vp, embedding, loss):
     if first is not None or last is not None:  # megatron-core asserts the same
         raise UnevenSplitError(f"{flags} cannot be combined with --decoder-first/last-"
                                f"pipeline-num-layers; give one way of unequal stages")
-    if vp is not None and vp > 1:
-        raise UnevenSplitError(f"{flags} with virtual pipeline stages is not supported "
-                               f"here yet; drop the virtual stages or give the stages' layers "
-                               f"with --decoder-first/last-pipeline-num-layers")
+    vp = vp or 1
     slots = num_layers + int(embedding) + int(loss)
-    if slots % pp:
+    if slots % (pp * vp):
+        stages = (f"--pipeline-model-parallel-size ({pp}) x virtual stages ({vp})" if vp > 1
+                  else f"--pipeline-model-parallel-size ({pp})")
         raise UnevenSplitError(
             f"with {flags} the {num_layers} layers plus the {' and '.join(counted)} "
-            f"({slots}) must be divisible by --pipeline-model-parallel-size ({pp})")
-    counts = [slots // pp] * pp
-    if embedding:
-        counts[0] -= 1
-    if loss:
-        counts[-1] -= 1
-    if 0 in counts:
-        raise UnevenSplitError(f"with {flags} pipeline rank {counts.index(0)} would hold no "
-                               f"transformer layer; give every stage at least one layer")
-    return counts
+            f"({slots}) must be divisible by {stages}")
+    chunks = _accounted_chunks(slots // (pp * vp), pp, vp, embedding, loss)
+    if 0 in chunks:
+        rank = chunks.index(0) % pp
+        where = (f"virtual stage {chunks.index(0) // pp} of pipeline rank {rank}" if vp > 1
+                 else f"pipeline rank {rank}")
+        raise UnevenSplitError(f"with {flags} {where} would hold no transformer layer; "
+                               f"give every stage at least one layer")
+    return [sum(chunks[rank::pp]) for rank in range(pp)]
 
 
-def chunk_layer_counts(counts, vp=None):
-    """Layers of each model chunk in pipeline order (chunk c of rank r is stage c*pp + r)."""
+def _accounted_chunks(per_chunk, pp, vp, embedding, loss):
+    """Layers of each model chunk in pipeline order when every chunk holds ``per_chunk``
+    slots and the embedding / the loss fill one slot of the first / last chunk
+    (megatron-core's ``get_num_layers_to_build``)."""
+    chunks = [per_chunk] * (pp * vp)
+    chunks[0] -= int(embedding)
+    chunks[-1] -= int(loss)
+    return chunks
+
+
+def chunk_layer_counts(counts, vp=None, account_for_embedding=False, account_for_loss=False):
+    """Layers of each model chunk in pipeline order (chunk c of rank r is stage c*pp + r),
+    from each rank's count (``stage_layer_counts``). A rank's chunks are equal except
+    where the embedding or the loss is counted as a layer: there the first / last chunk
+    holds one layer fewer."""
     vp = vp or 1
-    return [counts[rank] // vp for _ in range(vp) for rank in range(len(counts))]
+    pp = len(counts)
+    if account_for_embedding or account_for_loss:
+        per_chunk = (counts[0] + int(account_for_embedding)
+                     + (int(account_for_loss) if pp == 1 else 0)) // vp
+        return _accounted_chunks(per_chunk, pp, vp, account_for_embedding, account_for_loss)
+    return [counts[rank] // vp for _ in range(vp) for rank in range(pp)]

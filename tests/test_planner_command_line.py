@@ -68,6 +68,10 @@ def test_training_checks_apply(capsys):
     flag is refused by name."""
     with pytest.raises(PlanError, match="--tensor-model-parallel-size"):
         plan(TRAINING + ["--tensor-model-parallel-size", "3"])
+    with pytest.raises(PlanError, match="does not model virtual pipeline stages with "
+                                        "--account-for-embedding/loss"):
+        plan(TRAINING + ["--virtual-pipeline-model-parallel-size", "2",
+                         "--account-for-loss-in-pipeline-split", "--num-layers", "15"])
     with pytest.raises(SystemExit) as exc:
         main(TRAINING + ["--no-such-flag"])
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err

@@ -7,7 +7,8 @@ A 6-layer model (tied embeddings: the first and last stages share the embedding)
 * interleaved, pp=2 x 2 virtual stages as 2 + 4 layers (chunks of 1, 2, 1, 2 layers),
   s = 2 against s = 1 and one process;
 * pp=4 with --account-for-embedding/loss-in-pipeline-split (megatron-core builds
-  1 + 2 + 2 + 1 layers), s = 2 against s = 1 and one process;
+  1 + 2 + 2 + 1 layers), and pp=2 x 2 virtual stages with both (chunks of 1, 2, 2, 1
+  layers), s = 2 against s = 1 and one process;
 loss, grad norm, validation loss and every parameter within 1e-5. The pp=4 s = 2 run
 saves its checkpoint, which an even pp=2 x dp=2 run then loads: the same parameters and
 validation loss (a checkpoint of unequal stages reshards into another layout). A pp=4
@@ -37,11 +38,17 @@ PP2V2_UNEVEN = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per
 # megatron-core builds 1 + 2 + 2 + 1 layers
 PP4_ACCOUNTED = ["--pipeline-model-parallel-size", "4", "--account-for-embedding-in-pipeline-split",
                  "--account-for-loss-in-pipeline-split"]
+# the same with 2 virtual stages per rank: (6 + 2) / (2 x 2) = 2 slots per chunk, so
+# megatron-core builds chunks of 1, 2 (rank 0) and 2, 1 (rank 1) layers
+PP2V2_ACCOUNTED = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+                   "2", "--account-for-embedding-in-pipeline-split",
+                   "--account-for-loss-in-pipeline-split"]
 TIMELINE = []  # where the pp=4 s=2 run writes its timeline (set by `plan`)
 # name -> (world, layout, splits, chunks)
 CASES = {f"pp4_s{n}": (4, PP4_UNEVEN, n, 1) for n in (1, 2, 3)}
 CASES.update({f"pp2v2_s{n}": (2, PP2V2_UNEVEN, n, 2) for n in (1, 2)})
 CASES.update({f"pp4acc_s{n}": (4, PP4_ACCOUNTED, n, 1) for n in (1, 2)})
+CASES.update({f"pp2v2acc_s{n}": (2, PP2V2_ACCOUNTED, n, 2) for n in (1, 2)})
 
 
 def _splits(n):
@@ -152,17 +159,26 @@ def test_accounted_embedding_and_loss_follow_megatron_core():
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    for num_layers, pp, embedding, loss in ((6, 4, True, True), (7, 2, False, True),
-                                            (7, 2, True, False), (30, 8, True, True),
-                                            (10, 2, True, True)):
+    for num_layers, pp, vp, embedding, loss in (
+            (6, 4, None, True, True), (7, 2, None, False, True), (7, 2, None, True, False),
+            (30, 8, None, True, True), (10, 2, None, True, True), (6, 2, 2, True, True),
+            (7, 2, 2, True, False), (7, 2, 2, False, True), (14, 4, 2, True, True),
+            (22, 2, 4, True, True)):
         config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
                                    pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                   virtual_pipeline_model_parallel_size=vp,
                                    account_for_embedding_in_pipeline_split=embedding,
                                    account_for_loss_in_pipeline_split=loss)
-        built = [get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)]
-        assert stage_layer_counts(num_layers, pp, account_for_embedding=embedding,
-                                  account_for_loss=loss) == built, (num_layers, pp)
+        # megatron-core's chunks in pipeline order: chunk c of rank r is stage c * pp + r
+        built = [get_num_layers_to_build(config, vp_stage=None if vp is None else chunk,
+                                         pp_rank=rank)
+                 for chunk in range(vp or 1) for rank in range(pp)]
+        counts = stage_layer_counts(num_layers, pp, vp=vp, account_for_embedding=embedding,
+                                    account_for_loss=loss)
+        assert chunk_layer_counts(counts, vp, embedding, loss) == built, (num_layers, pp, vp)
+        assert counts == [sum(built[rank::pp]) for rank in range(pp)], (num_layers, pp, vp)
     assert stage_layer_counts(7, 2, account_for_loss=True) == [4, 3]
+    assert chunk_layer_counts([3, 3], 2, True, True) == [1, 2, 2, 1]
     for args, kwargs, words in (
             ((6, 2), {"account_for_loss": True}, r"the 6 layers plus the loss \(7\) must be "
                                                   r"divisible by --pipeline-model-parallel-size"),
@@ -170,7 +186,10 @@ def test_accounted_embedding_and_loss_follow_megatron_core():
              "pipeline rank 0 would hold no transformer layer"),
             ((6, 4, 1), {"account_for_loss": True}, "cannot be combined with --decoder-first"),
             ((6, 2, None, None, 2), {"account_for_embedding": True},
-             "with virtual pipeline stages is not supported here yet")):
+             r"\(7\) must be divisible by --pipeline-model-parallel-size \(2\) x virtual "
+             r"stages \(2\)"),
+            ((7, 2, None, None, 4), {"account_for_loss": True},
+             "virtual stage 3 of pipeline rank 1 would hold no transformer layer")):
         with pytest.raises(UnevenSplitError, match=words):
             stage_layer_counts(*args, **kwargs)
 
@@ -183,7 +202,14 @@ def test_flags_are_checked_up_front():
 
     assert parse(*PP4_UNEVEN).stage_layer_counts == [1, 2, 2, 1]
     assert parse(*PP4_ACCOUNTED).stage_layer_counts == [1, 2, 2, 1]
-    with pytest.raises(ArgumentError, match="with virtual pipeline stages is not supported"):
+    assert parse(*PP2V2_ACCOUNTED, world=2).stage_layer_counts == [3, 3]
+    # Megatron-LM's --num-layers-per-virtual-pipeline-stage counts the slots: (6 + 2) / 2 / 2
+    per_stage = parse("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-"
+                      "pipeline-stage", "2", "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split", world=2)
+    assert per_stage.virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ArgumentError, match=r"\(7\) must be divisible by "
+                                            r"--pipeline-model-parallel-size \(2\) x virtual"):
         parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
               "2", "--account-for-loss-in-pipeline-split", world=2)
     with pytest.raises(ArgumentError, match="--slimpipe-attention-balance pairs the layers"):

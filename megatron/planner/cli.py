@@ -213,6 +213,14 @@ def config_from_args(args) -> PlanConfig:
     tp, pp, dp = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
                   t.data_parallel_size)
     chunks = 1
+    if ((args.num_layers_per_virtual_pipeline_stage or args.virtual_pipeline_model_parallel_size)
+            and (t.account_for_embedding_in_pipeline_split
+                 or t.account_for_loss_in_pipeline_split)):
+        # the first / last chunk then holds a layer fewer than its rank's other chunks;
+        # the cost model prices every chunk of a rank alike
+        raise PlanError("the planner does not model virtual pipeline stages with "
+                        "--account-for-embedding/loss-in-pipeline-split yet (the trainer "
+                        "runs them); plan without the virtual stages")
     if args.num_layers_per_virtual_pipeline_stage:
         per_stage = model.num_layers // max(pp, 1)
         n = args.num_layers_per_virtual_pipeline_stage

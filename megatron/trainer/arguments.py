@@ -1219,11 +1219,15 @@ def _validate_virtual_pipeline(args):
                  "with --decoder-first/last-pipeline-num-layers give the virtual stages as "
                  "--num-virtual-stages-per-pipeline-rank, not "
                  "--num-layers-per-virtual-pipeline-stage")
-        _require(args.num_layers % (pp * per_stage) == 0,
-                 f"--num-layers ({args.num_layers}) must be divisible by "
+        # as Megatron-LM: an embedding / loss counted as a layer fills a slot of its chunk
+        slots = (args.num_layers + int(args.account_for_embedding_in_pipeline_split)
+                 + int(args.account_for_loss_in_pipeline_split))
+        counted = "" if slots == args.num_layers else " plus the counted embedding/loss"
+        _require(slots % (pp * per_stage) == 0,
+                 f"--num-layers ({args.num_layers}){counted} must be divisible by "
                  f"--pipeline-model-parallel-size ({pp}) x "
                  f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
-        vp = args.num_layers // (pp * per_stage)
+        vp = slots // (pp * per_stage)
     if vp is None or vp == 1:
         args.virtual_pipeline_model_parallel_size = None  # the group size is then unused
         return
