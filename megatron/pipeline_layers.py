@@ -5,9 +5,9 @@ Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers`` and
 remaining layers divide evenly among the middle stages (megatron-core's
 ``TransformerConfig`` checks and ``get_num_layers_to_build``);
 ``--account-for-embedding/loss-in-pipeline-split`` count the embedding / the loss as a
-layer of an even split instead (of the virtual stages too); without them every stage holds ``num_layers / pp``. The
-planner, the argument checks and the tests share this one rule, so the model
-megatron-core builds and what they assume cannot drift apart.
+layer of an even split instead (of the virtual stages too); without them every stage
+holds ``num_layers / pp``. The planner, the argument checks and the tests share this one
+rule, so the model megatron-core builds and what they assume cannot drift apart.
 """
 
 
@@ -114,8 +114,8 @@ def chunk_layer_counts(counts, vp=None, account_for_embedding=False, account_for
     holds one layer fewer."""
     vp = vp or 1
     pp = len(counts)
-    if account_for_embedding or account_for_loss:
-        per_chunk = (counts[0] + int(account_for_embedding)
-                     + (int(account_for_loss) if pp == 1 else 0)) // vp
+    if vp > 1 and (account_for_embedding or account_for_loss):
+        # rank 0's chunks hold the same slots, its first one short of the embedding
+        per_chunk = (counts[0] + int(account_for_embedding)) // vp
         return _accounted_chunks(per_chunk, pp, vp, account_for_embedding, account_for_loss)
     return [counts[rank] // vp for _ in range(vp) for rank in range(pp)]
