@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron.seqsplit.attention_backends import AttentionCall, available_backends, get_backend
-from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
+from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention, storage_id
 from megatron.seqsplit.split_lengths import split_offsets
 
 DTYPE = torch.float64
@@ -308,22 +308,25 @@ def run_and_measure(num_splits, L=64, b=1, hq=4, g=2):
     q, k, v, w = make_inputs(L, b, hq, g)
     store = KVCacheStore()
     run = SplitRun(q, k, v, w, [L // num_splits] * num_splits, store, "sdpa/buffer")
-    saved = {}
+    saved = {}  # storage_id -> (kind, storage): sizes read after the last forward
+    row_bytes = 2 * b * g * D * (torch.finfo(DTYPE).bits // 8)  # K and V of one position
 
     def pack(t):
-        st = t.untyped_storage()
         # K/V are the only 4-D tensors with g heads; 2-D ones are the bottom-right causal
         # masks of splits with lq != lk that CPU SDPA keeps (kernels need none on CUDA).
         kind = "kv" if t.dim() == 4 and t.shape[1] == g else "mask" if t.dim() == 2 else "other"
-        saved[st.data_ptr()] = (kind, st.nbytes())
+        saved[storage_id(t)] = (kind, t.untyped_storage())
         return t
 
     peak = 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for j in range(num_splits):
             run.forward(j)
+            # the buffers grow with the splits run: nothing allocated for later ones
+            assert store.cached_bytes() == row_bytes * L // num_splits * (j + 1)
             peak = max(peak, store.cached_bytes())
     kv_bytes = store.cached_bytes()
+    saved = {key: (kind, st.nbytes()) for key, (kind, st) in saved.items()}
     for j in reversed(range(num_splits)):
         run.backward(j)
         peak = max(peak, store.cached_bytes())

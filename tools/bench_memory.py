@@ -67,12 +67,12 @@ def predicted_peak(units, lengths, num_chunks, per_microbatch, kv_bytes, layout=
     A unit (microbatch, split j, model chunk c) holds its share ``l_j / L`` of the chunk's
     non-K/V activations ``(M - K) / v``. The KV cache term, per (microbatch, chunk) and
     `layout` of --seq1f1b-kv-cache, in units of the chunk's ``K / v``:
-    buffer:  one full K/V buffer from the first forward to the split-0 backward, and
-             the K/V gradient accumulator from the first backward to split 0's
-             (splits' prefix gradients wait there for their own split; it spans the
-             last split's prefix, ``o_{s-1} / L``);
-    chunked: the K/V chunks of the splits that ran forward (``l_j / L`` each), and after
-             split j's backward the gradients left for chunks < j (``o_j / L``).
+    both:    the K/V of the splits that ran forward (``l_j / L`` each: the buffer grows
+             split by split, the chunked cache adds a chunk), until the split-0 backward;
+    buffer:  from the first backward to split 0's, the K/V gradient accumulator (splits'
+             prefix gradients wait there for their own split; it spans the last split's
+             prefix, ``o_{s-1} / L``);
+    chunked: after split j's backward the gradients left for chunks < j (``o_j / L``).
     Seq1F1B is the case of one chunk.
     """
     total = sum(lengths)
@@ -84,10 +84,7 @@ def predicted_peak(units, lengths, num_chunks, per_microbatch, kv_bytes, layout=
         key, j = (unit.microbatch, unit.chunk), unit.split
         if unit.is_forward:
             alive_units.add((key, j))
-            if layout == "chunked":
-                kv[key] = kv.get(key, 0.0) + kv_chunk * lengths[j] / total
-            else:
-                kv[key] = kv_chunk
+            kv[key] = kv.get(key, 0.0) + kv_chunk * lengths[j] / total
         else:
             alive_units.discard((key, j))
             if j == 0:

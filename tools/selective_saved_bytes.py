@@ -88,14 +88,14 @@ def measure(mode, num_splits, args):
     block = TransformerBlock(config, spec, pre_process=True, post_process=False)
     block.train()
     rope = RotaryEmbedding(kv_channels=H // args.heads, rotary_percent=1.0)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params = {kv_cache.storage_id(p) for p in block.parameters()}
 
-    saved = {}  # storage pointer -> [bytes, in core attention, split]
+    saved = {}  # storage_id -> [bytes, in core attention, split]
     split_now = [0]
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = kv_cache.storage_id(tensor)
         if key not in params and storage.nbytes() and key not in saved:
             saved[key] = [storage.nbytes(), _attention_frame(traceback.extract_stack()),
                           split_now[0]]
@@ -128,7 +128,7 @@ def measure(mode, num_splits, args):
                         packed_seq_params=split)
         inputs.append(leaf)
         outputs.append(out)
-    kv = store.storage_pointers()
+    kv = store.storage_ids()
     per_split = []
     for j, length in enumerate(lengths):
         items = [(n, attn) for key, (n, attn, sj) in saved.items() if sj == j and key not in kv]

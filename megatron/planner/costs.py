@@ -479,11 +479,12 @@ class CostModel:
         if unit.kind == FORWARD:
             at_start["activations"] = act + (freqs if unit.microbatch == 0 else 0.0)
             if s > 1:
-                if self.kv_layout == "buffer":
-                    if j == 0:  # full-sequence K/V buffer of the microbatch
-                        at_start["kv_cache"] = kv_tok * self.seq_length
-                elif self.kv_layout == "chunked":  # this split's own K/V chunk
+                if self.kv_layout in ("buffer", "chunked"):  # this split's own K/V
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
+                    if self.kv_layout == "buffer" and j > 0 and n:
+                        # growing a layer's buffer copies its prefix: old and new
+                        # storage live together, one layer at a time
+                        transient["kv_cache"] = kv_tok / n * self.offsets[j]
                 elif self.recompute.granularity == "full":
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
                 else:  # concat: this split saves its own copy of the prefix K/V

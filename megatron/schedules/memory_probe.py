@@ -26,10 +26,12 @@ import weakref
 
 import torch
 
+from megatron.seqsplit.kv_cache import storage_id
+
 
 class _Registry:
     def __init__(self):
-        self.refs = {}  # storage data_ptr -> [count, nbytes]
+        self.refs = {}  # storage_id -> [count, nbytes]
         self.live_bytes = 0
 
     def add(self, key, nbytes):
@@ -70,7 +72,7 @@ class ActivationMemoryProbe:
 
     def exclude_parameters(self, model):
         for param in model.parameters():
-            self.excluded.add(param.untyped_storage().data_ptr())
+            self.excluded.add(storage_id(param))
 
     def reset(self):
         self.peak_bytes = self._live_bytes()
@@ -80,7 +82,7 @@ class ActivationMemoryProbe:
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_id(tensor)
         if key in self.excluded or storage.nbytes() == 0:
             return tensor
         self.registry.add(key, storage.nbytes())
@@ -99,7 +101,7 @@ class ActivationMemoryProbe:
     def _live_bytes(self):
         if self.kv_store is None:
             return self.registry.live_bytes
-        kv = self.kv_store.storage_pointers()
+        kv = self.kv_store.storage_ids()
         saved = sum(nbytes for key, (_, nbytes) in self.registry.refs.items() if key not in kv)
         return saved + self.kv_store.cached_bytes()
 

@@ -1,15 +1,20 @@
 """Per-microbatch K/V prefix cache for Seq1F1B split attention.
 
 Split j of a microbatch attends over the keys/values of splits 0..j. Each
-(microbatch, layer) owns ONE preallocated full-sequence K and V buffer [L, b, g, d]:
-split j copies its own K/V into buf[o_j : o_j + l_j] and attends over buf[:o_j + l_j].
+(microbatch, layer) owns ONE K and V buffer [n, b, g, d], grown split by split: split j
+extends it in place to n = o_j + l_j positions, copies its own K/V into
+buf[o_j : o_j + l_j] and attends over buf[:o_j + l_j]. A microbatch whose later splits
+have not run yet holds only what its run splits wrote (a whole-sequence buffer from
+split 0 on would hold the rest empty, at the stage's activation peak too).
 
 Why not torch.cat(prefix, own)? Attention saves its key/value for backward, so every
 split would keep its own concatenated copy alive: O(s) full copies. Here every split's
 attention saves an alias of the same buffer instead. The alias is a fresh tensor on the
 buffer's storage (`Tensor.set_`), so it has its own autograd version counter: later
 splits writing further into the buffer do not invalidate what earlier splits saved
-(they never write a region an earlier split read).
+(they never write a region an earlier split read). Growing reallocates the buffer's
+storage itself (`UntypedStorage.resize_`, which copies the filled prefix), so those
+aliases read the new memory and their version counters stay as they were.
 
 Gradients: backward runs splits s-1..0. Split j's attention yields a gradient for the
 whole prefix buf[:o_j + l_j]; the part for positions < o_j is added into the entry's
@@ -33,9 +38,15 @@ from megatron.seqsplit.documents import key_documents
 from megatron.seqsplit.kv_chunks import chunked_split_attention
 
 
+def storage_id(tensor: torch.Tensor) -> int:
+    """Identity of ``tensor``'s storage that a growing K/V buffer keeps (its data_ptr
+    changes when the buffer grows; the storage object stays the same)."""
+    return tensor.untyped_storage()._cdata
+
+
 @dataclass
 class _Entry:
-    key: torch.Tensor  # [L, b, g, d]
+    key: torch.Tensor  # [n, b, g, d]: n positions allocated so far
     value: torch.Tensor
     filled: int = 0  # positions written so far; split j needs filled >= o_j
     grad_key: torch.Tensor | None = None  # prefix gradients left by later splits
@@ -79,10 +90,9 @@ class KVCacheStore:
         return sum(t.numel() * t.element_size()
                    for e in self._entries.values() for t in e.tensors())
 
-    def storage_pointers(self) -> set:
-        """data_ptr of every live buffer's storage (memory probes count them once)."""
-        return {t.untyped_storage().data_ptr()
-                for e in self._entries.values() for t in e.tensors()}
+    def storage_ids(self) -> set:
+        """`storage_id` of every live buffer (memory probes count them once)."""
+        return {storage_id(t) for e in self._entries.values() for t in e.tensors()}
 
     def clear(self) -> None:
         self._entries.clear()
@@ -119,10 +129,10 @@ def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor,
                 "already freed (recomputing with a reentrant checkpoint needs "
                 "KVCacheStore(forward_only=False))"
             )
-        # keys and values at their own head sizes (MLA: query-key != value head size)
-        entry = store.insert(entry_id, _Entry(
-            key.new_empty((split.seq_length,) + tuple(key.shape[1:])),
-            value.new_empty((split.seq_length,) + tuple(value.shape[1:]))))
+        # keys and values at their own head sizes (MLA: query-key != value head size);
+        # sized to split 0, grown by later splits (`_write_and_expose`)
+        entry = store.insert(entry_id, _Entry(key.new_empty(key.shape),
+                                              value.new_empty(value.shape)))
     if (tuple(key.shape[1:]) != tuple(entry.key.shape[1:])
             or tuple(value.shape[1:]) != tuple(entry.value.shape[1:])
             or split.offset > entry.filled):
@@ -141,8 +151,18 @@ def _alias(buf: torch.Tensor, length: int) -> torch.Tensor:
     return out.set_(buf.untyped_storage(), buf.storage_offset(), size, buf.stride())
 
 
+def _grown(buf: torch.Tensor, length: int) -> torch.Tensor:
+    """``buf`` extended in place to ``length`` positions: its storage is reallocated with
+    the old contents copied, so every alias of it (what earlier splits saved) reads the
+    new memory. Returns the buffer's new full view."""
+    buf.untyped_storage().resize_(length * buf.stride(0) * buf.element_size())
+    return _alias(buf, length)
+
+
 def _write_and_expose(entry: _Entry, key, value, offset: int):
     end = offset + key.shape[0]
+    if end > entry.key.shape[0]:
+        entry.key, entry.value = _grown(entry.key, end), _grown(entry.value, end)
     with torch.no_grad():
         entry.key[offset:end].copy_(key)
         entry.value[offset:end].copy_(value)
@@ -269,7 +289,7 @@ def split_causal_attention(
     length, seq_length and optionally document_ids [b, >= offset + length] (packed
     documents: per-document causal attention); None (or num_splits == 1) means
     attention over the given query/key/value alone, with `backend`.
-    `kv_cache`: "buffer" (this module: one full-sequence buffer, `backend` attends over
+    `kv_cache`: "buffer" (this module: one buffer grown split by split, `backend` attends over
     its prefix) or "chunked" (`kv_chunks`: per-split chunks merged by log-sum-exp).
     """
     if split is None or split.num_splits == 1:

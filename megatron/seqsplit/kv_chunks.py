@@ -1,13 +1,14 @@
 """Chunked K/V prefix cache (`--seq1f1b-kv-cache chunked`): no prefix is ever concatenated.
 
-The default cache (`kv_cache.py`) copies every split's K/V into one full-sequence buffer
-per (microbatch, layer) and runs the attention kernel over the buffer's prefix. Here
+The default cache (`kv_cache.py`) copies every split's K/V into one buffer per
+(microbatch, layer), grown split by split (its prefix copied at each growth), and runs
+the attention kernel over the buffer's prefix. Here
 each split's K/V stays a chunk of its own, and split `j` attends over chunks `0..j`
 with `lse_attention`: partial softmaxes per chunk merged by log-sum-exp, recomputed
 chunk by chunk in backward. So
 
-* K/V memory is the same one sequence per in-flight microbatch and layer, but it is
-  allocated split by split (nothing is reserved for splits that have not run);
+* K/V memory is the same as the buffer's, allocated split by split, without the buffer's
+  prefix copy when it grows;
 * attention saves the split's query, output and LSE and no mask: the fully visible
   prefix chunks need none and the own chunk's causal mask is rebuilt when used.
 

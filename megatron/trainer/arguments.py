@@ -285,8 +285,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="split lengths are multiples of this (and of the TP size under "
                         "sequence parallel)")
     g.add_argument("--seq1f1b-kv-cache", choices=list(KV_CACHE_LAYOUTS), default="buffer",
-                   help="K/V prefix cache of split attention: 'buffer' (one full-sequence "
-                        "buffer per microbatch and layer, attention by --attention-backend) "
+                   help="K/V prefix cache of split attention: 'buffer' (one buffer per "
+                        "microbatch and layer, grown split by split, attention by "
+                        "--attention-backend) "
                         "or 'chunked' (per-split chunks merged by log-sum-exp: no prefix "
                         "concatenation, no saved mask; plain-PyTorch kernel, no attention "
                         "dropout)")
