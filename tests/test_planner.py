@@ -378,7 +378,7 @@ def test_chunked_kv_cache_memory_model():
     lengths = split_lengths(c, 4)
     models = {layout: CostModel(c.model, c.parallel, get_gpu(c.gpu), c.seq_length, lengths,
                                 c.recompute, layout) for layout in ("buffer", "chunked")}
-    kv_tok = models["chunked"].kv_bytes_per_token() * models["chunked"].layers_per_chunk
+    kv_tok = models["chunked"].kv_bytes_per_token() * models["chunked"].chunk_layers(0)
     order = [Unit(FORWARD, 0, j) for j in range(4)] + [Unit(BACKWARD, 0, j) for j in (3, 2, 1, 0)]
     held = {layout: [] for layout in models}
     for layout, model in models.items():

@@ -68,13 +68,42 @@ def test_training_checks_apply(capsys):
     flag is refused by name."""
     with pytest.raises(PlanError, match="--tensor-model-parallel-size"):
         plan(TRAINING + ["--tensor-model-parallel-size", "3"])
-    with pytest.raises(PlanError, match="does not model virtual pipeline stages with "
-                                        "--account-for-embedding/loss"):
-        plan(TRAINING + ["--virtual-pipeline-model-parallel-size", "2",
-                         "--account-for-loss-in-pipeline-split", "--num-layers", "15"])
     with pytest.raises(SystemExit) as exc:
         main(TRAINING + ["--no-such-flag"])
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,chunks", [
+    # 15 layers + the loss = 16 slots over 4 ranks x 2 chunks: the last chunk one short
+    (["--account-for-loss-in-pipeline-split", "--num-layers", "15",
+      "--virtual-pipeline-model-parallel-size", "2"], [2, 2, 2, 2, 2, 2, 2, 1]),
+    # the embedding as well, given as layers per virtual stage (slots, as Megatron-LM)
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+      "--num-layers", "14", "--num-layers-per-virtual-pipeline-stage", "2"],
+     [1, 2, 2, 2, 2, 2, 2, 1]),
+])
+def test_virtual_stages_with_counted_embedding_or_loss(flags, chunks):
+    """The planner prices each model chunk by its own layers where the trainer's first /
+    last chunk holds one fewer (megatron-core's layout, `pipeline_layers`): the layers are
+    laid out in pipeline order once each, and a rank's weights are its layers'."""
+    pred = plan(TRAINING + flags)
+    cost, par = pred.cost, pred.config.parallel
+    assert par.num_chunks == 2 and list(par.chunk_layers) == chunks
+    assert pred.to_json()["parallel"]["chunk_layers"] == chunks
+    order = [cost.layer_indices(r, c) for c in range(2) for r in range(4)]
+    assert [len(layers) for layers in order] == chunks
+    assert [i for layers in order for i in layers] == list(range(sum(chunks)))
+    layer = cost.layer_params(0)["linear"] + cost.layer_params(0)["other"]
+    held = [chunks[r] + chunks[4 + r] for r in range(4)]  # rank 1 holds 4 layers
+    assert cost.rank_param_parts(1)["dense"] == pytest.approx(held[1] * layer)
+    # the last rank: its layers (3) and the output layer and final norm
+    edge = cost.rank_param_parts(3)["dense"] - held[3] * layer
+    assert edge == pytest.approx(cost.vocab * 1024 / 2 + 2 * 1024)
+    # a short chunk's units also run a layer fewer: attention time per layer is alike
+    from megatron.schedules.actions import FORWARD, Unit
+    per_layer = [cost.forward_time_parts(r, Unit(FORWARD, 0, 0, c))["attention"]
+                 / chunks[c * 4 + r] for c in range(2) for r in range(4)]
+    assert per_layer == pytest.approx([per_layer[0]] * 8)
 
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",

@@ -9,7 +9,8 @@ processes). Together they cover TP 1/2, SP on/off, GQA + SwiGLU + RMSNorm, RoPE 
 learned positions, hidden and attention dropout on/off, Seq1F1B s = 2, 3, 4, 8 with
 both balance methods, both K/V cache layouts, interleaved stages, SlimPipe v = 1, 2,
 selective / full (uniform) / full (block) recomputation, micro-batch size 2, uneven
-stages (--decoder-first/last-pipeline-num-layers), and first, middle and last stages
+stages (--decoder-first/last-pipeline-num-layers), virtual stages with the embedding and
+loss counted as layers (unequal chunks of a rank), and first, middle and last stages
 with a vocabulary whose logits dominate the last stage.
 
 Mixture of experts (in the 4-process launch): EP = 2 with the alltoall dispatcher, a
@@ -90,6 +91,13 @@ CONFIGS = {  # name -> (processes, flags after BASE)
                           "--decoder-first-pipeline-num-layers", "1",
                           "--decoder-last-pipeline-num-layers", "1", "--global-batch-size", "4",
                           "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
+    # virtual stages with the embedding and the loss counted as layers: chunks of
+    # 1 + 2 + 2 + 1 layers, each planned with its own count
+    "pp2_vp2_accounted_s2": (2, PP2 + ["--num-layers", "6",
+                                       "--virtual-pipeline-model-parallel-size", "2",
+                                       "--account-for-embedding-in-pipeline-split",
+                                       "--account-for-loss-in-pipeline-split",
+                                       "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
     "moe_ep2_alltoall_s4": (4, PP2 + MOE + [
         "--seq1f1b-splits", "4", "--expert-model-parallel-size", "2",
         "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",

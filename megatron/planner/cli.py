@@ -6,6 +6,7 @@ import sys
 from typing import Dict, List, Optional
 
 from megatron.model_shape import ModelShape
+from megatron.pipeline_layers import chunk_layer_counts
 from megatron.planner.costs import KV_LAYOUTS, Parallel, Recompute
 from megatron.planner.gpus import GPUS, GIB, get_gpu
 from megatron.planner.predict import PlanConfig, PlanError, Prediction, predict
@@ -212,16 +213,17 @@ def config_from_args(args) -> PlanConfig:
     model = model_from_args(args, t)
     tp, pp, dp = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
                   t.data_parallel_size)
-    chunks = 1
-    if ((args.num_layers_per_virtual_pipeline_stage or args.virtual_pipeline_model_parallel_size)
-            and (t.account_for_embedding_in_pipeline_split
-                 or t.account_for_loss_in_pipeline_split)):
-        # the first / last chunk then holds a layer fewer than its rank's other chunks;
-        # the cost model prices every chunk of a rank alike
-        raise PlanError("the planner does not model virtual pipeline stages with "
-                        "--account-for-embedding/loss-in-pipeline-split yet (the trainer "
-                        "runs them); plan without the virtual stages")
-    if args.num_layers_per_virtual_pipeline_stage:
+    chunks, chunk_layers = 1, None
+    accounted = (t.account_for_embedding_in_pipeline_split
+                 or t.account_for_loss_in_pipeline_split)
+    if accounted and (t.virtual_pipeline_model_parallel_size or 1) > 1:
+        # the trainer counted the slots (--num-layers-per-virtual-pipeline-stage
+        # included); the first / last chunk holds a layer fewer than its rank's others
+        chunks = t.virtual_pipeline_model_parallel_size
+        chunk_layers = tuple(chunk_layer_counts(
+            t.stage_layer_counts, chunks, t.account_for_embedding_in_pipeline_split,
+            t.account_for_loss_in_pipeline_split))
+    elif args.num_layers_per_virtual_pipeline_stage:
         per_stage = model.num_layers // max(pp, 1)
         n = args.num_layers_per_virtual_pipeline_stage
         if n < 1 or model.num_layers % max(pp, 1) or per_stage % n:
@@ -230,7 +232,7 @@ def config_from_args(args) -> PlanConfig:
                 f"{model.num_layers}/{pp} layers per pipeline stage"
             )
         chunks = per_stage // n
-    if args.virtual_pipeline_model_parallel_size:
+    if args.virtual_pipeline_model_parallel_size and chunk_layers is None:
         if args.num_layers_per_virtual_pipeline_stage:
             raise PlanError("give --num-layers-per-virtual-pipeline-stage or "
                             "--virtual-pipeline-model-parallel-size, not both")
@@ -292,6 +294,7 @@ def config_from_args(args) -> PlanConfig:
         distributed_optimizer=args.use_distributed_optimizer,
         stage_layers=(None if len(set(t.stage_layer_counts)) == 1
                       else tuple(t.stage_layer_counts)),
+        chunk_layers=chunk_layers,
         ep=getattr(t, "expert_model_parallel_size", 1) or 1,
         moe_dispatcher=getattr(t, "moe_token_dispatcher_type", "allgather"),
     )
@@ -369,6 +372,7 @@ def report(pred: Prediction) -> str:
         f"layout: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.world_size} x {g.name}; "
         f"virtual stages {p.num_chunks}; "
         + (f"layers per stage {'+'.join(map(str, p.stage_layers))}; " if p.stage_layers else "")
+        + (f"layers per chunk {'+'.join(map(str, p.chunk_layers))}; " if p.chunk_layers else "")
         + f"seq {c.seq_length}; micro-batch {p.micro_batch_size}; "
         f"global batch {p.global_batch_size} ({p.num_microbatches} microbatches); "
         f"SP {'on' if p.sequence_parallel else 'off'}; distributed optimizer "

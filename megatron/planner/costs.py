@@ -52,8 +52,20 @@ class Parallel:
     distributed_optimizer: bool = False
     # layers of each pipeline rank (--decoder-first/last-pipeline-num-layers); None: even
     stage_layers: Optional[Tuple[int, ...]] = None
+    # layers of each model chunk in pipeline order (chunk c of rank r at c * pp + r), where
+    # a rank's chunks differ (--account-for-embedding/loss-in-pipeline-split with virtual
+    # stages: the first / last chunk a layer short); None: a rank's layers / num_chunks
+    chunk_layers: Optional[Tuple[int, ...]] = None
     ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of DP
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
+
+    def chunk_counts(self, num_layers: int) -> List[int]:
+        """Layers of each model chunk in pipeline order (chunk c of rank r at c * pp + r)."""
+        if self.chunk_layers is not None:
+            return list(self.chunk_layers)
+        stages = self.stage_layers or [num_layers // self.pp] * self.pp
+        return [stages[rank] // self.num_chunks for _ in range(self.num_chunks)
+                for rank in range(self.pp)]
 
     @property
     def num_microbatches(self) -> int:
@@ -102,7 +114,7 @@ class CostModel:
         self.recompute = recompute
         self.kv_layout = kv_layout
         self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
-        self.layers_per_chunk = model.num_layers // (par.pp * par.num_chunks)  # even split
+        self.chunk_counts = par.chunk_counts(model.num_layers)
         self.vocab = model.padded_vocab_size(par.tp)
         self.shape = replace(model, vocab_size=self.vocab)  # as training builds it
 
@@ -134,10 +146,9 @@ class CostModel:
     def layer_indices(self, rank: int, chunk: int) -> range:
         """Global indices of the layers of virtual stage ``chunk`` on pipeline ``rank``
         (Megatron's interleaved assignment, megatron-core's offsets with uneven stages:
-        chunk c starts at c * num_layers / vp, then the earlier ranks' chunk layers)."""
-        first = (chunk * self.model.num_layers // self.par.num_chunks
-                 + sum(self.chunk_layers(r) for r in range(rank)))
-        return range(first, first + self.chunk_layers(rank))
+        after the layers of every model chunk before it in pipeline order)."""
+        first = sum(self.chunk_counts[:chunk * self.par.pp + rank])
+        return range(first, first + self.chunk_layers(rank, chunk))
 
     def rank_param_parts(self, rank: int) -> Dict[str, float]:
         """Parameters held by one GPU of pipeline rank ``rank``: ``dense`` (sharded over
@@ -160,11 +171,10 @@ class CostModel:
             dense += 2 * h if self.model.normalization == "LayerNorm" else h
         return {"dense": dense, "experts": experts}
 
-    def chunk_layers(self, rank: int) -> int:
-        """Layers in each model chunk of pipeline rank ``rank`` (stages may be uneven)."""
-        if self.par.stage_layers is None:
-            return self.layers_per_chunk
-        return self.par.stage_layers[rank] // self.par.num_chunks
+    def chunk_layers(self, rank: int, chunk: int = 0) -> int:
+        """Layers in model chunk ``chunk`` of pipeline rank ``rank`` (stages may be uneven,
+        and a rank's chunks too with --account-for-*-in-pipeline-split)."""
+        return self.chunk_counts[chunk * self.par.pp + rank]
 
     def is_first(self, rank: int, chunk: int) -> bool:
         return rank == 0 and chunk == 0
@@ -419,7 +429,7 @@ class CostModel:
 
     def stored_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
         """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
-        n, rc = self.chunk_layers(rank), self.recompute
+        n, rc = self.chunk_layers(rank, chunk), self.recompute
         per_layer = self.chunk_layer_bytes(split, rank, chunk)
         if rc.granularity == "full":
             k = min(rc.num_layers, n)
@@ -430,7 +440,7 @@ class CostModel:
 
     def recompute_transient_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
         """Activations rebuilt during a backward with full recomputation."""
-        rc, n = self.recompute, self.chunk_layers(rank)
+        rc, n = self.recompute, self.chunk_layers(rank, chunk)
         if rc.granularity != "full":
             return 0.0
         k = min(rc.num_layers, n)
@@ -470,7 +480,7 @@ class CostModel:
         """What ``unit`` allocates and frees on ``rank`` (for the simulator)."""
         s, j = self.num_splits, unit.split
         act = self.activation_bytes(rank, unit)
-        n = self.chunk_layers(rank)
+        n = self.chunk_layers(rank, unit.chunk)
         kv_tok = self.kv_bytes_per_token() * n
         at_start: Dict[str, float] = {}
         at_end: Dict[str, float] = {}
@@ -534,7 +544,7 @@ class CostModel:
         (``ModelShape.forward_flops_parts`` of its layers, over the micro-batch and TP)."""
         gemm, attn = self.shape.forward_flops_parts(
             self.split_lengths[unit.split], self.offsets[unit.split],
-            layers=self.chunk_layers(rank), lm_head=self.is_last(rank, unit.chunk),
+            layers=self.chunk_layers(rank, unit.chunk), lm_head=self.is_last(rank, unit.chunk),
             first_layer=self.layer_indices(rank, unit.chunk)[0])
         share = self.par.micro_batch_size / self.par.tp
         return {"gemm": gemm * share, "attention": attn * share}
@@ -582,7 +592,7 @@ class CostModel:
         g = self.gpu
         fl = self.unit_flops(rank, unit)
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
-        n = self.chunk_layers(rank)
+        n = self.chunk_layers(rank, unit.chunk)
         elementwise = 2 * sum(self.chunk_layer_bytes(unit.split, rank, unit.chunk))
         return {
             "gemm": fl["gemm"] / (g.peak_bf16_flops * g.gemm_efficiency),
@@ -607,7 +617,7 @@ class CostModel:
         if rc.granularity == "selective":
             backward += f["attention"]
         elif rc.granularity == "full":
-            n = self.chunk_layers(rank)
+            n = self.chunk_layers(rank, unit.chunk)
             k = min(rc.num_layers, n)
             share = 1.0 if rc.method == "uniform" else k / n
             fwd_layers = sum(f.values())
@@ -687,7 +697,7 @@ class CostModel:
             there, back = 2 * q + kv + 2 * rows, q + kv
         bw = self.pipeline_link_bw(asker_rank, helper_rank)
         per_layer = (there + back) / bw + 2 * self.gpu.p2p_latency_s
-        return self.chunk_layers(asker_rank) * per_layer
+        return self.chunk_layers(asker_rank, unit.chunk) * per_layer
 
     def grad_sync_time(self, rank: int) -> float:
         """Data-parallel gradient reduction (and parameter all-gather), not overlapped."""

@@ -116,6 +116,8 @@ class Prediction:
                 "virtual_pipeline_stages": p.num_chunks,
                 # layers of each pipeline rank (uneven with --decoder-first/last-...)
                 "stage_layers": list(p.stage_layers or [c.model.num_layers // p.pp] * p.pp),
+                # layers of each model chunk in pipeline order (chunk c of rank r at c pp + r)
+                "chunk_layers": p.chunk_counts(c.model.num_layers),
                 "micro_batch_size": p.micro_batch_size,
                 "global_batch_size": p.global_batch_size,
                 "num_microbatches": p.num_microbatches,
@@ -179,7 +181,17 @@ def validate(c: PlanConfig) -> None:
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--num-query-groups {m.num_query_groups}"
         )
-    if p.stage_layers is not None:
+    if p.chunk_layers is not None:
+        # a rank's chunks differ: one count per chunk, at least one layer each, summing
+        # to each rank's count and to the model
+        by_rank = [sum(p.chunk_layers[rank::p.pp]) for rank in range(p.pp)]
+        if (len(p.chunk_layers) != p.pp * p.num_chunks or min(p.chunk_layers) < 1
+                or sum(p.chunk_layers) != m.num_layers
+                or (p.stage_layers is not None and list(p.stage_layers) != by_rank)):
+            raise PlanError(f"per-chunk layers {list(p.chunk_layers)} do not split "
+                            f"--num-layers {m.num_layers} over {p.pp} stages x "
+                            f"{p.num_chunks} virtual stages")
+    elif p.stage_layers is not None:
         # uneven stages: as many counts as ranks, summing to the model, each rank's
         # count dividing among its chunks (the trainer checked the flags themselves)
         if (len(p.stage_layers) != p.pp or sum(p.stage_layers) != m.num_layers
@@ -229,7 +241,8 @@ def validate(c: PlanConfig) -> None:
     if rc.method not in ("uniform", "block"):
         raise PlanError(f"--recompute-method must be uniform or block, got {rc.method!r}")
     if rc.granularity == "full":
-        per_chunk = max(p.stage_layers or [m.num_layers // p.pp]) // p.num_chunks
+        per_chunk = (max(p.chunk_layers) if p.chunk_layers
+                     else max(p.stage_layers or [m.num_layers // p.pp]) // p.num_chunks)
         if rc.num_layers < 1 or rc.num_layers > per_chunk:
             raise PlanError(
                 f"--recompute-num-layers {rc.num_layers} must be in [1, {per_chunk}] "
