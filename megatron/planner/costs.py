@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from megatron.model_shape import ModelShape
+from megatron.pipeline_layers import chunk_layer_counts
 from megatron.planner.gpus import GPU
 from megatron.schedules.simulate import MemoryEffect
 from megatron.schedules.actions import FORWARD, Unit
@@ -64,8 +65,7 @@ class Parallel:
         if self.chunk_layers is not None:
             return list(self.chunk_layers)
         stages = self.stage_layers or [num_layers // self.pp] * self.pp
-        return [stages[rank] // self.num_chunks for _ in range(self.num_chunks)
-                for rank in range(self.pp)]
+        return chunk_layer_counts(stages, self.num_chunks)
 
     @property
     def num_microbatches(self) -> int:
@@ -491,10 +491,10 @@ class CostModel:
             if s > 1:
                 if self.kv_layout in ("buffer", "chunked"):  # this split's own K/V
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
-                    if self.kv_layout == "buffer" and j > 0 and n:
+                    if self.kv_layout == "buffer" and j > 0:
                         # growing a layer's buffer copies its prefix: old and new
                         # storage live together, one layer at a time
-                        transient["kv_cache"] = kv_tok / n * self.offsets[j]
+                        transient["kv_cache"] = self.kv_bytes_per_token() * self.offsets[j]
                 elif self.recompute.granularity == "full":
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
                 else:  # concat: this split saves its own copy of the prefix K/V
