@@ -373,3 +373,33 @@ def test_host_overhead_rotates_and_divides_by_units():
     assert order == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
     assert {k: len(v) for k, v in per_unit.items()} == {"a": 3, "b": 3}
     assert all(t >= 0 for v in per_unit.values() for t in v)
+
+
+# tools/bench_memory.py's probed stage peaks (bytes, stages 0..p-1), 2026-11-28: its
+# default command (pp=4, 8 microbatches of 2048 tokens) and the throughput benchmark's
+# shape (--pp 2 --microbatches 4 --splits 4, both balance methods)
+PROBED_PEAKS = [
+    ([], 1, [155648000, 116686848, 77791232, 52570112]),
+    ([], 2, [90996736, 73596928, 56246272, 52578304]),
+    ([], 4, [67067904, 58343424, 49668096, 54675456]),
+    ([], 8, [55103488, 50716672, 46379008, 55724032]),
+    (["--pp", "2", "--microbatches", "4"], 4, [99368960, 95668224]),
+    (["--pp", "2", "--microbatches", "4", "--extra", "--seq1f1b-balance-method",
+      "uniform_comp"], 4, [107400992, 108466454]),
+]
+
+
+@pytest.mark.parametrize("flags, splits, probed", PROBED_PEAKS)
+def test_bench_memory_plans_what_the_probe_measured(flags, splits, probed):
+    """tools/bench_memory.py's "planned" column (the planner on the tool's own command
+    line) at the benchmark shapes: within 0.1% of every stage's probed peak (the probe
+    ran in the tool; the docs' tables quote these runs)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_memory
+
+    args = bench_memory.build_parser().parse_args(flags)
+    planned = bench_memory.planned_peaks(
+        args, bench_memory.model_flags(args, ["--seq1f1b-splits", str(splits)]))
+    assert len(planned) == len(probed)
+    for stage, (plan, measured) in enumerate(zip(planned, probed)):
+        assert abs(plan / measured - 1) < 1e-3, f"stage {stage}: planned {plan}, probed {measured}"

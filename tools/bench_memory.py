@@ -6,23 +6,21 @@
 
 Each configuration trains the same model with ``pretrain_gpt.py
 --activation-memory-file``: the probe counts the bytes autograd holds for backward
-(parameters excluded), sampled at every pipeline unit boundary of the last
-iteration (see megatron/schedules/memory_probe.py). Stage 0's peak is compared with
+(parameters excluded) plus the KV cache, sampled at every pipeline unit boundary of the
+last iteration (see megatron/schedules/memory_probe.py). Stage 0's peak is compared with
 
-* the paper's ratio ``(s + p - 1) / (s p)`` (activations only), and
-* the same walk over stage 0's unit list with the KV cache counted: each in-flight
-  split holds its share ``l_j / L`` of a microbatch's non-K/V activations ``M - K``,
-  plus each microbatch's K/V and K/V-gradient accumulators as the cache layout
-  (``--extra --seq1f1b-kv-cache chunked``) holds them (``predicted_peak``; M is
-  measured under 1F1B as peak / p; K = 2 L b g d bytes per layer).
+* the schedule's count of what is in flight: the paper's ``(s + p - 1) / (s p)`` of a
+  1F1B stage's microbatches for Seq1F1B (activations only), the generator's slices held
+  ``/ (n v)`` of one microbatch for SlimPipe, and
+* the planner's prediction for the same command line (``tools/plan.py ... --gpu cpu``,
+  ``megatron.planner.predict.boundary_activation_peaks``: every stage's activations and
+  KV cache walked over its units, sampled at unit boundaries as the probe samples).
+  One memory model serves the planner and this table; tests/test_planner_memory_probe.py
+  holds it within 3% of the probe on small models, this tool shows it at the
+  benchmark's shapes.
 
 With ``--slimpipe N ...`` the rows are SlimPipe runs (``--slimpipe-slices N`` with each
-``--vp V``) instead of Seq1F1B. Stage 0's peak is compared with the generator's slice
-count ``(n v + 2 (p - 1)) / (n v)`` of one microbatch ``M`` (``(n + p - 1) / n`` for
-``v = 1``, which is Seq1F1B's order) and with the same walk over stage 0's units, chunk
-by chunk (``predicted_peak`` with ``v`` chunks: a unit ``(mb, slice j, chunk c)`` holds
-``(M - K) / v * l_j / L``, each ``(mb, chunk)`` its share ``K / v`` of the KV cache as the
-layout holds it).
+``--vp V``) instead of Seq1F1B.
 """
 
 import argparse
@@ -35,13 +33,17 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron.planner.cli import config_from_args, parse as parse_plan  # noqa: E402
+from megatron.planner.predict import boundary_activation_peaks, predict  # noqa: E402
 from megatron.schedules.slimpipe import slimpipe_rank_units  # noqa: E402
-from megatron.schedules.seq1f1b import in_flight_peak, seq1f1b_rank_units  # noqa: E402
-from megatron.seqsplit.split_lengths import plan_splits  # noqa: E402
+from megatron.schedules.seq1f1b import in_flight_peak  # noqa: E402
+
+MIB = 2 ** 20
 
 
-def run_probe(args, splits, out_path, schedule=()):
-    model = [
+def model_flags(args, schedule):
+    """pretrain_gpt.py's flags for one configuration (the probe's file left out)."""
+    return [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq_length),
         "--max-position-embeddings", str(args.seq_length), "--position-embedding-type", "rope",
@@ -50,63 +52,41 @@ def run_probe(args, splits, out_path, schedule=()):
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
         "--pipeline-model-parallel-size", str(args.pp),
-        "--activation-memory-file", out_path,
-    ] + (list(schedule) or ["--seq1f1b-splits", str(splits)]) + args.extra
+    ] + list(schedule) + args.extra
+
+
+def measured_peaks(args, flags, out_path):
+    """Every stage's probed activation + KV-cache peak (bytes), from a real run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
-           "--master-port", str(args.master_port), os.path.join(ROOT, "pretrain_gpt.py")] + model
+           "--master-port", str(args.master_port), os.path.join(ROOT, "pretrain_gpt.py")]
+    cmd += flags + ["--activation-memory-file", out_path]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    return json.load(open(out_path))["stages"]
+    with open(out_path) as handle:
+        return [stage["activation_peak_bytes"] for stage in json.load(handle)["stages"]]
 
 
-def predicted_peak(units, lengths, num_chunks, per_microbatch, kv_bytes, layout="buffer"):
-    """Walk one stage's units: in-flight slice shares of M - K plus the KV cache.
-
-    A unit (microbatch, split j, model chunk c) holds its share ``l_j / L`` of the chunk's
-    non-K/V activations ``(M - K) / v``. The KV cache term, per (microbatch, chunk) and
-    `layout` of --seq1f1b-kv-cache, in units of the chunk's ``K / v``:
-    both:    the K/V of the splits that ran forward (``l_j / L`` each: the buffer grows
-             split by split, the chunked cache adds a chunk), until the split-0 backward;
-    buffer:  from the first backward to split 0's, the K/V gradient accumulator (splits'
-             prefix gradients wait there for their own split; it spans the last split's
-             prefix, ``o_{s-1} / L``);
-    chunked: after split j's backward the gradients left for chunks < j (``o_j / L``).
-    Seq1F1B is the case of one chunk.
-    """
-    total = sum(lengths)
-    offsets = [sum(lengths[:j]) for j in range(len(lengths))]
-    share = (per_microbatch - kv_bytes) / num_chunks
-    kv_chunk = kv_bytes / num_chunks
-    alive_units, kv, peak = set(), {}, 0.0  # kv: (microbatch, chunk) -> bytes held
-    for unit in units:
-        key, j = (unit.microbatch, unit.chunk), unit.split
-        if unit.is_forward:
-            alive_units.add((key, j))
-            kv[key] = kv.get(key, 0.0) + kv_chunk * lengths[j] / total
-        else:
-            alive_units.discard((key, j))
-            if j == 0:
-                kv.pop(key, None)
-            elif layout == "chunked":
-                # all chunks stay until split 0's backward; gradients for chunks < j wait
-                kv[key] = kv_chunk * (1.0 + offsets[j] / total)
-            else:
-                kv[key] = kv_chunk * (1.0 + offsets[-1] / total)
-        now = sum(share * lengths[j] / total for _, j in alive_units)
-        if len(lengths) > 1:
-            now += sum(kv.values())
-        peak = max(peak, now)
-    return peak
+def planned_peaks(args, flags):
+    """Every stage's peak (bytes) as the planner predicts it for the same command line."""
+    plan_args = parse_plan(flags + ["--gpu", "cpu", "--world-size", str(args.pp)])
+    return boundary_activation_peaks(predict(config_from_args(plan_args)))
 
 
-def kv_layout(args):
-    """The --seq1f1b-kv-cache layout the runs use (given through --extra)."""
-    return "chunked" if "chunked" in args.extra else "buffer"
+def measure(args, tmp, name, schedule):
+    flags = model_flags(args, schedule)
+    return {"stage_peaks_bytes": measured_peaks(args, flags, os.path.join(tmp, f"{name}.json")),
+            "planned_peaks_bytes": planned_peaks(args, flags)}
 
 
-def slimpipe_rows(args, tmp, per_microbatch, kv_bytes):
+def largest_miss(row):
+    """The largest |measured / planned - 1| over the stages."""
+    return max(abs(m / p - 1.0) for m, p in zip(row["stage_peaks_bytes"],
+                                                row["planned_peaks_bytes"]))
+
+
+def slimpipe_rows(args, tmp):
     p, m = args.pp, args.microbatches
     rows = []
     for v in args.vp:
@@ -114,38 +94,44 @@ def slimpipe_rows(args, tmp, per_microbatch, kv_bytes):
             flags = ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", str(n)]
             if v > 1:
                 flags += ["--virtual-pipeline-model-parallel-size", str(v)]
-            stages = run_probe(args, 1, os.path.join(tmp, f"slim_v{v}_n{n}.json"), flags)
-            units = slimpipe_rank_units(0, p, m, v, n)
-            lengths = plan_splits(args.seq_length, n, "average")
-            held = in_flight_peak(units)
-            rows.append({"schedule": "slimpipe", "vp": v, "slices": n,
-                         "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
-                         "slices_held": held, "paper_microbatches": held / (n * v),
-                         "predicted_with_kv_bytes": predicted_peak(
-                             units, lengths, v, per_microbatch, kv_bytes, kv_layout(args))})
+            held = in_flight_peak(slimpipe_rank_units(0, p, m, v, n))
+            rows.append({"schedule": "slimpipe", "vp": v, "slices": n, "slices_held": held,
+                         "paper_microbatches": held / (n * v),
+                         **measure(args, tmp, f"slim_v{v}_n{n}", flags)})
     return rows
 
 
 def print_slimpipe_table(rows, base_peak, per_microbatch):
     print("| schedule | v | n | slices held (generator) | held / (nv) | stage-0 peak MiB "
-          "| peak / M | peak / 1F1B | predicted with KV cache / M | measured / predicted "
-          "| worst stage MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak / M | peak / 1F1B | planned MiB | measured / planned | largest miss, "
+          "any stage | worst stage MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        peak0 = row["stage_peaks_bytes"][0]
-        worst = max(row["stage_peaks_bytes"]) / 2**20
+        peak0, plan0 = row["stage_peaks_bytes"][0], row["planned_peaks_bytes"][0]
+        worst = max(row["stage_peaks_bytes"]) / MIB
+        common = (f"{peak0 / MIB:.1f} | {peak0 / per_microbatch:.3f} | {peak0 / base_peak:.3f} "
+                  f"| {plan0 / MIB:.1f} | {peak0 / plan0:.3f} | {largest_miss(row):.2%} "
+                  f"| {worst:.1f} |")
         if row["schedule"] == "1f1b":
-            print(f"| 1F1B | 1 | 1 | - | - | {peak0 / 2**20:.1f} | {peak0 / per_microbatch:.3f} "
-                  f"| 1.000 | - | - | {worst:.1f} |")
-            continue
-        pred = row["predicted_with_kv_bytes"]
-        print(f"| SlimPipe | {row['vp']} | {row['slices']} | {row['slices_held']} | "
-              f"{row['paper_microbatches']:.3f} | {peak0 / 2**20:.1f} | "
-              f"{peak0 / per_microbatch:.3f} | {peak0 / base_peak:.3f} | "
-              f"{pred / per_microbatch:.3f} | {peak0 / pred:.3f} | {worst:.1f} |")
+            print(f"| 1F1B | 1 | 1 | - | - | {common}")
+        else:
+            print(f"| SlimPipe | {row['vp']} | {row['slices']} | {row['slices_held']} | "
+                  f"{row['paper_microbatches']:.3f} | {common}")
 
 
-def main():
+def print_seq1f1b_table(rows, base_peak):
+    print("| schedule | s | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | planned MiB | "
+          "measured / planned | largest miss, any stage | worst stage MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        peak0, plan0 = row["stage_peaks_bytes"][0], row["planned_peaks_bytes"][0]
+        name = "1F1B" if row["splits"] == 1 else "Seq1F1B"
+        print(f"| {name} | {row['splits']} | {peak0 / MIB:.1f} | {peak0 / base_peak:.3f} | "
+              f"{row['paper_ratio']:.3f} | {plan0 / MIB:.1f} | {peak0 / plan0:.3f} | "
+              f"{largest_miss(row):.2%} | {max(row['stage_peaks_bytes']) / MIB:.1f} |")
+
+
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
@@ -165,38 +151,30 @@ def main():
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="more pretrain_gpt.py flags for every run, e.g. "
                              "--extra --recompute-granularity selective")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = build_parser().parse_args()
 
     p, m = args.pp, args.microbatches
-    layout = kv_layout(args)
-    layers_per_stage = args.num_layers // p
-    head_dim = args.hidden_size // args.heads
-    kv_bytes = 2 * args.seq_length * 1 * args.heads * head_dim * 4 * layers_per_stage
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        baseline = run_probe(args, 1, os.path.join(tmp, "s1.json"))
-        base_peak = baseline[0]["activation_peak_bytes"]
+        baseline = {"schedule": "1f1b", "splits": 1, "paper_ratio": 1.0,
+                    **measure(args, tmp, "s1", ["--seq1f1b-splits", "1"])}
+        base_peak = baseline["stage_peaks_bytes"][0]
         per_microbatch = base_peak / min(p, m)
-        rows.append({"schedule": "1f1b", "splits": 1,
-                     "stage_peaks_bytes": [st["activation_peak_bytes"] for st in baseline]})
+        rows = [baseline]
         if args.slimpipe:
-            rows += slimpipe_rows(args, tmp, per_microbatch, kv_bytes)
+            rows += slimpipe_rows(args, tmp)
         for s in ([] if args.slimpipe else args.splits):
-            stages = run_probe(args, s, os.path.join(tmp, f"s{s}.json"))
-            lengths = plan_splits(args.seq_length, s, "average")
-            predicted = predicted_peak(seq1f1b_rank_units(0, p, m, s), lengths, 1,
-                                       per_microbatch, kv_bytes, layout)
-            rows.append({"schedule": "seq1f1b", "splits": s,
-                         "stage_peaks_bytes": [st["activation_peak_bytes"] for st in stages],
-                         "paper_ratio": (s + p - 1) / (s * p),
-                         "predicted_ratio_with_kv": predicted / base_peak})
+            rows.append({"schedule": "seq1f1b", "splits": s, "paper_ratio": (s + p - 1) / (s * p),
+                         **measure(args, tmp, f"s{s}", ["--seq1f1b-splits", str(s)])})
     command = "python tools/bench_memory.py " + " ".join(sys.argv[1:])
     print(f"# {command.strip()}")
     print(f"# pp={p} microbatches={m} layers={args.num_layers} hidden={args.hidden_size} "
           f"heads={args.heads} seq={args.seq_length} fp32 CPU {' '.join(args.extra)}; "
-          "stage-0 activation peak")
-    print(f"# M (one microbatch on stage 0, from 1F1B) = {per_microbatch / 2**20:.1f} MiB, "
-          f"K (its K/V) = {kv_bytes / 2**20:.1f} MiB")
+          "stage-0 activation peak, planned = tools/plan.py --gpu cpu on the same flags")
+    print(f"# M (one microbatch on stage 0, from 1F1B) = {per_microbatch / MIB:.1f} MiB")
     if args.slimpipe:
         print_slimpipe_table(rows, base_peak, per_microbatch)
     else:
@@ -205,23 +183,6 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
             json.dump({"command": command, "runs": rows}, handle, indent=1)
-
-
-def print_seq1f1b_table(rows, base_peak):
-    print("| schedule | s | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | "
-          "predicted with KV cache | measured / predicted | worst stage MiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        peak0 = row["stage_peaks_bytes"][0]
-        ratio = peak0 / base_peak
-        worst = max(row["stage_peaks_bytes"]) / 2**20
-        if row["splits"] == 1:
-            print(f"| 1F1B | 1 | {peak0 / 2**20:.1f} | 1.000 | 1.000 | 1.000 | 1.000 | "
-                  f"{worst:.1f} |")
-        else:
-            pred = row["predicted_ratio_with_kv"]
-            print(f"| Seq1F1B | {row['splits']} | {peak0 / 2**20:.1f} | {ratio:.3f} | "
-                  f"{row['paper_ratio']:.3f} | {pred:.3f} | {ratio / pred:.3f} | {worst:.1f} |")
 
 
 if __name__ == "__main__":
