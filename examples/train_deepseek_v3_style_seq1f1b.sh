@@ -11,8 +11,9 @@
 # RMSNorm, SwiGLU, no biases, untied embeddings, the 129280-token vocabulary. Trimmed to
 # fit 8 GPUs: 16 layers (3 dense + 13 MoE), hidden 2048, 16 heads, dense FFN 5632,
 # expert and shared-expert FFN 256 (DeepSeek-V3: 61 layers, hidden 7168, 128 heads,
-# FFN 18432, experts 2048). Plain RoPE (base 10000) stands in for DeepSeek-V3's YaRN
-# scaling. Selective recomputation of core attention.
+# FFN 18432, experts 2048). DeepSeek-V3's YaRN on the rotary part (base 10000, scaling
+# factor 40 over 4096 original positions, mscale and mscale_all_dim 1: Megatron-LM's
+# --rope-type yarn, the default with MLA). Selective recomputation of core attention.
 #
 #   TOKENIZER_MODEL=/path/to/DeepSeek-V3 DATA_PATH=/data/corpus_text_document \
 #       bash examples/train_deepseek_v3_style_seq1f1b.sh     # 8 GPUs on this node
@@ -53,6 +54,10 @@ MODEL_ARGS=(
     --norm-epsilon 1e-6
     --position-embedding-type rope
     --rotary-base 10000
+    --rope-type yarn
+    --rotary-scaling-factor 40
+    --mscale 1.0
+    --mscale-all-dim 1.0
     --swiglu
     --disable-bias-linear
     --untie-embeddings-and-output-weights
