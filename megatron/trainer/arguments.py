@@ -1234,9 +1234,7 @@ def _validate_virtual_pipeline(args):
         return
     _require(vp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vp}")
     _require(pp >= 2, "virtual pipeline stages need --pipeline-model-parallel-size >= 2")
-    _require(args.decoder_first_pipeline_num_layers is not None
-             or args.decoder_last_pipeline_num_layers is not None
-             or _accounts_stages(args)  # stage_layer_counts names what is wrong
+    _require(_unequal_stages(args)  # stage_layer_counts names what is wrong
              or args.num_layers % (pp * vp) == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({pp}) x virtual stages ({vp})")
@@ -1363,16 +1361,20 @@ def _validate_attention_balance(args):
              "--pipeline-model-parallel-size >= 2")
     _require(args.slimpipe_slices >= 2, f"{flag} needs at least 2 slices per microbatch")
     # paired units exchange attention layer by layer, so both stages need the same layers
-    _require(args.decoder_first_pipeline_num_layers is None
-             and args.decoder_last_pipeline_num_layers is None and not _accounts_stages(args),
+    _require(not _unequal_stages(args),
              f"{flag} pairs the layers of two pipeline stages one to one and needs equal "
              "stages; drop it or --decoder-first/last-pipeline-num-layers and "
              "--account-for-embedding/loss-in-pipeline-split")
 
 
-def _accounts_stages(args):
-    """--account-for-embedding/loss-in-pipeline-split: stages unequal by one layer."""
-    return args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
+def _unequal_stages(args):
+    """Any flag that makes pipeline stages hold unequal layer counts:
+    --decoder-first/last-pipeline-num-layers, or an embedding / loss counted as a layer
+    (--account-for-embedding/loss-in-pipeline-split)."""
+    return (args.decoder_first_pipeline_num_layers is not None
+            or args.decoder_last_pipeline_num_layers is not None
+            or args.account_for_embedding_in_pipeline_split
+            or args.account_for_loss_in_pipeline_split)
 
 
 def _gcd(a, b):
