@@ -76,8 +76,9 @@ def planned_peaks(args, flags):
 
 def measure(args, tmp, name, schedule):
     flags = model_flags(args, schedule)
+    planned = planned_peaks(args, flags)  # first: a flag the planner refuses stops before a run
     return {"stage_peaks_bytes": measured_peaks(args, flags, os.path.join(tmp, f"{name}.json")),
-            "planned_peaks_bytes": planned_peaks(args, flags)}
+            "planned_peaks_bytes": planned}
 
 
 def largest_miss(row):
