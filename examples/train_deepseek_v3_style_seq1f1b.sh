@@ -24,8 +24,9 @@
 # GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, CHECKPOINT_PATH,
 # TENSORBOARD_DIR, TRAIN_ITERS, TP (2, with sequence parallelism; 1 without), EP (DP:
 # expert parallelism over the data-parallel ranks, 1 at TP=2 on 8 GPUs, 2 at TP=1),
-# GLOBAL_BATCH_SIZE (16). TP=2 is the port's layout (PP=4 x TP=2, tools/plan.py: 31 GB
-# peak on an 80 GB H100); TP=1 is PP=4 x DP=2 with EP=2 (41 GB). MLA under TP is exact
+# GLOBAL_BATCH_SIZE (16). TP=2 is the port's layout (PP=4 x TP=2, tools/plan.py: 28 GB
+# allocated at the peak, 29 GB reserved, on an 80 GB H100); TP=1 is PP=4 x DP=2 with EP=2
+# (38 GB, 40 GB reserved). MLA under TP is exact
 # (megatron/seqsplit/mla.py sums the shared rotary key's gradient over TP ranks, which
 # megatron-core's local MLA spec does not: docs/megatron_lm.md#multi-latent-attention).
 set -euo pipefail
