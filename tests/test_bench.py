@@ -403,3 +403,15 @@ def test_bench_memory_plans_what_the_probe_measured(flags, splits, probed):
     assert len(planned) == len(probed)
     for stage, (plan, measured) in enumerate(zip(planned, probed)):
         assert abs(plan / measured - 1) < 1e-3, f"stage {stage}: planned {plan}, probed {measured}"
+
+
+def test_bench_memory_stops_on_a_refused_flag_before_any_run():
+    """A configuration the planner refuses ends the tool with one line naming the
+    reason, before a training run is started (planned_peaks runs first in measure)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_memory
+
+    args = bench_memory.build_parser().parse_args(["--extra", "--seq1f1b-balance-method", "nope"])
+    with pytest.raises(SystemExit) as stop:
+        bench_memory.measure(args, "/nonexistent", "s2", ["--seq1f1b-splits", "2"])
+    assert "the planner refuses" in str(stop.value) and "--seq1f1b-balance-method" in str(stop.value)

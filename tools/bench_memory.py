@@ -34,9 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.planner.cli import config_from_args, parse as parse_plan  # noqa: E402
-from megatron.planner.predict import boundary_activation_peaks, predict  # noqa: E402
+from megatron.planner.predict import PlanError, boundary_activation_peaks, predict  # noqa: E402
 from megatron.schedules.slimpipe import slimpipe_rank_units  # noqa: E402
 from megatron.schedules.seq1f1b import in_flight_peak  # noqa: E402
+from megatron.trainer.arguments import ArgumentError  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -70,8 +71,11 @@ def measured_peaks(args, flags, out_path):
 
 def planned_peaks(args, flags):
     """Every stage's peak (bytes) as the planner predicts it for the same command line."""
-    plan_args = parse_plan(flags + ["--gpu", "cpu", "--world-size", str(args.pp)])
-    return boundary_activation_peaks(predict(config_from_args(plan_args)))
+    try:
+        plan_args = parse_plan(flags + ["--gpu", "cpu", "--world-size", str(args.pp)])
+        return boundary_activation_peaks(predict(config_from_args(plan_args)))
+    except (PlanError, ArgumentError) as err:
+        sys.exit(f"bench_memory: the planner refuses {' '.join(flags)}: {err}")
 
 
 def measure(args, tmp, name, schedule):
