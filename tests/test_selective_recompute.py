@@ -21,16 +21,26 @@ HEAD_DIM = HIDDEN // HEADS
 FP32 = 4
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def run_tool(tmp_path_factory, *extra):
     out = tmp_path_factory.mktemp("selective") / "saved.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "selective_saved_bytes.py"),
            "--seq-length", str(L), "--hidden-size", str(HIDDEN), "--heads", str(HEADS),
-           "--splits", "1", "2", "4", "--json", str(out)]
+           "--json", str(out), *extra]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r["splits"]: r for r in json.loads(out.read_text())["results"]}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return run_tool(tmp_path_factory, "--splits", "1", "2", "4")
+
+
+@pytest.fixture(scope="module")
+def measured_without_rope(tmp_path_factory):
+    """Learned positions: the query reaches the kernel as a view of the fused QKV output."""
+    return run_tool(tmp_path_factory, "--splits", "1", "2", "--no-rope")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
@@ -73,3 +83,19 @@ def test_unsplit_selective_unchanged(measured):
     runs = {mode: run["per_split"][0]["layer_bytes"] for mode, run in measured[1]["runs"].items()}
     assert runs["selective-mcore"] - runs["selective"] == 4
     assert runs["selective"] < runs["none"]
+
+
+def test_selective_keeps_the_query_not_the_fused_qkv_without_rope(measured_without_rope):
+    """Without RoPE the kernel's query is a view of the fused QKV output; the checkpoint
+    keeps a copy of the query (``kv_cache.query_alone``), not that whole output (3x the
+    query), so selective recomputation still saves less than none; exact; unsplit, where
+    the key and value keep the output anyway, nothing is copied."""
+    split_run = measured_without_rope[2]
+    assert all(d == 0.0 for d in split_run["max_grad_diff_vs_none"].values())
+    runs = split_run["runs"]
+    for none, selective in zip(runs["none"]["per_split"], runs["selective"]["per_split"]):
+        assert selective["attention_bytes"] == selective["length"] * HIDDEN * FP32
+        assert selective["layer_bytes"] < none["layer_bytes"]
+    unsplit = {mode: run["per_split"][0]["layer_bytes"]
+               for mode, run in measured_without_rope[1]["runs"].items()}
+    assert unsplit["selective-mcore"] - unsplit["selective"] == 4

@@ -4,6 +4,7 @@ recomputation of core attention (CPU, one process, no pipeline).
     python tools/selective_saved_bytes.py                   # L=2048, hidden 256, 8 heads
     python tools/selective_saved_bytes.py --splits 1 2 4 --json out.json
     python tools/selective_saved_bytes.py --document-length 300  # packed documents
+    python tools/selective_saved_bytes.py --no-rope         # learned positions (no RoPE)
 
 For each split count s and each mode the layer (this repository's split-aware local
 spec) runs forward over the s splits of one microbatch with ``saved_tensors_hooks``
@@ -87,7 +88,10 @@ def measure(mode, num_splits, args):
     torch.manual_seed(1)
     block = TransformerBlock(config, spec, pre_process=True, post_process=False)
     block.train()
-    rope = RotaryEmbedding(kv_channels=H // args.heads, rotary_percent=1.0)
+    # without RoPE (learned positions: the embedding adds them before the layer) the
+    # query reaches the kernel as a view of the fused QKV output
+    rope = None if args.no_rope else RotaryEmbedding(kv_channels=H // args.heads,
+                                                     rotary_percent=1.0)
     params = {kv_cache.storage_id(p) for p in block.parameters()}
 
     saved = {}  # storage_id -> [bytes, in core attention, split]
@@ -124,8 +128,8 @@ def measure(mode, num_splits, args):
         split_now[0] = j
         leaf = x[offset:offset + length].clone().requires_grad_()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = block(leaf, attention_mask=None, rotary_pos_emb=rope(length, offset=offset),
-                        packed_seq_params=split)
+            out = block(leaf, attention_mask=None, packed_seq_params=split,
+                        rotary_pos_emb=rope(length, offset=offset) if rope else None)
         inputs.append(leaf)
         outputs.append(out)
     kv = store.storage_ids()
@@ -154,6 +158,8 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--document-length", type=int, default=0,
                         help="pack documents of this many tokens (explicit per-document mask)")
+    parser.add_argument("--no-rope", action="store_true",
+                        help="no rotary embedding (a model with learned positions)")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     _init()
@@ -162,7 +168,8 @@ def main():
     print(f"# python tools/selective_saved_bytes.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"# one layer, L={args.seq_length} hidden={args.hidden_size} heads={args.heads} "
           f"groups={args.query_groups or args.heads} "
-          f"{f'documents of {args.document_length} tokens ' if args.document_length else ''}fp32 CPU, torch {torch.__version__}; "
+          f"{f'documents of {args.document_length} tokens ' if args.document_length else ''}"
+          f"{'no RoPE ' if args.no_rope else 'RoPE '}fp32 CPU, torch {torch.__version__}; "
           "MiB saved for backward per split (KV-cache buffers excluded), "
           "core attention's share in brackets")
     print("| s | split | length | none | selective (kernel checkpoint) | "

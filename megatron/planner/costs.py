@@ -261,8 +261,14 @@ class CostModel:
             # q copy, LSE, output once; the chunked kernel is not checkpointed by
             # selective recomputation (it keeps no scores to drop)
             return tokens * (q + lse + q) + cos_sin
-        if self.recompute.granularity == "selective":  # the checkpoint keeps q, k, v
-            return tokens * (unsplit_inputs + q) + cos_sin
+        if self.recompute.granularity == "selective":
+            if split_kernel:
+                # the checkpoint wraps the kernel after the cache write
+                # (megatron/seqsplit/recompute.py): it keeps the query (RoPE's, or a copy
+                # of the view of QKV: kv_cache.query_alone) and aliases of the K/V buffer;
+                # the output once
+                return tokens * (q + q) + cos_sin
+            return tokens * (unsplit_inputs + q) + cos_sin  # the checkpoint keeps q, k, v
         if self._math_kernel():
             keys = l + (self.offsets[split] if self.num_splits > 1 else 0)
             heads = b * m.num_attention_heads / t
@@ -275,10 +281,9 @@ class CostModel:
             return out + tokens * q + cos_sin
         if not split_kernel:
             return tokens * (unsplit_inputs + lse + q) + cos_sin
-        if split == 0:  # K/V live in the buffer; q a view of QKV (learned) or RoPE's
-            return tokens * ((q if rope else qkv) + lse + q) + cos_sin
-        # later splits: a contiguous q and one output, which the output projection's
-        # saved input shares (CPU and GPU kernels alike)
+        # K/V live in the buffer; q is RoPE's or a copy of the view of QKV
+        # (kv_cache.query_alone), and one output, which the output projection's saved
+        # input shares (CPU and GPU kernels alike)
         return tokens * (q + lse + q) + cos_sin
 
     def _latent_bytes(self, rank: int, stored: int) -> float:

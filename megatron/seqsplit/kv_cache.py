@@ -228,6 +228,17 @@ def _from_bhld(x):  # kernel [b, h, l, d] -> megatron [l, b, h, d] (a view)
     return x.permute(2, 0, 1, 3)
 
 
+def query_alone(query: torch.Tensor) -> torch.Tensor:
+    """``query``, or a copy of it when it is a view of a larger tensor: with learned
+    positions (no RoPE) the query is a view of the fused QKV projection's output, and a
+    kernel (or the selective checkpoint) that saves it would keep that whole output alive
+    (3x the query with MHA), while a split's K/V live in the cache. The copy's gradient
+    flows back unchanged (bitwise the same results) and costs one query-sized copy."""
+    if query.untyped_storage().nbytes() <= query.numel() * query.element_size():
+        return query
+    return query.clone()
+
+
 def _runs_split_kernel_cpu(backend, query, key, dropout_p) -> bool:
     """Whether ``backend`` would run this split on the CPU split kernel (False for any
     callable that is not one of our attention backends)."""
@@ -311,6 +322,8 @@ def split_causal_attention(
         entry_id = (split.microbatch_id, layer_key)
         entry = _buffer_entry(store, entry_id, split, key, value)
         tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        if tracked:  # K/V come from the cache: what is saved of q must not pin QKV's output
+            query = query_alone(query)
         if (tracked and split.offset > 0 and value.shape[-1] == key.shape[-1]
                 and key_documents(split, split.offset + split.length, query.device) is None
                 and _runs_split_kernel_cpu(backend, query, key, dropout_p)):

@@ -15,8 +15,9 @@ split of 1024 tokens at hidden 256 above no recomputation
 (docs/results/seq1f1b_memory_cpu.md).
 
 Here the checkpoint moves inside split attention, after the cache write: it wraps the
-attention kernel only, so it saves the query plus aliases of the cache buffers (no new
-memory), and its recomputation reruns the kernel without touching the KV cache (the
+attention kernel only, so it saves the query (never a view of the fused QKV output:
+``kv_cache.query_alone``) plus aliases of the cache buffers (no new memory), and its
+recomputation reruns the kernel without touching the KV cache (the
 cache is written once per split, by the first forward).
 """
 
