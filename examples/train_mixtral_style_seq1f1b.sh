@@ -2,9 +2,9 @@
 # Mixtral-8x7B-style mixture of experts with Seq1F1B on 32 GPUs (4 nodes of 8): PP=4,
 # TP=2 with sequence parallelism (megatron-core requires SP for MoE with TP), DP=4 and
 # expert parallelism 4 over the data-parallel ranks, 16k-token sequences, 8 sequence
-# splits (tools/plan.py, 2026-11-28: s = 4 peaks at 77.5 GB allocated on stage 0 of an
-# 80 GB H100, over its usable memory with the allocator's reserve; s = 8 at 66.6 GB;
-# TP=1 with EP=8 needs 106 GB). The model flags are Megatron-LM's own Mixtral 8x7B settings
+# splits (tools/plan.py, 2026-11-28: s = 4 peaks at 75.9 GB allocated on stage 0 of an
+# 80 GB H100, over its usable memory with the allocator's reserve; s = 8 at 65.4 GB;
+# TP=1 with EP=8 needs 103 GB). The model flags are Megatron-LM's own Mixtral 8x7B settings
 # (examples/mixtral/train_mixtral_8x7b_distributed.sh): 32 layers, hidden 4096, FFN 14336
 # per expert, 32 heads with 8 query groups, 8 experts with top-2 softmax routing, the
 # auxiliary load-balancing loss (1e-2), the alltoall dispatcher, grouped GEMM, RMSNorm
