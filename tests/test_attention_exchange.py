@@ -11,8 +11,6 @@ documents (each row its own boundaries, documents crossing the split edges and t
 chunks) the asker also ships the document ids.
 """
 
-import os
-import socket
 
 import pytest
 import torch
@@ -27,12 +25,6 @@ from megatron.seqsplit.split_context import SplitContext
 B, HQ, G, D = 2, 4, 2, 8
 LENGTHS = [5, 5, 5, 5]
 SCALE = 0.3
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(seed, splits):
@@ -70,9 +62,11 @@ def _run_microbatch(store, inputs, microbatch, exchanges_fwd, exchanges_bwd, doc
     return [o.detach() for o in outs], grads
 
 
-def _worker(rank, port, queue, with_documents):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank, rendezvous_file, queue, with_documents):
+    # a file rendezvous: no port to pick (a port picked free can be taken by the tests
+    # running beside before the ranks bind it: EADDRINUSE, seen once in CI)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank,
+                            world_size=2)
     try:
         group = dist.new_group([0, 1])
         n = len(LENGTHS)
@@ -104,21 +98,27 @@ def _worker(rank, port, queue, with_documents):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "documents"])
-def test_asker_and_helper_equal_local_attention_float64(with_documents):
+def test_asker_and_helper_equal_local_attention_float64(with_documents, tmp_path):
     # forkserver: one server process imports this module (torch, the trainer) once for
     # every test of the session, and forks the two ranks from it; spawn would import it
     # all again in each rank
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, queue, with_documents))
+    procs = [ctx.Process(target=_worker,
+                         args=(rank, str(tmp_path / "rendezvous"), queue, with_documents))
              for rank in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    try:
+        for p in procs:
+            p.join(timeout=120)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    finally:
+        for p in procs:  # a rank left waiting for its peer: stop it (the ones we started)
+            if p.is_alive():
+                p.kill()
+                p.join()
     results = sorted(queue.get(timeout=10) for _ in range(2))
     for rank, out_err, grad_err in results:
         assert out_err < 1e-12, f"rank {rank}: outputs differ by {out_err}"

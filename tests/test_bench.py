@@ -29,6 +29,8 @@ from megatron.benchmarks.pipeline import (  # noqa: E402
 from megatron.schedules.timeline import Timeline, write_timeline  # noqa: E402
 from megatron.schedules.seq1f1b import seq1f1b_schedule  # noqa: E402
 
+from distributed import _free_port  # noqa: E402
+
 ISSUE_KEYS = {"schedule", "splits", "balance_method", "tokens_per_s", "bubble_fraction",
               "stage0_activation_peak_bytes", "loss"}
 
@@ -231,7 +233,10 @@ def test_bench_end_to_end(tmp_path):
            "--vocab-size", "128", "--splits", "2", "--balance-methods", "uniform_comp",
            "--runs", "2", "--timeline-runs", "1", "--warmup-iters", "1", "--timed-iters", "1",
            "--out-dir", str(tmp_path / "runs"), "--json", str(out),
-           "--picture", str(tmp_path / "t.png")]
+           "--picture", str(tmp_path / "t.png"),
+           # below the ephemeral range: the tool's own pick (any free port) can be taken by
+           # the tests running beside before torchrun binds it
+           "--master-port", str(_free_port())]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| Seq1F1B s=2 uniform_comp |" in proc.stdout

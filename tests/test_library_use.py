@@ -78,7 +78,6 @@ def test_positional_call_with_splits_or_virtual_stages_runs_our_executor():
 
 def _setup():
     import datetime
-    import socket
 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -86,10 +85,9 @@ def _setup():
     from megatron import cpu_support
 
     cpu_support.apply()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    # an in-process store: no port to pick (one picked free can be taken by the tests
+    # running beside before it is bound)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
                                          rank=0, world_size=1,
                                          timeout=datetime.timedelta(minutes=2))
     parallel_state.initialize_model_parallel()

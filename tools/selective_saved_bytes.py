@@ -28,7 +28,6 @@ gradient are compared with the ``none`` run.
 import argparse
 import json
 import os
-import socket
 import sys
 import traceback
 
@@ -45,11 +44,9 @@ def _init():
     cpu_support.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # an in-process store: no port to pick (tests run this tool beside others)
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     mp_random.initialize_rng_tracker(force_reset=True)
     mp_random.get_cuda_rng_tracker().add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, 1234)
