@@ -403,6 +403,15 @@ PROBED_PEAKS = [
       "learned_absolute"], 4, [96780288, 93571072]),
     (["--pp", "2", "--microbatches", "4", "--extra", "--recompute-granularity", "selective",
       "--position-embedding-type", "learned_absolute"], 4, [96616448, 93440000]),
+    # packed documents: SDPA's per-split mask on CPU (1F1B l x l, Seq1F1B its own block)
+    (["--pp", "2", "--microbatches", "4", "--extra", "--reset-attention-mask",
+      "--reset-position-ids", "--eod-mask-loss"], 1, [189169664, 108242944]),
+    (["--pp", "2", "--microbatches", "4", "--extra", "--reset-attention-mask",
+      "--reset-position-ids", "--eod-mask-loss"], 4, [104611840, 99862528]),
+    # ... and none kept when selective recomputation checkpoints the kernel
+    (["--pp", "2", "--microbatches", "4", "--extra", "--reset-attention-mask",
+      "--reset-position-ids", "--eod-mask-loss", "--recompute-granularity", "selective"], 4,
+     [99221504, 95553536]),
 ]
 
 

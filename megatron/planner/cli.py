@@ -316,6 +316,7 @@ def config_from_args(args) -> PlanConfig:
             args.slimpipe_attention_balance_exchange_cost
             if "slimpipe_attention_balance_exchange_cost" in getattr(args, "given", ()) else None),
         act_bytes=2 if (t.bf16 or t.fp16) else 4,
+        packed_documents=bool(getattr(t, "reset_attention_mask", False)),
     )
 
 

@@ -103,6 +103,7 @@ class CostModel:
         recompute: Recompute = Recompute(),
         kv_layout: str = "buffer",
         act_bytes: int = BF16,
+        packed_documents: bool = False,
     ):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"--kv-cache-layout must be one of {', '.join(KV_LAYOUTS)}")
@@ -114,6 +115,7 @@ class CostModel:
         self.recompute = recompute
         self.kv_layout = kv_layout
         self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
+        self.packed_documents = packed_documents  # --reset-attention-mask
         self.chunk_counts = par.chunk_counts(model.num_layers)
         self.vocab = model.padded_vocab_size(par.tp)
         self.shape = replace(model, vocab_size=self.vocab)  # as training builds it
@@ -468,11 +470,31 @@ class CostModel:
             extra += tokens * (1 + 8 + FP32)  # target mask, masked targets, loss mask
         return extra
 
+    def document_mask_bytes(self, split: int) -> float:
+        """Packed documents on CPU: SDPA takes an explicit additive mask in the activation
+        dtype, built once per split and kept by every layer's kernel of the stage
+        (megatron/seqsplit/attention_backends.py). A split without dropout keeps its own
+        block's ``l x l`` mask (its prefix runs unmasked); otherwise the mask spans the
+        keys from the first document a query is in, at most the prefix and the split
+        (unsplit: all of them, exactly). A recomputed kernel (selective or full) keeps
+        none. Not counted on GPU, where flash-attn's varlen path and FlexAttention keep no
+        dense mask (SDPA's fallback, with dropout and without flash-attn, would)."""
+        if not (self.packed_documents and self.on_cpu) or self.recompute.granularity:
+            return 0.0
+        b, l = self.par.micro_batch_size, self.split_lengths[split]
+        if self.num_splits > 1 and self.kv_layout == "chunked":
+            return 0.0  # the chunked kernel saves the document ids, not a mask
+        own_block_only = (self.num_splits > 1 and not self.model.attention_dropout
+                          and self.offsets[split] > 0)
+        keys = l if own_block_only else l + (self.offsets[split] if self.num_splits > 1 else 0)
+        return b * l * keys * self.act_bytes
+
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        mask = self.document_mask_bytes(unit.split) if self.chunk_layers(rank, unit.chunk) else 0.0
         return (self.stored_layer_bytes(unit.split, rank, unit.chunk)
-                + self.edge_bytes(rank, unit.chunk, tokens))
+                + self.edge_bytes(rank, unit.chunk, tokens) + mask)
 
     # -------------------------------------------------------------------- KV cache
     def kv_bytes_per_token(self) -> float:

@@ -50,6 +50,7 @@ class PlanConfig:
     # from the GPU model (CostModel.balance_exchange_cost)
     attention_balance_exchange_cost: Optional[float] = None
     act_bytes: int = 2  # activation/weight dtype: 2 with --bf16/--fp16, 4 in fp32
+    packed_documents: bool = False  # --reset-attention-mask: per-document attention
 
 
 @dataclass
@@ -353,7 +354,7 @@ def _predict_fixed(c: PlanConfig, num_splits: int) -> Prediction:
     gpu = get_gpu(c.gpu)
     lengths = split_lengths(c, num_splits)
     cost = CostModel(c.model, c.parallel, gpu, c.seq_length, lengths, c.recompute, c.kv_layout,
-                     c.act_bytes)
+                     c.act_bytes, packed_documents=c.packed_documents)
     schedule = build_schedule(c, num_splits)
     balance = None
     if c.attention_balance:
