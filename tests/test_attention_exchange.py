@@ -11,7 +11,6 @@ documents (each row its own boundaries, documents crossing the split edges and t
 chunks) the asker also ships the document ids.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -481,13 +481,11 @@ class CostModel:
         dense mask (SDPA's fallback, with dropout and without flash-attn, would)."""
         if not (self.packed_documents and self.on_cpu) or self.recompute.granularity:
             return 0.0
-        b, l = self.par.micro_batch_size, self.split_lengths[split]
         if self.num_splits > 1 and self.kv_layout == "chunked":
             return 0.0  # the chunked kernel saves the document ids, not a mask
-        own_block_only = (self.num_splits > 1 and not self.model.attention_dropout
-                          and self.offsets[split] > 0)
-        keys = l if own_block_only else l + (self.offsets[split] if self.num_splits > 1 else 0)
-        return b * l * keys * self.act_bytes
+        b, l, offset = self.par.micro_batch_size, self.split_lengths[split], self.offsets[split]
+        own_block_only = offset > 0 and not self.model.attention_dropout
+        return b * l * (l if own_block_only else l + offset) * self.act_bytes
 
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
