@@ -20,8 +20,11 @@ from megatron.benchmarks.pipeline import (  # noqa: E402
     build_spec,
     check_targets,
     format_report,
+    ideal_split_span,
     json_report,
     memory_path,
+    proportional_split_span,
+    replay,
     stage_bubbles,
     summarize,
     timeline_path,
@@ -149,6 +152,37 @@ def _timeline(p, m, s, f, b, gap=0.0):
                       for t in units] for units in sim.ranks], {})
 
 
+def _unequal_timeline(p, m, s, f, b, weights, scale):
+    """Seq1F1B with split j's units weights[j] (summing to 1) of the microbatch's f / b,
+    every unit then ``scale`` times longer."""
+    from megatron.schedules.simulate import simulate
+
+    sim = simulate(seq1f1b_schedule(p, m, s),
+                   lambda r, u: scale * weights[u.split] * (f if u.is_forward else b))
+    return Timeline([[{"kind": t.unit.kind, "microbatch": t.unit.microbatch,
+                       "split": t.unit.split, "chunk": 0, "start": t.start, "end": t.end}
+                      for t in units] for units in sim.ranks], {})
+
+
+def test_split_overhead_parts_unequal_and_longer_units():
+    """The split overhead's two parts: unequal splits (average's later splits cost more)
+    and units longer in all than 1F1B's; scaling every unit by 1.5 is all 'longer'."""
+    p, m, s = 2, 4, 4
+    base = _timeline(p, m, 1, 0.1, 0.3)
+    weights = [0.1, 0.2, 0.3, 0.4]
+    unequal = _unequal_timeline(p, m, s, 0.1, 0.3, weights, 1.0)
+    longer = _unequal_timeline(p, m, s, 0.1, 0.3, weights, 1.5)
+    ideal = ideal_split_span(base, m, s)
+    assert proportional_split_span(base, unequal) == pytest.approx(unequal.span)
+    assert proportional_split_span(base, longer) == pytest.approx(unequal.span)
+    assert unequal.span / ideal > 1.05  # unequal units stretch the pipeline
+    assert replay(longer, m, s).makespan / proportional_split_span(base, longer) == \
+        pytest.approx(1.5)
+    # equal splits: nothing is unequal
+    equal = _timeline(p, m, s, 0.1, 0.3)
+    assert proportional_split_span(base, equal) == pytest.approx(ideal)
+
+
 def test_summarize_and_json(tmp_path):
     p, m = 2, 4
     configs = [BenchConfig(), BenchConfig(4, "average")]
@@ -188,6 +222,8 @@ def test_summarize_and_json(tmp_path):
     # equal splits of equal units: the gain is the bubble's, (m + p - 1) / (m + (p - 1) / s)
     assert seq["schedule_gain"] == pytest.approx(5 / 4.25)
     assert seq["split_overhead"] == pytest.approx(1.0)
+    assert seq["unequal_units_factor"] == pytest.approx(1.0)
+    assert seq["longer_units_factor"] == pytest.approx(1.0)
     assert seq["order_mismatch"] is None and base["order_mismatch"] is None
     assert summary["losses_equal"]
     report = json_report(summary, {"command": "x"})

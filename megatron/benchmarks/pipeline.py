@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.schedules.simulate import simulate
 from megatron.schedules.timeline import Timeline, read_timeline
@@ -246,11 +246,7 @@ def replay(timeline: Timeline, microbatches: int, splits: int):
     """The planner's simulator run on the measured unit durations, in the order the units
     ran, with free communication: the span the run would have had if messages cost
     nothing. (``microbatches`` and ``splits`` are implied by the timeline.)"""
-    measured = {}
-    for rank, units in enumerate(timeline.ranks):
-        for e in units:
-            measured[(rank, Unit(e["kind"], e["microbatch"], e["split"], e["chunk"]))] = (
-                e["end"] - e["start"])
+    measured = unit_durations(timeline)
     return simulate(recorded_order(timeline), duration=lambda rank, unit: measured[(rank, unit)])
 
 
@@ -264,6 +260,30 @@ def ideal_split_span(base: Timeline, microbatches: int, splits: int) -> float:
         means.append((sum(fwd) / max(len(fwd), 1), sum(bwd) / max(len(bwd), 1)))
     sim = simulate(seq1f1b_schedule(base.pp_size, microbatches, splits),
                    duration=lambda rank, unit: means[rank][0 if unit.is_forward else 1] / splits)
+    return sim.makespan
+
+
+def unit_durations(timeline: Timeline) -> Dict[Tuple[int, Unit], float]:
+    """{(rank, unit): measured seconds} of a recorded timeline."""
+    return {(rank, Unit(e["kind"], e["microbatch"], e["split"], e["chunk"])): e["end"] - e["start"]
+            for rank, units in enumerate(timeline.ranks) for e in units}
+
+
+def proportional_split_span(base: Timeline, timeline: Timeline) -> float:
+    """Span of ``timeline``'s schedule if its split units cost no more in all than 1F1B's
+    whole microbatches but kept their measured proportions: on every rank, forward and
+    backward durations scaled so their sums are ``base``'s. Over ``ideal_split_span`` it is
+    what unequal splits alone cost (``average``'s later splits attend to longer
+    prefixes); the measured replay over it is what longer units cost."""
+    measured, wanted = unit_durations(timeline), unit_durations(base)
+    scale = {}
+    for rank in range(timeline.pp_size):
+        for forward in (True, False):
+            have = sum(d for (r, u), d in measured.items() if r == rank and u.is_forward == forward)
+            want = sum(d for (r, u), d in wanted.items() if r == rank and u.is_forward == forward)
+            scale[(rank, forward)] = want / have if have > 0 else 1.0
+    sim = simulate(recorded_order(timeline),
+                   duration=lambda rank, unit: measured[(rank, unit)] * scale[(rank, unit.is_forward)])
     return sim.makespan
 
 
@@ -454,16 +474,20 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
                                                    / base["worst_stage_activation_peak_bytes"])
         if "_timeline_runs" in row and "_timeline_runs" in base and row is not base:
             base_runs = {r["round"]: r for r in base["_timeline_runs"]}
-            gains, overheads, comms, computes = [], [], [], []
+            gains, overheads, unequal, longer, comms, computes = [], [], [], [], [], []
             for r in row["_timeline_runs"]:
                 b = base_runs.get(r["round"])
                 if b is None:
                     continue
-                ideal = ideal_split_span(read_timeline(b["timeline_file"]), microbatches,
-                                         row["splits"])
+                base_timeline = read_timeline(b["timeline_file"])
+                ideal = ideal_split_span(base_timeline, microbatches, row["splits"])
+                proportional = proportional_split_span(base_timeline,
+                                                       read_timeline(r["timeline_file"]))
                 # span = base replay x (ideal / base replay) x (replay / ideal) x (span / replay)
                 gains.append(b["replay_span_s"] / ideal)  # bubble shrinking alone
-                overheads.append(r["replay_span_s"] / ideal)  # longer units
+                overheads.append(r["replay_span_s"] / ideal)  # unequal and longer units
+                unequal.append(proportional / ideal)
+                longer.append(r["replay_span_s"] / proportional)
                 comms.append(r["pipeline_span_s"] / r["replay_span_s"])
                 computes.append([(st["forward_s"] + st["backward_s"])
                                  / (bs["forward_s"] + bs["backward_s"])
@@ -471,6 +495,8 @@ def summarize(configs: Sequence[BenchConfig], records: Sequence[Dict], *, out_di
             if gains:
                 row["schedule_gain"] = statistics.median(gains)
                 row["split_overhead"] = statistics.median(overheads)
+                row["unequal_units_factor"] = statistics.median(unequal)
+                row["longer_units_factor"] = statistics.median(longer)
                 row["communication_factor"] = statistics.median(comms)
                 row["compute_ratio_per_stage"] = [statistics.median(v) for v in zip(*computes)]
     if "_timeline_runs" in base:
@@ -649,19 +675,28 @@ def format_report(summary: Dict) -> str:
                   "iteration time - span (optimizer step, gradient norm, finalisation)."]
         lines += ["", "Span decomposition (relative to 1F1B's replayed span):", "",
                   "| schedule | span s | gain from the schedule alone | split overhead | "
+                  "of it: unequal units | of it: longer units | ceiling without overhead | "
                   "comm./wait factor | outside pipeline s | iteration s (timeline run) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "schedule_gain" not in r:
                 continue
             lines.append(
                 f"| {r['label']} | {r['pipeline_span_s']:.3f} | {r['schedule_gain']:.3f}x | "
-                f"{r['split_overhead']:.3f}x | {r['communication_factor']:.3f}x | "
+                f"{r['split_overhead']:.3f}x | {r['unequal_units_factor']:.3f}x | "
+                f"{r['longer_units_factor']:.3f}x | "
+                f"{r['schedule_gain'] / r['unequal_units_factor']:.3f}x | "
+                f"{r['communication_factor']:.3f}x | "
                 f"{r['outside_pipeline_s']:.3f} | {r['timeline_iteration_s']:.3f} |")
         lines += ["", "gain from the schedule alone: 1F1B's replayed span over the span the "
                   "split schedule would have with every unit 1/s of the 1F1B unit (bubble "
                   "shrinking only); split overhead: the replayed span with the measured split "
-                  "units over that ideal; comm./wait factor: measured span over replayed span."]
+                  "units over that ideal, the product of unequal units (each stage's split "
+                  "units scaled to cost in all what 1F1B's do, keeping their measured "
+                  "proportions, over the ideal) and longer units (the replayed span over that); "
+                  "ceiling without overhead: 1F1B's replayed span over the span with those "
+                  "scaled units, the gain if splitting cost nothing but its units stayed "
+                  "unequal; comm./wait factor: measured span over replayed span."]
     if any("unit_cpu_stages" in r for r in rows):
         lines += ["", "Unit compute in thread CPU time (the thread's own work, without waiting "
                   "for a core; medians over the unit-CPU runs; milliseconds):", "",
