@@ -274,6 +274,50 @@ def _single_process_env():
                                      RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"))
 
 
+# One transformer layer of the trainer's spec, for tests that check a layer's math in a
+# child process (`run_layer_child`).
+ONE_LAYER = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+             "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--train-iters", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
+             "--transformer-impl", "local"]
+
+# The start of such a child: megatron-core's parallel state in one process (TP = PP = 1,
+# a file store at sys.argv[2]) and `model_of(flags)`; sys.argv[1] is the JSON of the
+# base flags.
+ONE_PROCESS_PRELUDE = r"""
+import json, sys
+import megatron.trainer  # first: megatron-core's fused functions run eagerly on CPU tensors
+import torch
+from megatron import cpu_support
+cpu_support.apply()
+torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0,
+                                     world_size=1)
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1)
+from megatron.trainer.arguments import parse_args
+from megatron.trainer.model import gpt_model_provider, transformer_config_from_args
+
+def model_of(argv, change_config=lambda config: None):  # the trainer's GPT, vocabulary 128
+    args = parse_args(argv, world_size=1, cuda_available=False)
+    args.padded_vocab_size = 128
+    config = transformer_config_from_args(args)
+    change_config(config)
+    return gpt_model_provider(args, config)
+"""
+
+
+def run_layer_child(code, base, tmp_path):
+    """Run ``ONE_PROCESS_PRELUDE + code`` with ``base`` flags; the JSON lines it printed."""
+    proc = subprocess.run([sys.executable, "-c", ONE_PROCESS_PRELUDE + code, json.dumps(base),
+                           str(tmp_path / "store")], cwd=ROOT, env=_single_process_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def pretrain(argv, timeout=300, env=None, script="pretrain_gpt.py"):
     """`python pretrain_gpt.py ARGV` (or `script`) as one process, to the end: forked from
     this worker's pre-imported server (tests/forked_cli.py), a CompletedProcess."""

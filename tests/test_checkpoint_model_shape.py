@@ -38,7 +38,9 @@ def rank_zero(monkeypatch):
 
 def test_a_dense_model_records_no_moe_or_mla_sizes():
     shape = model_shape(_args())
-    assert set(shape) == set(MODEL_SHAPE_FLAGS) and not GATED & set(shape)
+    # a biased GeLU MLP also records which GeLU it computes (--no-bias-gelu-fusion)
+    assert set(shape) == set(MODEL_SHAPE_FLAGS) | {"bias_gelu_fusion"}
+    assert not GATED & set(shape)
     # a dense run given another (unused) MLA rank resumes
     assert _load_problem(_args(), _args(kv_lora_rank=64)) is None
 
@@ -59,6 +61,27 @@ def test_an_older_checkpoint_without_the_new_entries_still_loads():
     old = {"model_shape": {f: v for f, v in model_shape(_args()).items()
                            if f not in ("num_experts", "multi_latent_attention")}}
     checkpointing._check_model_shape(_args(num_experts=8), "ckpt", old)  # nothing to compare
+
+
+def test_a_checkpoint_of_the_exact_gelu_stops_a_tanh_gelu_resume_and_says_how():
+    """Before --no-bias-gelu-fusion was honoured, a biased GeLU MLP computed the exact
+    GeLU; resuming it under Megatron-LM's default (the fused tanh GeLU) would change the
+    model's function silently."""
+    legacy = {"model_shape": {f: v for f, v in model_shape(_args()).items()
+                              if f != "bias_gelu_fusion"}}
+    problem = None
+    try:
+        checkpointing._check_model_shape(_args(), "ckpt", legacy)
+    except SystemExit as stop:
+        problem = str(stop.code)
+    assert problem == (
+        "error: --load ckpt holds another model shape: --bias-gelu-fusion saved False, now "
+        "True (that checkpoint's MLP computes the exact GeLU: add --no-bias-gelu-fusion, or "
+        "--use-checkpoint-args, to continue it)")
+    checkpointing._check_model_shape(_args(bias_gelu_fusion=False), "ckpt", legacy)
+    assert _load_problem(_args(bias_gelu_fusion=False), _args(bias_gelu_fusion=False)) is None
+    # SwiGLU: the flag changes nothing, recorded or not
+    assert _load_problem(_args(swiglu=True), _args(swiglu=True, bias_gelu_fusion=False)) is None
 
 
 def test_optimizer_state_across_an_expert_parallel_change():

@@ -75,7 +75,8 @@ def test_add_qkv_bias_as_megatron_lm():
 def test_squared_relu_activation():
     config = config_of("--squared-relu")
     assert config.activation_func is squared_relu and not config.gated_linear_unit
-    assert config_of().activation_func is F.gelu
+    assert config_of().activation_func is trainer_model.tanh_gelu  # Megatron-LM fuses bias+GeLU
+    assert config_of("--no-bias-gelu-fusion").activation_func is F.gelu
     assert config_of("--swiglu").activation_func is F.silu
     with pytest.raises(ArgumentErrors, match="--squared-relu and --swiglu"):
         args_of("--squared-relu", "--swiglu")

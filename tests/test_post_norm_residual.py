@@ -4,38 +4,16 @@ layers) against the formula evaluated with its own submodules, in a child proces
 layer needs megatron-core's parallel state); the trained runs under Seq1F1B splits are in
 tests/test_model_flags_exactness.py. The flag's parsing is checked in-process."""
 
-import subprocess
-import sys
-
 import pytest
 
-from distributed import ROOT, _single_process_env
+from distributed import ONE_LAYER, run_layer_child
 from megatron.trainer.arguments import ArgumentErrors, parse_args
 
-BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
-        "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
-        "--train-iters", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--transformer-impl", "local"]
+BASE = ONE_LAYER
 
 CHILD = r"""
-import json, sys, torch
-from megatron import cpu_support
-cpu_support.apply()
-torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0,
-                                     world_size=1)
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(1)
-from megatron.trainer.arguments import parse_args
-from megatron.trainer.model import gpt_model_provider, transformer_config_from_args
-
 def layer_of(argv):
-    args = parse_args(argv, world_size=1, cuda_available=False)
-    args.padded_vocab_size = 128
-    model = gpt_model_provider(args, transformer_config_from_args(args))
-    return model.decoder.layers[0]
+    return model_of(argv).decoder.layers[0]
 
 base = json.loads(sys.argv[1])
 for norm in ("LayerNorm", "RMSNorm"):
@@ -70,13 +48,7 @@ for norm in ("LayerNorm", "RMSNorm"):
 
 @pytest.mark.distributed  # a child process: the layer needs megatron-core's parallel state
 def test_residuals_are_the_norms_outputs(tmp_path):
-    import json
-
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(BASE),
-                           str(tmp_path / "store")], cwd=ROOT, env=_single_process_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_layer_child(CHILD, BASE, tmp_path)
     assert [r["norm"] for r in results] == ["LayerNorm", "RMSNorm"]
     for result in results:
         assert result["type"] == "PostNormResidualLayer"

@@ -139,6 +139,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--squared-relu", action="store_true",
                    help="squared ReLU activation in the MLP instead of GeLU (not with --swiglu)")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="GeLU as Megatron-LM computes it without its bias+GeLU fusion (erf). "
+                        "By default a GeLU MLP with biased linear layers computes what that "
+                        "fusion does, GeLU's tanh approximation (megatron-core's bias_gelu), "
+                        "as Megatron-LM by default")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalise queries and keys per head (--normalization's norm) before "
                         "RoPE, as Qwen3")

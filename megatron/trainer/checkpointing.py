@@ -51,6 +51,7 @@ import re
 import shutil
 import socket
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron import mcore_compat
 from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
+from megatron.trainer.model import biased_gelu
 from megatron.trainer.schedule_check import schedule_decision
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -100,7 +102,20 @@ def model_shape(args) -> dict:
     for gate, flags in GATED_SHAPE_FLAGS.items():
         if shape[gate]:
             shape.update({flag: getattr(args, flag) for flag in flags})
+    if biased_gelu(args):  # which GeLU: the fused one's tanh approximation, or erf
+        shape["bias_gelu_fusion"] = getattr(args, "bias_gelu_fusion", True)
     return shape
+
+
+def with_legacy_gelu(saved: dict) -> dict:
+    """A saved model shape, completed for checkpoints saved before --no-bias-gelu-fusion
+    was honoured (2026-11-28): a GeLU model with biased linear layers trained then with
+    the exact (erf) GeLU, as --no-bias-gelu-fusion computes it now."""
+    if not saved or "bias_gelu_fusion" in saved:
+        return saved
+    flags = SimpleNamespace(**{flag: saved.get(flag) for flag in (
+        "swiglu", "squared_relu", "disable_bias_linear")})
+    return dict(saved, bias_gelu_fusion=False) if biased_gelu(flags) else saved
 
 
 class CheckpointError(RuntimeError):
@@ -764,11 +779,15 @@ def _warn_of_newer(args, iteration):
 
 
 def _check_model_shape(args, path, common):
-    saved_shape, now = common.get("model_shape", {}), model_shape(args)
+    saved_shape, now = with_legacy_gelu(common.get("model_shape", {})), model_shape(args)
     differ = [f"--{flag.replace('_', '-')} saved {saved_shape[flag]!r}, now {now[flag]!r}"
               for flag in now if flag in saved_shape and saved_shape[flag] != now[flag]]
     if differ:
-        _exit(f"--load {path} holds another model shape: " + "; ".join(differ))
+        hint = ""
+        if saved_shape.get("bias_gelu_fusion") is False and now.get("bias_gelu_fusion"):
+            hint = (" (that checkpoint's MLP computes the exact GeLU: add "
+                    "--no-bias-gelu-fusion, or --use-checkpoint-args, to continue it)")
+        _exit(f"--load {path} holds another model shape: " + "; ".join(differ) + hint)
 
 
 def _check_optimizer_kind(args, path, common):
@@ -980,10 +999,11 @@ def saved_model_shape(load_dir):
                               f"({TRACKER_FILE} missing)")
     path = checkpoint_dir(load_dir, iteration)
     try:
-        return dict(dist_checkpointing.load_common_state_dict(path).get("model_shape", {}))
+        saved = dict(dist_checkpointing.load_common_state_dict(path).get("model_shape", {}))
     except Exception as error:
         raise CheckpointError(f"--use-checkpoint-args: {path} does not load: "
                               f"{type(error).__name__}: {str(error)[:200]}") from None
+    return with_legacy_gelu(saved)
 
 
 def _restore_rng(rng):

@@ -24,7 +24,6 @@ NO_OP_FLAGS = {
     "--no-masked-softmax-fusion": (
         False, "there is no fused masked softmax: attention runs in SDPA, flash-attn, "
                "FlexAttention or the chunked kernel"),
-    "--no-bias-gelu-fusion": (False, "the bias+GeLU fusion is always off here"),
     "--no-bias-swiglu-fusion": (False, "the bias+SwiGLU fusion is always off here"),
     "--no-bias-dropout-fusion": (False, "the bias+dropout fusion is always off here"),
     "--no-persist-layer-norm": (False, "the persistent apex LayerNorm is never used here"),

@@ -22,13 +22,30 @@ def params_dtype(args):
     return torch.float32
 
 
+def tanh_gelu(x):
+    """GeLU's tanh approximation: what megatron-core's fused ``bias_gelu`` computes, which
+    Megatron-LM runs by default (``--bias-gelu-fusion``) in a GeLU MLP with biased linear
+    layers. Here unfused, as PyTorch's ``gelu(approximate="tanh")``."""
+    return F.gelu(x, approximate="tanh")
+
+
+def biased_gelu(args) -> bool:
+    """Whether the MLP is GeLU with biased linear layers: the model Megatron-LM's
+    bias+GeLU fusion applies to (it turns the fusion off without biases)."""
+    return not (args.swiglu or getattr(args, "squared_relu", False) or args.disable_bias_linear)
+
+
 def activation_func(args):
-    """The MLP activation as Megatron-LM picks it: SiLU (gated) with --swiglu, squared
-    ReLU with --squared-relu, else GeLU."""
+    """The MLP activation as Megatron-LM computes it: SiLU (gated) with --swiglu, squared
+    ReLU with --squared-relu, else GeLU: its tanh approximation where Megatron-LM fuses
+    bias and GeLU (biased linear layers, no --no-bias-gelu-fusion), else the exact (erf)
+    one."""
     if args.swiglu:
         return F.silu
     if getattr(args, "squared_relu", False):
         return squared_relu
+    if biased_gelu(args) and getattr(args, "bias_gelu_fusion", True):
+        return tanh_gelu
     return F.gelu
 
 
