@@ -252,3 +252,20 @@ def test_moe_examples_are_planned_as_they_are(capsys):
     assert round(shape.parameter_count() / 1e9, 1) == 46.7
     assert round(shape.parameter_count(active=True) / 1e9, 1) == 12.9
     assert "alltoall dispatcher moves" in report(mixtral)
+
+
+def test_packed_documents_on_gpu_say_what_the_table_assumes(capsys):
+    """With attention dropout and without flash-attn, SDPA keeps a dense document mask per
+    split in flight: the planner cannot know what the training machine has, so it says
+    what its table assumes and how large that mask gets."""
+    flags = TRAINING + ["--bf16", "--reset-attention-mask"]  # dropout 0.1, Megatron-LM's
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    # the last of 4 splits of 8192 tokens, 2048 queries over 8192 keys in bf16: 32 MiB
+    assert "SDPA keeps a dense document mask per split in flight, up to 0.03 GB each" in out
+    assert plan(flags).cost.sdpa_document_bias_bytes(3) == 2048 * 8192 * 2
+    for other in (flags + ["--attention-dropout", "0"], flags + ["--recompute-activations"],
+                  TRAINING + ["--bf16"],
+                  TRAINING + ["--reset-attention-mask", "--gpu", "cpu"]):  # CPU: counted
+        assert main(other) == 0
+        assert "dense document mask" not in capsys.readouterr().out, other

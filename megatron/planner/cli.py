@@ -359,6 +359,25 @@ def _model_lines(pred: Prediction) -> List[str]:
     return lines
 
 
+def _packed_documents_note(pred: Prediction) -> Optional[str]:
+    """What the GPU memory table assumes of packed documents' attention: flash-attn's
+    varlen kernel (or, without dropout, FlexAttention), which keep no dense mask. With
+    attention dropout and no flash-attn on the machine, SDPA runs instead and keeps a
+    dense additive mask per split in flight, which the table does not count (the planner
+    cannot see what the training machine has installed)."""
+    c, cost = pred.config, pred.cost
+    # (the chunked cache has no dropout; a recomputed kernel keeps no mask)
+    if (not c.packed_documents or cost.on_cpu or not c.model.attention_dropout
+            or c.recompute.granularity):
+        return None
+    largest = max(cost.sdpa_document_bias_bytes(j) for j in range(pred.splits)) / GIB
+    return ("packed documents (--reset-attention-mask) with attention dropout: the table "
+            "assumes flash-attn is installed (its varlen kernel keeps no mask); without it "
+            "SDPA keeps a dense document mask per split in flight, up to "
+            f"{largest:.2f} GB each, not counted above (--attention-dropout 0 runs "
+            "FlexAttention, which keeps none)")
+
+
 def report(pred: Prediction) -> str:
     c, p, g = pred.config, pred.config.parallel, pred.gpu
     lines = []
@@ -408,6 +427,9 @@ def report(pred: Prediction) -> str:
         f"{pred.peak_reserved_gb:.2f} GB -> "
         + ("OUT OF MEMORY" if pred.oom else "fits")
     )
+    note = _packed_documents_note(pred)
+    if note:
+        lines.append(note)
     lines.append("")
     lines.append(f"bubble fraction        {pred.bubble_fraction:.1%}")
     lines.append(f"pipeline time          {_fmt_time(pred.pipeline_time_s)}")

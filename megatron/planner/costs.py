@@ -483,9 +483,16 @@ class CostModel:
             return 0.0
         if self.num_splits > 1 and self.kv_layout == "chunked":
             return 0.0  # the chunked kernel saves the document ids, not a mask
+        if self.offsets[split] > 0 and not self.model.attention_dropout:  # own block only
+            l = self.split_lengths[split]
+            return self.par.micro_batch_size * l * l * self.act_bytes
+        return self.sdpa_document_bias_bytes(split)
+
+    def sdpa_document_bias_bytes(self, split: int) -> float:
+        """SDPA's additive document mask of one split at its largest (one document over
+        the prefix and the split): ``b x l x (offset + l)`` in the activation dtype."""
         b, l, offset = self.par.micro_batch_size, self.split_lengths[split], self.offsets[split]
-        own_block_only = offset > 0 and not self.model.attention_dropout
-        return b * l * (l if own_block_only else l + offset) * self.act_bytes
+        return b * l * (l + offset) * self.act_bytes
 
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
