@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -215,12 +215,31 @@ def _optimizer_state(args, optimizer, model_sd, loading, avoid_prefix=True):
         for part in parts:
             part.get_parameter_state_dp_zero = _in_buffer_space(part)
         try:
-            return optimizer.sharded_state_dict(model_sd, is_loading=loading,
-                                                metadata=metadata)
+            return _unsaved_off_dp_zero(optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, metadata=metadata))
         finally:
             for part in parts:
                 del part.get_parameter_state_dp_zero  # the class's method again
     return optimizer.sharded_state_dict(model_sd, is_loading=loading)
+
+
+def _unsaved_off_dp_zero(state):
+    """The optimizer's sharded state with the ``param_state`` of data-parallel ranks > 0
+    marked unsaved. The mem-efficient save gives them ``None`` (data-parallel rank 0
+    writes the state); as a plain value it would go into those ranks' common state dict,
+    which then differs from rank 0's, and megatron-core warned on every save ("Rank 1
+    common state dict differs from rank 0 common state dict ... param_state"). Its
+    ``dp_zero`` format marks the same ``None`` non-persistent; so does this."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_state" and value is None:
+                state[key] = LocalNonpersistentObject(None)
+            else:
+                _unsaved_off_dp_zero(value)
+    elif isinstance(state, list):  # a chained optimizer's parts
+        for value in state:
+            _unsaved_off_dp_zero(value)
+    return state
 
 
 def _in_buffer_space(part):
