@@ -283,15 +283,15 @@ ONE_LAYER = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads"
              "--transformer-impl", "local"]
 
 # The start of such a child: megatron-core's parallel state in one process (TP = PP = 1,
-# a file store at sys.argv[2]) and `model_of(flags)`; sys.argv[1] is the JSON of the
-# base flags.
+# an in-process store: no port or file to pick) and `model_of(flags)`; sys.argv[1] is the
+# JSON of the base flags.
 ONE_PROCESS_PRELUDE = r"""
 import json, sys
 import megatron.trainer  # first: megatron-core's fused functions run eagerly on CPU tensors
 import torch
 from megatron import cpu_support
 cpu_support.apply()
-torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0,
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
                                      world_size=1)
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -309,11 +309,11 @@ def model_of(argv, change_config=lambda config: None):  # the trainer's GPT, voc
 """
 
 
-def run_layer_child(code, base, tmp_path):
+def run_layer_child(code, base):
     """Run ``ONE_PROCESS_PRELUDE + code`` with ``base`` flags; the JSON lines it printed."""
-    proc = subprocess.run([sys.executable, "-c", ONE_PROCESS_PRELUDE + code, json.dumps(base),
-                           str(tmp_path / "store")], cwd=ROOT, env=_single_process_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", ONE_PROCESS_PRELUDE + code, json.dumps(base)],
+                          cwd=ROOT, env=_single_process_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

@@ -50,8 +50,8 @@ for name, flags in (("default", []), ("no-fusion", ["--no-bias-gelu-fusion"])):
 
 
 @pytest.mark.distributed  # a child process: the layers need megatron-core's parallel state
-def test_mlp_computes_megatron_lm_fused_bias_gelu(tmp_path):
-    results = {r["flags"]: r for r in run_layer_child(CHILD, BASE, tmp_path)}
+def test_mlp_computes_megatron_lm_fused_bias_gelu():
+    results = {r["flags"]: r for r in run_layer_child(CHILD, BASE)}
     default, unfused = results["default"], results["no-fusion"]
     # our unfused tanh GeLU: megatron-core's fused kernel's values and gradients
     assert default["activation"] == "tanh_gelu" and not default["fused_path"]

@@ -47,8 +47,8 @@ for norm in ("LayerNorm", "RMSNorm"):
 
 
 @pytest.mark.distributed  # a child process: the layer needs megatron-core's parallel state
-def test_residuals_are_the_norms_outputs(tmp_path):
-    results = run_layer_child(CHILD, BASE, tmp_path)
+def test_residuals_are_the_norms_outputs():
+    results = run_layer_child(CHILD, BASE)
     assert [r["norm"] for r in results] == ["LayerNorm", "RMSNorm"]
     for result in results:
         assert result["type"] == "PostNormResidualLayer"

@@ -215,8 +215,10 @@ def _optimizer_state(args, optimizer, model_sd, loading, avoid_prefix=True):
         for part in parts:
             part.get_parameter_state_dp_zero = _in_buffer_space(part)
         try:
-            return _unsaved_off_dp_zero(optimizer.sharded_state_dict(
-                model_sd, is_loading=loading, metadata=metadata))
+            state = optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                                 metadata=metadata)
+            # a load builds the state on every rank: no None to mark
+            return state if loading else _unsaved_off_dp_zero(state)
         finally:
             for part in parts:
                 del part.get_parameter_state_dp_zero  # the class's method again
