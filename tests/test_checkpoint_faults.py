@@ -380,3 +380,34 @@ def test_failed_save_is_one_line_and_leaves_nothing_partial(tmp_path):
         "iter_0000001", TRACKER]
     assert (ckpt / TRACKER).read_text() == "1"
     assert _manifest_holds(ckpt / "iter_0000001")
+
+
+def test_a_checkpoint_from_before_the_fused_gelu_stops_a_default_resume(pristine, tmp_path):
+    """A GeLU checkpoint saved before --no-bias-gelu-fusion was honoured (its model shape
+    has no record of the GeLU: it trained the exact one) does not resume silently under
+    Megatron-LM's default, the tanh GeLU: one line says what to add, and with it the run
+    resumes from that checkpoint."""
+    import hashlib
+
+    import torch
+
+    ckpt = _copy(pristine, tmp_path)
+    common = ckpt / ITER2 / "common.pt"
+    state = torch.load(common, weights_only=False)
+    assert state["model_shape"].pop("bias_gelu_fusion") is True  # TINY_MODEL: biased GeLU
+    torch.save(state, common)
+    manifest = ckpt / ITER2 / "checksums.json"  # as the older code wrote it, consistent
+    files = json.loads(manifest.read_text())
+    files["files"]["common.pt"] = {"size": common.stat().st_size,
+                                   "sha256": hashlib.sha256(common.read_bytes()).hexdigest()}
+    manifest.write_text(json.dumps(files))
+    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --load {ckpt / ITER2} holds another model shape: --bias-gelu-fusion saved "
+        f"False, now True (that checkpoint's MLP computes the exact GeLU: add "
+        f"--no-bias-gelu-fusion, or --use-checkpoint-args, to continue it)")
+    resumed = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
+                               "--no-bias-gelu-fusion", "--use-checkpoint-opt_param-scheduler"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt / ITER2} at iteration 2" in resumed.stdout
