@@ -16,6 +16,8 @@ file in its place), set by environment variables:
 * FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
 * FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
   project's (a checkpoint as Megatron-LM writes it, for the load side).
+* FAULT_PRE_GELU_SHAPE=1: saves carry the model shape without its GeLU record (a
+  checkpoint as this project wrote it before it honoured --no-bias-gelu-fusion).
 * FAULT_RERUN_AS_ON_GPU=1: --rerun-mode takes a GPU job's path for a result reproduced in
   place (save the rerun, exit 16), which a CPU run refuses.
 * FAULT_NODE_NAME=NAME: the node name megatron-core's rerun state machine sees (a job
@@ -96,6 +98,16 @@ if os.environ.get("FAULT_MEGATRON_LM_COMMON"):
         return state
 
     checkpointing._sharded_state_dict = _megatron_lm_state
+
+if os.environ.get("FAULT_PRE_GELU_SHAPE"):
+    _shape = checkpointing.model_shape
+
+    def _pre_gelu_shape(args):
+        shape = _shape(args)
+        shape.pop("bias_gelu_fusion", None)
+        return shape
+
+    checkpointing.model_shape = _pre_gelu_shape
 
 if os.environ.get("FAULT_RERUN_AS_ON_GPU"):
     from megatron.trainer import rerun

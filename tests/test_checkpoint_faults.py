@@ -382,25 +382,16 @@ def test_failed_save_is_one_line_and_leaves_nothing_partial(tmp_path):
     assert _manifest_holds(ckpt / "iter_0000001")
 
 
-def test_a_checkpoint_from_before_the_fused_gelu_stops_a_default_resume(pristine, tmp_path):
+def test_a_checkpoint_from_before_the_fused_gelu_stops_a_default_resume(tmp_path):
     """A GeLU checkpoint saved before --no-bias-gelu-fusion was honoured (its model shape
-    has no record of the GeLU: it trained the exact one) does not resume silently under
-    Megatron-LM's default, the tanh GeLU: one line says what to add, and with it the run
-    resumes from that checkpoint."""
-    import hashlib
-
-    import torch
-
-    ckpt = _copy(pristine, tmp_path)
-    common = ckpt / ITER2 / "common.pt"
-    state = torch.load(common, weights_only=False)
-    assert state["model_shape"].pop("bias_gelu_fusion") is True  # TINY_MODEL: biased GeLU
-    torch.save(state, common)
-    manifest = ckpt / ITER2 / "checksums.json"  # as the older code wrote it, consistent
-    files = json.loads(manifest.read_text())
-    files["files"]["common.pt"] = {"size": common.stat().st_size,
-                                   "sha256": hashlib.sha256(common.read_bytes()).hexdigest()}
-    manifest.write_text(json.dumps(files))
+    has no record of the GeLU: it trained the exact one; saved here through
+    tests/fault_hooks.py) does not resume silently under Megatron-LM's default, the tanh
+    GeLU: one line says what to add, and with it the run resumes from that checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    saved = pretrain(BASE + ["--train-iters", "2", "--save-interval", "2", "--save", str(ckpt),
+                             "--no-bias-gelu-fusion"],
+                     env={"FAULT_PRE_GELU_SHAPE": "1"}, script="tests/fault_hooks.py")
+    assert saved.returncode == 0, saved.stderr[-3000:]
     refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt)])
     assert refused.returncode != 0
     assert one_error_line(refused.stderr) == (
