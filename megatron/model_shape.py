@@ -84,7 +84,7 @@ class ModelShape:
     hidden_dropout: bool = True  # dropout after attention / MLP (stores a 1-byte mask)
     normalization: str = "LayerNorm"  # or "RMSNorm"
     untie_embeddings: bool = True
-    position_embedding_type: str = "rope"  # or "learned_absolute"
+    position_embedding_type: str = "rope"  # or "yarn", "learned_absolute", "none"
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
@@ -145,6 +145,11 @@ class ModelShape:
             max_position_embeddings=getattr(args, "max_position_embeddings", None),
         )
         return cls(**{**fields, **_moe_fields(args), **_mla_fields(args)})
+
+    @property
+    def rotary(self) -> bool:
+        """RoPE rotates queries and keys (YaRN too: the same tensors, scaled)."""
+        return self.position_embedding_type in ("rope", "yarn")
 
     @property
     def head_dim(self) -> int:

@@ -402,3 +402,28 @@ def test_a_checkpoint_from_before_the_fused_gelu_stops_a_default_resume(tmp_path
                                "--no-bias-gelu-fusion", "--use-checkpoint-opt_param-scheduler"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"loaded checkpoint from {ckpt / ITER2} at iteration 2" in resumed.stdout
+
+
+def test_extending_the_context_with_yarn_needs_finetune(tmp_path):
+    """A RoPE checkpoint resumed with YaRN stops with one line saying how to extend the
+    context from it; --finetune starts YaRN training from its weights and says so."""
+    ckpt = tmp_path / "ckpt"
+    rope = BASE + ["--position-embedding-type", "rope"]
+    saved = pretrain(rope + ["--train-iters", "2", "--save-interval", "2", "--save", str(ckpt)])
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    yarn = BASE + ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                   "--yarn-original-max-position-embeddings", "12", "--load", str(ckpt)]
+    refused = pretrain(yarn + ["--train-iters", "3"])
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --load {ckpt / ITER2} holds another model shape: --position-embedding-type "
+        f"saved 'rope', now 'yarn' (only RoPE's position scaling differs: to extend the "
+        f"context from this checkpoint, start a run from its weights with --finetune; to "
+        f"resume it, give its settings or --use-checkpoint-args)")
+    extended = pretrain(yarn + ["--train-iters", "1", "--finetune"])
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert (f"  note: --load {ckpt / ITER2}: RoPE reads positions differently from that "
+            f"checkpoint's run (--position-embedding-type saved 'rope', now 'yarn'): its "
+            f"weights start this run (--finetune), as when extending the context"
+            in extended.stdout)
+    assert f"loaded the weights of {ckpt / ITER2} (--finetune)" in extended.stdout

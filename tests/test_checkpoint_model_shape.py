@@ -84,6 +84,56 @@ def test_a_checkpoint_of_the_exact_gelu_stops_a_tanh_gelu_resume_and_says_how():
     assert _load_problem(_args(swiglu=True), _args(swiglu=True, bias_gelu_fusion=False)) is None
 
 
+YARN = dict(position_embedding_type="yarn", rotary_scaling_factor=4.0,
+            yarn_original_max_position_embeddings=4096, yarn_beta_fast=None,
+            yarn_beta_slow=None, mscale=1.0, mscale_all_dim=0.0,
+            yarn_correction_range_round_to_int=None)
+
+
+def test_yarn_records_its_settings_and_plain_rope_does_not():
+    shape = model_shape(_args(**YARN))
+    assert {flag: shape[flag] for flag in checkpointing.YARN_SHAPE_FLAGS} == {
+        flag: YARN[flag] for flag in checkpointing.YARN_SHAPE_FLAGS}
+    assert not set(checkpointing.YARN_SHAPE_FLAGS) & set(model_shape(
+        _args(position_embedding_type="rope")))
+    assert "--rotary-scaling-factor saved 4.0, now 8.0" in _load_problem(
+        _args(**YARN), _args(**dict(YARN, rotary_scaling_factor=8.0)))
+
+
+def test_extending_the_context_of_a_checkpoint_needs_finetune(capsys):
+    """RoPE's position scaling (YaRN, interpolation, Llama-3 scaling) changes how positions
+    are read, not the weights: a resume that changes it stops (a forgotten flag would
+    change the model's function), a --finetune start from the weights says so and loads."""
+    rope = _args(position_embedding_type="rope")
+    extended = [_args(**YARN), _args(position_embedding_type="rope",
+                                     rotary_seq_len_interpolation_factor=4),
+                _args(position_embedding_type="rope", use_rope_scaling=True,
+                      rope_scaling_factor=8.0)]
+    for now in extended:
+        problem = _load_problem(rope, now)
+        assert problem.startswith("error: --load ckpt/iter_0000002 holds another model shape: ")
+        assert problem.endswith(
+            " (only RoPE's position scaling differs: to extend the context from this "
+            "checkpoint, start a run from its weights with --finetune; to resume it, give "
+            "its settings or --use-checkpoint-args)")
+        now.finetune = True
+        assert _load_problem(rope, now) is None
+        note = capsys.readouterr().out
+        assert note.startswith("  note: --load ckpt/iter_0000002: RoPE reads positions "
+                               "differently from that checkpoint's run ("), note
+        assert note.endswith("): its weights start this run (--finetune), as when extending "
+                             "the context\n")
+    assert "--position-embedding-type saved 'rope', now 'yarn'" in _load_problem(
+        rope, _args(**YARN))
+    # learned positions are weights: --finetune does not bridge them to YaRN
+    learned = _args(position_embedding_type="learned_absolute")
+    problem = _load_problem(learned, _args(finetune=True, **YARN))
+    assert "saved 'learned_absolute', now 'yarn'" in problem and "--finetune" not in problem
+    # nor does it bridge another shape beside a scaling change
+    problem = _load_problem(rope, _args(finetune=True, hidden_size=16, **YARN))
+    assert "--hidden-size saved 8, now 16" in problem and "--finetune" not in problem
+
+
 def test_optimizer_state_across_an_expert_parallel_change():
     """A distributed-optimizer checkpoint saved without megatron-core's chain prefix
     loads into another number of chained optimizers (EP change; trained in

@@ -77,7 +77,8 @@ def test_split_attention_scales_by_the_query_key_head_size():
 @pytest.mark.parametrize("flags, message", [
     (MLA + ["--group-query-attention"],
      "--group-query-attention and --multi-latent-attention exclude each other"),
-    (["--rope-type", "yarn"], "--rope-type yarn is built here for --multi-latent-attention"),
+    (["--rope-type", "yarn"], "--rope-type yarn is MLA's YaRN (for --multi-latent-attention); "
+     "standard attention takes YaRN with --position-embedding-type yarn"),
     (MLA + ["--position-embedding-type", "learned_absolute"],
      "--multi-latent-attention rotates its decoupled part with RoPE/YaRN"),
     (MLA + ["--rotary-interleaved"], "--rotary-interleaved is not supported with"),
@@ -91,7 +92,7 @@ def test_split_attention_scales_by_the_query_key_head_size():
     (MLA + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "slimpipe",
             "--slimpipe-slices", "2", "--slimpipe-attention-balance"],
      "--slimpipe-attention-balance does not exchange MLA's keys and values"),
-    (MLA + ["--yarn-beta-fast", "16"], "--yarn-beta-fast is refused"),
+    (MLA + ["--yarn-beta-fast", "16"], "--yarn-beta-fast: standard attention's YaRN flags"),
 ])
 def test_mistakes_are_named(flags, message):
     with pytest.raises(ArgumentErrors) as error:

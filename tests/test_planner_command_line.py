@@ -269,3 +269,13 @@ def test_packed_documents_on_gpu_say_what_the_table_assumes(capsys):
                   TRAINING + ["--reset-attention-mask", "--gpu", "cpu"]):  # CPU: counted
         assert main(other) == 0
         assert "dense document mask" not in capsys.readouterr().out, other
+
+
+def test_yarn_is_planned_as_rope_and_learned_positions_are_not():
+    """YaRN keeps RoPE's tensors (cos and sin, scaled); learned positions keep none."""
+    base = TRAINING[:TRAINING.index("--position-embedding-type")]
+    rest = TRAINING[TRAINING.index("--position-embedding-type") + 2:]
+    rope, yarn, learned = (plan(base + ["--position-embedding-type", kind] + rest).stages
+                           for kind in ("rope", "yarn", "learned_absolute"))
+    assert [s["activations"] for s in yarn] == [s["activations"] for s in rope]
+    assert yarn[0]["activations"] > learned[0]["activations"]

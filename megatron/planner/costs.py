@@ -231,7 +231,7 @@ class CostModel:
     def _rope_bytes(self, length: float) -> float:
         """RoPE's cos and sin for q and for k: four ``[l, 1, 1, d]`` tensors, not
         divided by TP nor multiplied by the micro-batch size."""
-        if self.model.position_embedding_type != "rope":
+        if not self.model.rotary:
             return 0.0
         return 4 * length * self.model.head_dim * self.act_bytes
 
@@ -253,7 +253,7 @@ class CostModel:
         kv = m.num_query_groups * m.head_dim / t * e
         qkv = q + 2 * kv
         lse = FP32 * m.num_attention_heads / t
-        rope = m.position_embedding_type == "rope"
+        rope = m.rotary
         split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
         # q, k, v handed to the kernel: views of the fused QKV output keep it whole;
         # RoPE's q, k are new tensors
@@ -428,7 +428,7 @@ class CostModel:
         frequencies, one tensor per split position that megatron-core's rotary module
         caches and hands to every microbatch: held from the first microbatch's forward
         to the last one's backward."""
-        if self.recompute.granularity != "full" or self.model.position_embedding_type != "rope":
+        if self.recompute.granularity != "full" or not self.model.rotary:
             return 0.0
         if self.model.multi_latent_attention:  # MLA ropes inside the recomputed layer
             return 0.0

@@ -3,7 +3,7 @@
 Two things differ from megatron-core's ``GPTModel`` with the local spec:
 
 * core attention is ``SplitCausalAttention`` (KV-prefix cache across splits);
-* RoPE uses each split's absolute positions: megatron-core computes rotary
+* RoPE (and YaRN) uses each split's absolute positions: megatron-core computes rotary
   embeddings for positions ``0..len-1`` of whatever it is given, so for a split the
   embedding is recomputed from ``offset``. Learned absolute embeddings need nothing:
   they read the split's (absolute) ``position_ids``.
@@ -187,7 +187,12 @@ class SeqSplitGPTModel(GPTModel):
             split.mark_consumed("positions")  # the executor checks it (split_context.CONSUMERS)
         if split is None or split.offset == 0 or outputs[1] is None:
             return outputs
-        if self.position_embedding_type != "rope":
+        if self.position_embedding_type == "rope":
+            rotary_pos_emb = self.rotary_pos_emb(split.length, offset=split.offset)
+        elif self.position_embedding_type == "yarn":
+            # YaRN's embedding comes with its concentration factor, which the attention
+            # reads from the config (as megatron-core's _preprocess drops it)
+            rotary_pos_emb, _ = self.rotary_pos_emb(split.length, offset=split.offset)
+        else:
             return outputs
-        rotary_pos_emb = self.rotary_pos_emb(split.length, offset=split.offset)
         return (outputs[0], rotary_pos_emb) + tuple(outputs[2:])

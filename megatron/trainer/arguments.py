@@ -14,6 +14,7 @@ from megatron.pipeline_layers import UnevenSplitError, stage_layer_counts
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
+from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
@@ -108,8 +109,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute", "none"],
-                   default="learned_absolute")
+    g.add_argument("--position-embedding-type",
+                   choices=["rope", "yarn", "learned_absolute", "none"],
+                   default="learned_absolute",
+                   help="yarn: RoPE with YaRN's long-context scaling (standard attention; "
+                        "the --yarn-* flags, --rotary-scaling-factor, --mscale, "
+                        "--mscale-all-dim)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM's older spelling of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_false",
@@ -136,6 +141,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="Llama-3.x RoPE frequency scaling (megatron-core's rope_scaling)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="the Llama-3.x RoPE scaling factor of --use-rope-scaling")
+    add_rope_scaling_arguments(g)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--squared-relu", action="store_true",
                    help="squared ReLU activation in the MLP instead of GeLU (not with --swiglu)")
@@ -573,6 +579,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _validate_seq1f1b(args),
         lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: problems.extend(check_mla_args(args)),
+        lambda: problems.extend(check_rope_scaling_args(args)),
         lambda: _validate_slimpipe(args),
         lambda: _check_rampup_layouts(args),
     )

@@ -83,8 +83,19 @@ MODEL_SHAPE_FLAGS = (
     # the math of attention and the MLP: a checkpoint trained with them means other weights
     "qk_layernorm", "add_qkv_bias", "squared_relu", "rotary_interleaved", "use_rope_scaling",
     "rope_scaling_factor", "apply_residual_connection_post_layernorm",
-    "num_experts", "multi_latent_attention",
+    "num_experts", "multi_latent_attention", "rotary_seq_len_interpolation_factor",
 )
+# YaRN's settings of standard attention (rope_arguments), saved with
+# --position-embedding-type yarn
+YARN_SHAPE_FLAGS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                    "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
+                    "yarn_correction_range_round_to_int")
+# how RoPE reads positions, not what the weights are: extending the context of a
+# checkpoint changes them, which --finetune allows (position_embedding_type only between
+# rope and yarn)
+POSITION_SCALING_FLAGS = frozenset(("position_embedding_type", "use_rope_scaling",
+                                    "rope_scaling_factor",
+                                    "rotary_seq_len_interpolation_factor") + YARN_SHAPE_FLAGS)
 # flags that shape the model only when their gate (a MODEL_SHAPE_FLAGS entry) is set: saved
 # then, so a dense model's unused MoE/MLA defaults never stop a resume
 GATED_SHAPE_FLAGS = {
@@ -104,6 +115,8 @@ def model_shape(args) -> dict:
             shape.update({flag: getattr(args, flag) for flag in flags})
     if biased_gelu(args):  # which GeLU: the fused one's tanh approximation, or erf
         shape["bias_gelu_fusion"] = getattr(args, "bias_gelu_fusion", True)
+    if shape["position_embedding_type"] == "yarn":
+        shape.update({flag: getattr(args, flag) for flag in YARN_SHAPE_FLAGS})
     return shape
 
 
@@ -801,14 +814,29 @@ def _warn_of_newer(args, iteration):
 
 def _check_model_shape(args, path, common):
     saved_shape, now = with_legacy_gelu(common.get("model_shape", {})), model_shape(args)
+    changed = [flag for flag in now if flag in saved_shape and saved_shape[flag] != now[flag]]
     differ = [f"--{flag.replace('_', '-')} saved {saved_shape[flag]!r}, now {now[flag]!r}"
-              for flag in now if flag in saved_shape and saved_shape[flag] != now[flag]]
-    if differ:
-        hint = ""
-        if saved_shape.get("bias_gelu_fusion") is False and now.get("bias_gelu_fusion"):
-            hint = (" (that checkpoint's MLP computes the exact GeLU: add "
-                    "--no-bias-gelu-fusion, or --use-checkpoint-args, to continue it)")
-        _exit(f"--load {path} holds another model shape: " + "; ".join(differ) + hint)
+              for flag in changed]
+    if not differ:
+        return
+    rescaled = set(changed) <= POSITION_SCALING_FLAGS and {
+        saved_shape.get("position_embedding_type"), now["position_embedding_type"]} <= {
+        "rope", "yarn"}
+    if rescaled and getattr(args, "finetune", False):
+        if _rank() == 0:
+            print(f"  note: --load {path}: RoPE reads positions differently from that "
+                  f"checkpoint's run ({'; '.join(differ)}): its weights start this run "
+                  f"(--finetune), as when extending the context", flush=True)
+        return
+    hint = ""
+    if saved_shape.get("bias_gelu_fusion") is False and now.get("bias_gelu_fusion"):
+        hint = (" (that checkpoint's MLP computes the exact GeLU: add "
+                "--no-bias-gelu-fusion, or --use-checkpoint-args, to continue it)")
+    elif rescaled:
+        hint = (" (only RoPE's position scaling differs: to extend the context from this "
+                "checkpoint, start a run from its weights with --finetune; to resume it, "
+                "give its settings or --use-checkpoint-args)")
+    _exit(f"--load {path} holds another model shape: " + "; ".join(differ) + hint)
 
 
 def _check_optimizer_kind(args, path, common):

@@ -247,14 +247,14 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
-               "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
+               "--embedding-init-method-std "
                "--apply-query-key-layer-scaling --window-size --window-attn-skip-freq "
                "--no-rope-freq --softmax-type --qk-l2-norm --attention-output-gate "
                "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "
                "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
                "--embedding-weights-in-fp32 "
-               "--disable-bf16-reduced-precision-matmul --yarn- --no-yarn- "
+               "--disable-bf16-reduced-precision-matmul "
                "--relative-attention-"),
     (_MLA_INFERENCE, "--cache-mla-latents"),
     ("the fused MLA down-projection is a Transformer Engine kernel, not used here (the "

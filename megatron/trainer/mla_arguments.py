@@ -14,6 +14,10 @@ _DEFAULTS = {"--q-lora-rank": None, "--kv-lora-rank": 32, "--qk-head-dim": 128,
              "--qk-pos-emb-head-dim": 64, "--v-head-dim": 128, "--rope-type": None,
              "--rotary-scaling-factor": 1.0, "--mscale": 1.0, "--mscale-all-dim": 0.0}
 
+# YaRN's flags without a yarn_ prefix: MLA's, and also standard attention's under
+# --position-embedding-type yarn (rope_arguments.YARN_ATTRIBUTES), as in Megatron-LM
+_SHARED_WITH_YARN = ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
+
 
 def add_mla_arguments(parser):
     g = parser.add_argument_group(
@@ -35,11 +39,14 @@ def add_mla_arguments(parser):
     g.add_argument("--v-head-dim", type=int, default=128, help="per-head value size")
     g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
                    help="MLA's rotary embedding; default yarn with --multi-latent-attention "
-                        "(as Megatron-LM), rope otherwise (yarn is MLA-only here)")
+                        "(as Megatron-LM); standard attention's YaRN is "
+                        "--position-embedding-type yarn")
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
-                   help="YaRN's scaling factor (MLA with --rope-type yarn)")
+                   help="YaRN's scaling factor (MLA with --rope-type yarn, or "
+                        "--position-embedding-type yarn)")
     g.add_argument("--mscale", type=float, default=1.0,
-                   help="YaRN's mscale (MLA with --rope-type yarn)")
+                   help="YaRN's mscale (MLA with --rope-type yarn, or "
+                        "--position-embedding-type yarn)")
     g.add_argument("--mscale-all-dim", type=float, default=0.0,
                    help="YaRN's mscale_all_dim; also scales MLA's softmax")
 
@@ -50,10 +57,12 @@ def check_mla_args(args):
     given = [flag for flag, default in _DEFAULTS.items()
              if getattr(args, flag.lstrip("-").replace("-", "_")) != default]
     if not args.multi_latent_attention:
+        if args.position_embedding_type == "yarn":  # YaRN of standard attention reads them
+            given = [flag for flag in given if flag not in _SHARED_WITH_YARN]
         if args.rope_type == "yarn":
-            problems.append("--rope-type yarn is built here for --multi-latent-attention "
-                            "only (YaRN for standard attention is not implemented): add "
-                            "--multi-latent-attention or drop it")
+            problems.append("--rope-type yarn is MLA's YaRN (for --multi-latent-attention); "
+                            "standard attention takes YaRN with --position-embedding-type "
+                            "yarn: use that, or add --multi-latent-attention")
         elif given and given != ["--rope-type"]:
             args.flag_notes.append(f"note: {', '.join(given)} without "
                                    "--multi-latent-attention: the attention is standard, "

@@ -11,6 +11,7 @@ from megatron.model_shape import pad_vocab_size
 from megatron.trainer import device
 from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
+from megatron.trainer.rope_arguments import yarn_config_attributes
 from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
 
 
@@ -53,7 +54,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
     on_gpu = device.on_cuda(args)
     dtype = params_dtype(args)
     mla = mla_config_fields(args)
-    return (MLATransformerConfig if mla else TransformerConfig)(
+    config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=args.num_layers,
         # Megatron-LM's uneven split (None: even); megatron-core builds and numbers the layers
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -117,6 +118,11 @@ def transformer_config_from_args(args) -> TransformerConfig:
         **moe_config_fields(args),
         **mla,
     )
+    # YaRN of standard attention: attributes the config class does not declare, which
+    # GPTModel and the attention read (set after construction, as Megatron-LM does)
+    for attribute, value in yarn_config_attributes(args).items():
+        setattr(config, attribute, value)
+    return config
 
 
 def layer_spec(args, config, vp_stage=None):
@@ -149,6 +155,7 @@ def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_sta
         rotary_base=args.rotary_base,
         rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         vp_stage=vp_stage,
     )
 
