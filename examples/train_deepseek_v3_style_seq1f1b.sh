@@ -5,7 +5,8 @@
 # are kept as Megatron-LM's DeepSeek-V3 recipe sets them: multi-latent attention (q LoRA
 # rank 1536, kv LoRA rank 512, query-key head 128 + 64 rotary, value head 128, RMSNorm on
 # both latents: --qk-layernorm), 256
-# routed experts with top-8 routing and one shared expert, the sigmoid router with expert
+# routed experts with top-8 routing and one shared expert, the sigmoid router (scores
+# before the top-k, in fp32: --moe-router-pre-softmax --moe-router-dtype fp32) with expert
 # bias (aux-loss-free balancing, update rate 1e-3), group-limited routing (8 groups, top
 # 4), routed scaling 2.5, the sequence auxiliary loss (1e-4), the first 3 layers dense,
 # RMSNorm, SwiGLU, no biases, untied embeddings, the 129280-token vocabulary. Trimmed to
@@ -76,6 +77,8 @@ MOE_ARGS=(
     --moe-shared-expert-intermediate-size 256
     --moe-layer-freq "([0]*3+[1]*13)"
     --moe-router-score-function sigmoid
+    --moe-router-pre-softmax
+    --moe-router-dtype fp32
     --moe-router-enable-expert-bias
     --moe-router-bias-update-rate 1e-3
     --moe-router-num-groups 8

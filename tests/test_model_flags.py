@@ -98,6 +98,15 @@ def test_rotary_interleaved_and_rope_scaling_reach_config_and_model(monkeypatch)
         args_of("--use-rope-scaling")  # learned absolute positions: nothing to scale
 
 
+def test_embedding_init_std_is_its_own():
+    config = config_of("--init-method-std", "0.02", "--embedding-init-method-std", "0.5")
+    assert (config.init_method_std, config.embedding_init_method_std) == (0.02, 0.5)
+    weights = torch.empty(4096, 64)
+    config.embedding_init_method(weights)  # what megatron-core's embedding initialises with
+    assert 0.45 < weights.std().item() < 0.55
+    assert config_of("--init-method-std", "0.03").embedding_init_method_std == 0.03
+
+
 # --- RoPE at a split's offset: split attention equals unsplit attention ------------------
 
 D, HQ, G, B = 8, 4, 2, 2

@@ -5,7 +5,8 @@ after the steps within 1e-5, every microbatch run in splits that tile the sequen
 
 Two tiny models cover every flag (the unit checks are in tests/test_model_flags.py):
 
-* Q ("Qwen-like"): GQA, RoPE interleaved, SwiGLU, RMSNorm, --qk-layernorm,
+* Q ("Qwen-like"): GQA, RoPE interleaved and skipped in every second layer
+  (--no-rope-freq 2, Llama-4's NoPE layers), SwiGLU, RMSNorm, --qk-layernorm,
   --add-qkv-bias without other biases (--disable-bias-linear), a vocabulary of
   --padded-vocab-size 210 (the tokenizer's 201 would pad to 256), with the chunked KV cache;
 * S: MHA, LayerNorm, tied embeddings, --squared-relu, RoPE with Llama-3 scaling
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 MODELS = {
     "Q": TINY_MODEL + GQA_ROPE_SWIGLU + ["--qk-layernorm", "--disable-bias-linear",
                                          "--add-qkv-bias", "--rotary-interleaved",
-                                         "--padded-vocab-size", "210"],
+                                         "--no-rope-freq", "2", "--padded-vocab-size", "210"],
     "S": TINY_MODEL + ["--squared-relu", "--position-embedding-type", "rope",
                        "--use-rope-scaling", "--rope-scaling-factor", "4",
                        "--rotary-seq-len-interpolation-factor", "2",

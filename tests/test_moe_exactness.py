@@ -15,13 +15,14 @@ N: 4 experts, top-2, no load-balancing loss (the per-token part alone), on the M
 learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers, hidden
 32, 8 experts, top-2):
 
-* X (Mixtral-style): every layer MoE, softmax router, aux_loss (coefficient 1, large so
-  that a split-local statistic would show: it changes the grad norm threefold) and
-  z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather dispatcher;
+* X (Mixtral-style): every layer MoE, softmax router in fp64 (--moe-router-dtype),
+  aux_loss (coefficient 1, large so that a split-local statistic would show: it changes
+  the grad norm threefold) and z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather dispatcher;
 * D (DeepSeek-V3-style): multi-latent attention (query and key/value low-rank latents
   with their norms, query-key head 8 + 4 rotary, value head 6; YaRN with scaling factor
   4 and mscale-all-dim 1), first layer dense (--moe-layer-freq "[0]*1+[1]*3"), a shared
-  expert, sigmoid router with expert bias (updated each step), group-limited routing
+  expert, sigmoid router normalised before the top-k (--moe-router-pre-softmax, as
+  DeepSeek's) with expert bias (updated each step), group-limited routing
   (4 groups, 2 chosen) with a top-k scaling factor, seq_aux_loss and global_aux_loss
   together; all-to-all dispatcher. With s = 3 under selective recomputation, s = 4 under
   full recomputation, and interleaved with the chunked KV cache.
@@ -64,12 +65,13 @@ MODELS = {
                        "--moe-router-load-balancing-type", "none", "--disable-bias-linear"],
     "X": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1",
-        "--moe-z-loss-coeff", "0.1"],
+        "--moe-z-loss-coeff", "0.1", "--moe-router-dtype", "fp64"],
     "D": TINY_MODEL + ROPE_SWIGLU + MLA + ["--q-lora-rank", "16", "--qk-layernorm",
                                            "--rotary-scaling-factor", "4",
                                            "--mscale-all-dim", "1"] + MOE + [
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "24",
-        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+        "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.002", "--moe-router-num-groups", "4",
         "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
         "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",

@@ -86,6 +86,33 @@ def test_deepseek_style_flags_reach_the_config():
     assert moe.router is SplitRouter
 
 
+def test_router_precision_and_pre_softmax_reach_the_config():
+    """DeepSeek's and Qwen3-MoE's router flags (Megatron-LM's examples give
+    --moe-router-dtype fp32, and DeepSeek --moe-router-pre-softmax); trained against
+    one process in tests/test_moe_exactness.py (X: fp64 router, D: pre-softmax)."""
+    config = trainer_model.transformer_config_from_args(args_of(
+        "--num-experts", "8", "--moe-router-dtype", "fp64", "--moe-router-pre-softmax",
+        "--moe-router-score-function", "sigmoid"))
+    assert (config.moe_router_dtype, config.moe_router_pre_softmax) == ("fp64", True)
+    default = trainer_model.transformer_config_from_args(args_of("--num-experts", "8"))
+    assert (default.moe_router_dtype, default.moe_router_pre_softmax) == (None, False)
+    # top-1 with the softmax router: megatron-core's rule, met with pre-softmax
+    config = trainer_model.transformer_config_from_args(args_of(
+        "--num-experts", "4", "--moe-router-topk", "1", "--moe-router-pre-softmax"))
+    assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
+
+
+def test_moe_options_that_change_no_value_are_accepted_with_their_reason():
+    """Megatron-LM's DeepSeek, Qwen3-MoE, Kimi and Llama-4 examples pass these; none
+    changes a value here (no token is dropped; overlap and fusions are performance)."""
+    args = args_of("--num-experts", "8", "--moe-token-drop-policy", "probs",
+                   "--moe-shared-expert-overlap", "--moe-permute-fusion", "--moe-router-fusion")
+    assert [flag for flag, _ in args.no_op_flags] == [
+        "--moe-token-drop-policy", "--moe-shared-expert-overlap", "--moe-permute-fusion",
+        "--moe-router-fusion"]
+    assert "no token is dropped here" in dict(args.no_op_flags)["--moe-token-drop-policy"]
+
+
 def test_moe_layer_freq_as_megatron_lm_reads_it():
     assert moe_freq_type("2") == 2
     assert moe_freq_type("([1]*3+[0]*1)*2") == [1, 1, 1, 0, 1, 1, 1, 0]
@@ -98,12 +125,16 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
 @pytest.mark.parametrize("flags, message", [
     (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"],
      "--moe-expert-capacity-factor is refused: token dropping"),
-    (["--num-experts", "8", "--moe-router-pre-softmax"],
-     "--moe-router-pre-softmax is refused: this mixture-of-experts option"),
+    (["--num-experts", "8", "--moe-router-dtype", "bf16"],
+     "--moe-router-dtype: invalid choice: 'bf16'"),
+    (["--num-experts", "8", "--moe-layer-recompute"],
+     "--moe-layer-recompute is refused: this mixture-of-experts option"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4"],
      "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between"),
-    (["--num-experts", "4", "--moe-router-topk", "1"], "--moe-router-topk 1 with the softmax"),
+    (["--num-experts", "4", "--moe-router-topk", "1"],
+     "--moe-router-topk 1 with the softmax router needs --moe-router-pre-softmax (as in "
+     "Megatron-LM)"),
     (["--num-experts", "4", "--moe-layer-freq", "[1]*3"], "--moe-layer-freq gives 3 layers"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"],
      "--moe-router-num-groups and --moe-router-group-topk go together"),

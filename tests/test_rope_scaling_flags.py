@@ -1,6 +1,7 @@
-"""RoPE's long-context flags of standard attention (megatron/trainer/rope_arguments.py):
---rotary-seq-len-interpolation-factor and --position-embedding-type yarn with its flags
-reach the config and the model as Megatron-LM sets them, YaRN at a split's offset is the
+"""RoPE's per-layer and long-context flags of standard attention
+(megatron/trainer/rope_arguments.py): --no-rope-freq, --rotary-seq-len-interpolation-factor
+and --position-embedding-type yarn with its flags reach the config and the model as
+Megatron-LM sets them, YaRN at a split's offset is the
 unsplit embedding's slice, and the combinations Megatron-LM would silently ignore stop.
 In-process; the trained runs (split against unsplit, and YaRN against plain RoPE) are in
 tests/test_model_flags_exactness.py."""
@@ -156,3 +157,29 @@ def test_yarn_flags_without_yarn_are_noted_and_the_shared_ones_are_not_mla_only(
     assert not [note for note in args.flag_notes if "multi-latent" in note], args.flag_notes
     args = args_of("--position-embedding-type", "rope", "--rotary-scaling-factor", "4")
     assert [note for note in args.flag_notes if "--rotary-scaling-factor" in note]
+
+
+@pytest.mark.parametrize("value, pattern", [("2", [0, 1, 0, 1]), ("[1]+[0]*3", [1, 0, 0, 0])])
+def test_layers_without_rope_reach_the_config(value, pattern):
+    """Llama-4's NoPE layers: megatron-core's attention drops the rotary embedding in the
+    layers marked 1 (its layer numbers are global, so pipeline stages agree)."""
+    args = args_of("--num-layers", "4", "--position-embedding-type", "rope",
+                   "--no-rope-freq", value)
+    assert trainer_model.transformer_config_from_args(args).no_rope_freq == pattern
+    assert trainer_model.transformer_config_from_args(args_of(
+        "--position-embedding-type", "rope")).no_rope_freq is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-rope-freq", "2"], "--no-rope-freq skips RoPE in some layers: it needs "
+                              "--position-embedding-type rope or yarn, not learned_absolute"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "3"],
+     "--no-rope-freq 3 must divide --num-layers (2)"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "[0]*3"],
+     "--no-rope-freq gives 3 layers, --num-layers is 2"),
+    (MLA + ["--no-rope-freq", "2"], "--no-rope-freq does not reach --multi-latent-attention"),
+])
+def test_layers_without_rope_mistakes_are_named(flags, message):
+    with pytest.raises(ArgumentErrors) as error:
+        args_of(*flags)
+    assert [p for p in error.value.problems if message in p], error.value.problems

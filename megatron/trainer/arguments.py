@@ -164,6 +164,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--embedding-init-method-std", type=float, default=None,
+                   help="standard deviation of the embedding's initial weights (default "
+                        "--init-method-std)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="layer implementation; default as Megatron-LM: transformer_engine "
                         "when Transformer Engine is importable and the run has no sequence "

@@ -165,6 +165,16 @@ for _reason, _flags in (
     ("p2p overlap is chosen by the schedule (interleaved stages overlap it)",
      "--overlap-p2p-communication"),
     ("the local rank is read from LOCAL_RANK (set by torchrun)", "--local_rank=N"),
+    # MoE options that change no value here
+    ("only decides which tokens an expert over its capacity drops; no token is dropped "
+     "here (--moe-expert-capacity-factor is refused), and Megatron-LM ignores it without "
+     "a capacity factor too", "--moe-token-drop-policy=V"),
+    ("overlaps the shared expert with the token dispatch on CUDA streams (a performance "
+     "setting); here the shared expert runs beside the routed experts with the same values",
+     "--moe-shared-expert-overlap"),
+    ("a fused kernel of Transformer Engine for the MoE token permutation or the router; "
+     "here the unfused megatron-core code runs with the same math",
+     "--moe-permute-fusion --moe-router-fusion"),
 ):
     NO_OP_FLAGS.update(_table(_reason, _flags))
 
@@ -247,9 +257,8 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
-               "--embedding-init-method-std "
                "--apply-query-key-layer-scaling --window-size --window-attn-skip-freq "
-               "--no-rope-freq --softmax-type --qk-l2-norm --attention-output-gate "
+               "--softmax-type --qk-l2-norm --attention-output-gate "
                "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "
                "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
@@ -376,8 +385,8 @@ for _reason, _flags in (
 
 def refusal_for(flag: str):
     """The reason a Megatron-LM flag is refused here, or None."""
-    if flag in MOE_FLAGS or flag in MLA_FLAGS:  # implemented (MoE's under a refused prefix)
-        return None
+    if flag in MOE_FLAGS or flag in MLA_FLAGS or flag in NO_OP_FLAGS:
+        return None  # implemented or accepted (MoE's under a refused prefix)
     if flag in REFUSED_FLAGS:
         return REFUSED_FLAGS[flag]
     for prefix, reason in REFUSED_FLAGS.items():

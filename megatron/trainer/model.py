@@ -82,6 +82,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
             args, "apply_residual_connection_post_layernorm", False),
         rotary_interleaved=getattr(args, "rotary_interleaved", False),
         init_method_std=args.init_method_std,
+        embedding_init_method_std=getattr(args, "embedding_init_method_std", None),
+        no_rope_freq=getattr(args, "no_rope_freq", None),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,

@@ -11,15 +11,15 @@ MOE_FLAGS = (
     "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-token-dispatcher-type",
     "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--moe-per-layer-logging",
+    "--moe-per-layer-logging", "--moe-router-pre-softmax", "--moe-router-dtype",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
-def moe_freq_type(text):
-    """--moe-layer-freq as Megatron-LM reads it: N (one MoE layer every N layers, from
-    the first) or a Python list expression of 0/1 per layer such as "[0]*1+[1]*3"."""
+def layer_pattern(text, one_means):
+    """A per-layer flag as Megatron-LM reads it (--moe-layer-freq, --no-rope-freq): N (an
+    int) or a Python list expression of 0/1 per layer such as "[0]*1+[1]*3"."""
     if isinstance(text, int):
         return text
     if "[" not in text:
@@ -29,8 +29,13 @@ def moe_freq_type(text):
     except Exception as error:
         raise ValueError(f"not a list expression: {error}") from None
     if not isinstance(pattern, list) or any(value not in (0, 1) for value in pattern):
-        raise ValueError("the pattern must be a list of 0 (dense) and 1 (MoE) per layer")
+        raise ValueError(f"the pattern must be a list of 0 and 1 per layer (1: {one_means})")
     return pattern
+
+
+def moe_freq_type(text):
+    """--moe-layer-freq: N (one MoE layer every N layers, from the first) or a pattern."""
+    return layer_pattern(text, "an MoE layer")
 
 
 def add_moe_arguments(parser):
@@ -59,6 +64,12 @@ def add_moe_arguments(parser):
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="normalise the scores (softmax or sigmoid) over all experts before "
+                        "the top-k selection instead of after it")
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="the router's logits, scores and the weighting of the experts' "
+                        "outputs in this dtype (default: the activations')")
     g.add_argument("--moe-router-num-groups", type=int, default=None,
                    help="group-limited routing: experts in this many groups")
     g.add_argument("--moe-router-group-topk", type=int, default=None,
@@ -109,10 +120,12 @@ def check_moe_args(args, cuda_available):
     if not 1 <= args.moe_router_topk <= args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} must be between 1 and "
                         f"--num-experts ({args.num_experts})")
-    if args.moe_router_topk == 1 and args.moe_router_score_function == "softmax":
+    if (args.moe_router_topk == 1 and args.moe_router_score_function == "softmax"
+            and not args.moe_router_pre_softmax):
+        # megatron-core's rule (its config raises it at model build): a softmax over the
+        # one chosen expert is 1 for every token
         problems.append("--moe-router-topk 1 with the softmax router needs "
-                        "--moe-router-pre-softmax in megatron-core, which is not implemented "
-                        "here: use --moe-router-topk 2 or --moe-router-score-function sigmoid")
+                        "--moe-router-pre-softmax (as in Megatron-LM)")
     if args.num_experts % args.expert_model_parallel_size:
         problems.append(f"--num-experts {args.num_experts} is not divisible by "
                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")
@@ -158,6 +171,7 @@ def _given(args, flag):
                 "--moe-router-load-balancing-type": "aux_loss", "--moe-aux-loss-coeff": 0.0,
                 "--moe-token-dispatcher-type": "allgather", "--moe-grouped-gemm": False,
                 "--expert-model-parallel-size": 1, "--moe-per-layer-logging": False,
+                "--moe-router-pre-softmax": False, "--moe-router-dtype": None,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
@@ -180,6 +194,8 @@ def moe_config_fields(args):
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,

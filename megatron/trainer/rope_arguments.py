@@ -1,9 +1,11 @@
-"""RoPE's long-context flags for standard attention, with Megatron-LM 0.19's names,
-defaults and meanings: linear position interpolation
-(``--rotary-seq-len-interpolation-factor``) and YaRN (``--position-embedding-type yarn``
+"""RoPE's per-layer and long-context flags for standard attention, with Megatron-LM 0.19's
+names, defaults and meanings: layers without RoPE (``--no-rope-freq``), linear position
+interpolation (``--rotary-seq-len-interpolation-factor``) and YaRN (``--position-embedding-type yarn``
 with the ``--yarn-*`` flags and the unprefixed ``--rotary-scaling-factor``, ``--mscale``,
 ``--mscale-all-dim`` it shares with MLA). Llama-3 scaling (``--use-rope-scaling``) and the
 base, percent and interleaving flags stay in the model group of ``arguments.py``."""
+
+from megatron.trainer.moe_arguments import layer_pattern
 
 # YaRN's config attributes -> (the flag that sets it, megatron-core's default). GPTModel's
 # yarn branch reads them off the TransformerConfig, which does not declare them;
@@ -22,12 +24,22 @@ _YARN_ONLY_FLAGS = ("--yarn-original-max-position-embeddings", "--yarn-beta-fast
                     "--yarn-beta-slow", "--yarn-correction-range-round-to-int")
 
 
+def no_rope_freq_type(text):
+    """--no-rope-freq: N (RoPE skipped in every N-th layer, Llama-4's NoPE layers) or a
+    pattern of 0/1 per layer (1: no RoPE)."""
+    return layer_pattern(text, "a layer without RoPE")
+
+
 def _dest(flag):
     return flag.lstrip("-").replace("-", "_")
 
 
 def add_rope_scaling_arguments(group):
     """Into the model group, beside --position-embedding-type (whose choices hold yarn)."""
+    group.add_argument("--no-rope-freq", type=no_rope_freq_type, default=None,
+                       help="layers without RoPE (Llama-4's NoPE layers): N skips RoPE in "
+                            "every N-th layer; or a pattern such as \"([0]*3+[1]*1)*2\" "
+                            "(1: no RoPE), one entry per layer")
     group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                        help="linear position interpolation: RoPE reads position p as "
                             "p / factor (standard attention with --position-embedding-type "
@@ -54,6 +66,7 @@ def check_rope_scaling_args(args):
     pairs or with MLA's config) stop here, one line each; returns the problems."""
     problems = []
     kind = args.position_embedding_type
+    problems += _no_rope_problems(args)
     factor = args.rotary_seq_len_interpolation_factor
     if factor is not None:
         if factor < 1:
@@ -98,6 +111,27 @@ def check_rope_scaling_args(args):
             args.flag_notes.append(f"note: {', '.join(given)} without --position-embedding-type "
                                    "yarn: these flags have no effect")
     return problems
+
+
+def _no_rope_problems(args):
+    pattern = args.no_rope_freq
+    if pattern is None:
+        return []
+    if args.multi_latent_attention:
+        return ["--no-rope-freq does not reach --multi-latent-attention (megatron-core's MLA "
+                "ropes every layer): drop it"]
+    if args.position_embedding_type not in ("rope", "yarn"):
+        return [f"--no-rope-freq skips RoPE in some layers: it needs --position-embedding-type "
+                f"rope or yarn, not {args.position_embedding_type}"]
+    layers = args.num_layers
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            return [f"--no-rope-freq gives {len(pattern)} layers, --num-layers is {layers}: "
+                    "give one 0 or 1 per layer"]
+    elif pattern < 1 or layers % pattern:
+        return [f"--no-rope-freq {pattern} must divide --num-layers ({layers}) (as in "
+                "megatron-core)"]
+    return []
 
 
 def yarn_config_attributes(args) -> dict:
