@@ -595,7 +595,8 @@ def test_recompute_modules_and_logging_values():
         parse("--recompute-activations", "--recompute-modules", "core_attn", "mlp")
     assert error.value.problems == [
         "--recompute-modules mlp is refused: selective recomputation here recomputes core "
-        "attention only; use --recompute-modules core_attn or --recompute-granularity full"]
+        "attention and MoE layers only; use --recompute-modules core_attn moe or "
+        "--recompute-granularity full"]
     with pytest.raises(ArgumentErrors) as error:
         parse("--tensorboard-queue-size", "0", "--log-memory-interval", "0")
     assert len(error.value.problems) == 1 and "--tensorboard-queue-size" in str(error.value)

@@ -24,8 +24,9 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
   expert, sigmoid router normalised before the top-k (--moe-router-pre-softmax, as
   DeepSeek's) with expert bias (updated each step), group-limited routing
   (4 groups, 2 chosen) with a top-k scaling factor, seq_aux_loss and global_aux_loss
-  together; all-to-all dispatcher. With s = 3 under selective recomputation, s = 4 under
-  full recomputation, and interleaved with the chunked KV cache.
+  together; all-to-all dispatcher. With s = 3 under selective recomputation (core attention
+  and the MoE layers, --moe-layer-recompute), s = 4 under full recomputation, and
+  interleaved with the chunked KV cache. X also with only its MoE layers recomputed.
 
 Multi-latent attention (issue #29 point 3) also on M, a dense MLA model without query
 compression and plain RoPE, with the chunked KV cache. Its weights are initialised with
@@ -108,8 +109,14 @@ CASES = {
     # rank routing its sequence-parallel share of the split
     "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                         4, 1),
-    # selective recomputation: MLA's attention kernel checkpointed after the cache write
-    "D_pp2_s3_selective": ("D", 3, ["--recompute-granularity", "selective"], 2, 1),
+    # selective recomputation: MLA's attention kernel checkpointed after the cache write,
+    # and each MoE layer recomputed (DeepSeek's Megatron-LM flags) with its split
+    "D_pp2_s3_selective": ("D", 3, ["--recompute-activations", "--moe-layer-recompute"],
+                           2, 1),
+    # the MoE layers alone recomputed (their aux losses weighed by the whole microbatch's
+    # counts in the recomputed forward too)
+    "X_pp2_s3_moe_recompute": ("X", 3, ["--recompute-granularity", "selective",
+                                        "--recompute-modules", "moe"], 2, 1),
     "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
     # X on packed documents (the corpus whose rows hold every split case)
     "Xd_pp2_s3": ("Xd", 3, [], 2, 1),

@@ -15,6 +15,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.seqsplit.model import moe_layer_pattern, split_aware_local_spec
 from megatron.seqsplit.moe import (
     RoutingStatistics,
+    SplitMoELayer,
     SplitRouter,
     SplitTransformerLayer,
     _DeferredAuxLoss,
@@ -80,7 +81,7 @@ def test_deepseek_style_flags_reach_the_config():
     mlps = [spec.submodules.mlp for spec in block.layer_specs]
     kinds = [getattr(mlp, "module", getattr(mlp, "func", None)).__name__ for mlp in mlps]
     # (a dense MLP is an MLP ModuleSpec on 0.16.1, a builder function on 0.19.2)
-    assert kinds[0] != "MoELayer" and kinds[1:] == ["MoELayer"] * 3, kinds
+    assert kinds[0] != "SplitMoELayer" and kinds[1:] == ["SplitMoELayer"] * 3, kinds
     assert block.layer_specs[1].module is SplitTransformerLayer
     moe = mlps[1].submodules if hasattr(mlps[1], "submodules") else mlps[1].keywords["submodules"]
     assert moe.router is SplitRouter
@@ -100,6 +101,31 @@ def test_router_precision_and_pre_softmax_reach_the_config():
     config = trainer_model.transformer_config_from_args(args_of(
         "--num-experts", "4", "--moe-router-topk", "1", "--moe-router-pre-softmax"))
     assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
+
+
+def test_moe_layer_recompute_as_megatron_lm():
+    """--moe-layer-recompute: selective, "moe" added to the modules (core attention by
+    default), as megatron-core's config turns it; the layers it builds recompute with
+    their split (trained in tests/test_moe_exactness.py, measured in
+    tests/test_planner_memory_probe.py)."""
+    args = args_of("--num-experts", "8", "--moe-layer-recompute")
+    config = trainer_model.transformer_config_from_args(args)
+    assert (config.recompute_granularity, config.recompute_modules) == (
+        "selective", ["core_attn", "moe"])
+    assert not config.moe_layer_recompute  # translated here, not deprecated-warned there
+    args = args_of("--num-experts", "8", "--recompute-granularity", "selective",
+                   "--recompute-modules", "moe")
+    assert trainer_model.transformer_config_from_args(args).recompute_modules == ["moe"]
+    # unchanged without it: megatron-core's default modules
+    args = args_of("--num-experts", "8", "--recompute-activations")
+    assert trainer_model.transformer_config_from_args(args).recompute_modules == ["core_attn"]
+    # the MoE layers of the spec are split-aware recomputing ones
+    block = split_aware_local_spec(config, normalization="LayerNorm")
+    mlp = block.layer_specs[0].submodules.mlp
+    assert getattr(mlp, "module", getattr(mlp, "func", None)) is SplitMoELayer
+    dense = args_of("--recompute-granularity", "selective", "--recompute-modules", "moe")
+    assert ("note: --recompute-modules moe without --num-experts: there is no MoE layer "
+            "to recompute") in dense.flag_notes
 
 
 def test_moe_options_that_change_no_value_are_accepted_with_their_reason():
@@ -127,8 +153,15 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
      "--moe-expert-capacity-factor is refused: token dropping"),
     (["--num-experts", "8", "--moe-router-dtype", "bf16"],
      "--moe-router-dtype: invalid choice: 'bf16'"),
-    (["--num-experts", "8", "--moe-layer-recompute"],
-     "--moe-layer-recompute is refused: this mixture-of-experts option"),
+    (["--num-experts", "8", "--moe-input-jitter-eps", "0.1"],
+     "--moe-input-jitter-eps is refused: this mixture-of-experts option"),
+    (["--num-experts", "8", "--moe-layer-recompute", "--recompute-granularity", "full",
+      "--recompute-method", "uniform"],
+     "--moe-layer-recompute does not go with --recompute-granularity full (as in "
+     "Megatron-LM)"),
+    (["--num-experts", "8", "--recompute-granularity", "selective", "--recompute-modules",
+      "moe", "mlp"], "--recompute-modules mlp is refused: selective recomputation here "
+                     "recomputes core attention and MoE layers only"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4"],
      "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between"),
@@ -222,3 +255,52 @@ def test_logged_moe_losses_are_megatron_lms_names_and_layer_count():
     line = format_iteration_line(3, 10, 12, 5.0, 1e-4, 4, 2.5, 0.75, 100.0, None, [0.1],
                                  moe_losses={"load_balancing_loss": 1.00264, "z_loss": 4.3})
     assert "| lm loss: 2.5 | load_balancing_loss: 1.00264 | z_loss: 4.3 | grad norm:" in line
+
+
+# Megatron-LM's own model settings (examples/post_training/modelopt/conf/: Qwen3-30B-A3B
+# and DeepSeek-R1, their MODEL_ARGS as given there; --tokenizer-type swapped for the
+# NullTokenizer, whose files are not read)
+QWEN3_30B_A3B = """--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion
+    --disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope
+    --no-rope-fusion --normalization RMSNorm --swiglu --num-layers 48 --hidden-size 2048
+    --ffn-hidden-size 6144 --num-attention-heads 32 --group-query-attention
+    --num-query-groups 4 --kv-channels 128 --qk-layernorm --num-experts 128
+    --moe-ffn-hidden-size 768 --moe-router-topk 8 --moe-router-dtype fp32
+    --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall
+    --moe-router-load-balancing-type aux_loss --seq-length 4096
+    --max-position-embeddings 40960 --make-vocab-size-divisible-by 1187 --use-mcore-models
+    --rotary-percent 1.0 --rotary-base 1000000 --no-bias-swiglu-fusion --sequence-parallel"""
+DEEPSEEK_R1 = """--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion
+    --disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope
+    --no-rope-fusion --normalization RMSNorm --swiglu --num-layers 61 --hidden-size 7168
+    --ffn-hidden-size 18432 --num-attention-heads 128 --kv-channels 128
+    --multi-latent-attention --kv-lora-rank 512 --v-head-dim 128 --q-lora-rank 1536
+    --qk-head-dim 128 --qk-layernorm --qk-pos-emb-head-dim 64 --num-experts 256
+    --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048 --moe-router-dtype fp32
+    --moe-router-score-function sigmoid --moe-router-bias-update-rate 1e-3
+    --moe-router-enable-expert-bias --moe-router-topk 8 --moe-router-num-groups 8
+    --moe-router-group-topk 4 --moe-router-pre-softmax --moe-router-topk-scaling-factor 2.5
+    --moe-shared-expert-overlap --moe-shared-expert-intermediate-size 2048
+    --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss
+    --moe-token-dispatcher-type alltoall --moe-token-drop-policy probs --seq-length 4096
+    --max-position-embeddings 163840 --make-vocab-size-divisible-by 1280 --use-mcore-models
+    --rotary-base 10000 --rotary-percent 1.0 --rotary-scaling-factor 40 --mscale 1.0
+    --mscale-all-dim 1.0 --recompute-activations --moe-layer-recompute --sequence-parallel"""
+
+
+@pytest.mark.parametrize("settings", [QWEN3_30B_A3B, DEEPSEEK_R1], ids=["qwen3-30b-a3b",
+                                                                      "deepseek-r1"])
+def test_megatron_lms_own_moe_settings_are_accepted(settings):
+    """On GPUs (8 ranks, TP 2 for sequence parallelism), with a training length and data,
+    Megatron-LM's own Qwen3-MoE and DeepSeek settings parse unchanged, every flag with
+    its meaning or its reason."""
+    argv = settings.split() + [
+        "--tensor-model-parallel-size", "2", "--train-iters", "10", "--global-batch-size",
+        "8", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "1000"]
+    args = parse_args(argv, world_size=8, cuda_available=True, check_files=False)
+    assert args.moe_router_dtype == "fp32" and args.num_experts in (128, 256)
+    if settings is DEEPSEEK_R1:
+        assert args.moe_router_pre_softmax and args.recompute_modules == ["core_attn", "moe"]
+        assert {flag for flag, _ in args.no_op_flags} >= {"--moe-shared-expert-overlap",
+                                                          "--moe-token-drop-policy"}

@@ -111,6 +111,11 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--seq1f1b-splits", "2", "--recompute-granularity", "selective",
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "64"]
                              + NO_DROPOUT),
+    # DeepSeek's Megatron-LM recomputation: core attention and every MoE layer
+    "moe_s3_moe_layer_recompute": (2, PP2 + MOE + [
+        "--seq1f1b-splits", "3", "--recompute-activations", "--moe-layer-recompute",
+        "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "64"]
+                                   + ROPE + NO_DROPOUT),
     "mla_qk_layernorm_s3": (2, PP2 + MLA + ["--qk-layernorm", "--disable-bias-linear",
                                             "--seq1f1b-splits", "3"] + NO_DROPOUT),
     # MLA under TP with SP: per-head terms divided by TP, the latents not, their norms'

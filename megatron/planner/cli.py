@@ -307,7 +307,8 @@ def config_from_args(args) -> PlanConfig:
         balance_method=args.seq1f1b_balance_method,
         split_alignment=t.seq1f1b_alignment,
         recompute=Recompute(t.recompute_granularity, t.recompute_method or "uniform",
-                            t.recompute_num_layers or 1),
+                            t.recompute_num_layers or 1,
+                            moe_layers="moe" in (t.recompute_modules or [])),
         gpu=args.gpu,
         kv_layout=t.kv_cache_layout,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
@@ -397,6 +398,7 @@ def report(pred: Prediction) -> str:
         f"global batch {p.global_batch_size} ({p.num_microbatches} microbatches); "
         f"SP {'on' if p.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if p.distributed_optimizer else 'off'}; recompute {c.recompute.granularity or 'none'}"
+        f"{' (+ MoE layers)' if c.recompute.moe_layers and c.recompute.granularity else ''}"
     )
     sched = c.schedule
     if c.schedule == "seq1f1b":

@@ -88,6 +88,9 @@ class Recompute:
     granularity: Optional[str] = None  # None, "selective", "full"
     method: str = "uniform"  # "uniform" or "block" (full only)
     num_layers: int = 1
+    # selective with --recompute-modules moe (--moe-layer-recompute): each MoE layer
+    # keeps only its input (the norm's output, counted with the norm)
+    moe_layers: bool = False
 
 
 class CostModel:
@@ -399,8 +402,10 @@ class CostModel:
     def layer_bytes(self, split: int, layer: int = 0) -> float:
         """Activation bytes layer ``layer`` keeps for split ``split``, no full recomputation."""
         tokens = self.par.micro_batch_size * self.split_lengths[split]
-        mlp = (self.moe_bytes(tokens) if self.model.is_moe_layer(layer)
-               else self.mlp_bytes(tokens))
+        if self.model.is_moe_layer(layer):
+            mlp = 0.0 if self._moe_recomputed() else self.moe_bytes(tokens)
+        else:
+            mlp = self.mlp_bytes(tokens)
         return (2 * self.norm_bytes(tokens) + self.attention_bytes(split)
                 + mlp + self.dropout_bytes(tokens))
 
@@ -445,9 +450,17 @@ class CostModel:
             return self._checkpoint_bytes(split, k) + sum(per_layer[k:])
         return sum(per_layer)
 
+    def _moe_recomputed(self) -> bool:
+        return self.recompute.granularity == "selective" and self.recompute.moe_layers
+
     def recompute_transient_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
-        """Activations rebuilt during a backward with full recomputation."""
+        """Activations rebuilt during a backward with full recomputation, or one MoE
+        layer's with recomputed MoE layers."""
         rc, n = self.recompute, self.chunk_layers(rank, chunk)
+        if self._moe_recomputed():
+            tokens = self.par.micro_batch_size * self.split_lengths[split]
+            layers = self.layer_indices(rank, chunk)
+            return self.moe_bytes(tokens) if any(map(self.model.is_moe_layer, layers)) else 0.0
         if rc.granularity != "full":
             return 0.0
         k = min(rc.num_layers, n)

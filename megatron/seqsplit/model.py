@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.seqsplit.core_attention import SplitCausalAttention
 from megatron.seqsplit.mla import SplitMLASelfAttention
 from megatron.seqsplit.moe import (
+    SplitMoELayer,
     SplitRouter,
     SplitTransformerLayer,
     allow_router_without_transformer_engine,
@@ -118,6 +119,7 @@ def _split_aware_layer_spec(normalization, attention_backend, kv_cache, qk_layer
         # the MoE router needs the split (its aux losses are over whole microbatches)
         spec.module = SplitTransformerLayer
         _moe_submodules(spec.submodules.mlp).router = SplitRouter
+        spec.submodules.mlp = _with_moe_layer(spec.submodules.mlp, SplitMoELayer)
     return spec
 
 
@@ -127,6 +129,15 @@ def _moe_submodules(mlp):
     if isinstance(mlp, functools.partial):
         return mlp.keywords["submodules"]
     return mlp.submodules
+
+
+def _with_moe_layer(mlp, layer_class):
+    """The MoE layer's spec building ``layer_class`` instead of megatron-core's MoELayer
+    (a ModuleSpec up to 0.16, a functools.partial from 0.17)."""
+    if isinstance(mlp, functools.partial):
+        return functools.partial(layer_class, *mlp.args, **mlp.keywords)
+    mlp.module = layer_class
+    return mlp
 
 
 def moe_layer_pattern(config):

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.core import tensor_parallel
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -259,6 +261,36 @@ class SplitRouter(TopKRouter):
         partial = torch.square(torch.logsumexp(logits, dim=-1)).sum()
         return self._attach(logits, partial, weights, "z_loss", coeff,
                             avg_group=self.tp_dp_cp_group)
+
+
+class SplitMoELayer(MoELayer):
+    """megatron-core's MoE layer whose recomputation (``--recompute-modules moe``,
+    ``--moe-layer-recompute``) re-runs it with the split its forward ran.
+
+    megatron-core checkpoints the layer's inner forward, which reads the router's split
+    when it runs; in backward that is another split's, or none (``SplitTransformerLayer``
+    hands the split over for one forward only), and the router would weigh the split's
+    auxiliary losses by its own tokens alone. Here the layer checkpoints itself with the
+    same megatron-core function, around a forward that sets the split first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recompute_with_split = self.moe_layer_recompute
+        self.moe_layer_recompute = False  # megatron-core's own checkpoint: replaced below
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if not (self.recompute_with_split and self.training):
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        split = self.router.split
+
+        def forward_in_split(hidden):
+            before, self.router.split = self.router.split, split
+            try:
+                return MoELayer.forward(self, hidden, intermediate_tensors, padding_mask)
+            finally:
+                self.router.split = before
+
+        return tensor_parallel.checkpoint(forward_in_split, False, hidden_states)
 
 
 class SplitTransformerLayer(TransformerLayer):

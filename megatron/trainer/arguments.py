@@ -244,8 +244,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
-                   help="with --recompute-granularity selective: core_attn, Megatron-LM's "
-                        "default and the one module recomputed here")
+                   help="with --recompute-granularity selective: core_attn (Megatron-LM's "
+                        "default) and moe (whole MoE layers), the modules recomputed here")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recompute unit with --recompute-granularity full; "
                         "without a granularity it has no effect (as in Megatron-LM; noted)")
@@ -943,13 +943,27 @@ def _check_recompute(args):
         args.no_op_flags.append(("--recompute-num-layers", "only used with "
                                  "--recompute-granularity full (as in Megatron-LM)"))
         args.recompute_num_layers = None
+    if args.moe_layer_recompute:
+        # Megatron-LM's meaning (megatron-core's config): selective, with "moe" added to
+        # the modules (by default core attention's)
+        _require(args.recompute_granularity != "full",
+                 "--moe-layer-recompute does not go with --recompute-granularity full (as in "
+                 "Megatron-LM): full recomputation recomputes the MoE layers already")
+        args.recompute_granularity = "selective"
+        modules = args.recompute_modules or ["core_attn"]
+        args.recompute_modules = modules + ["moe"] if "moe" not in modules else modules
     if args.recompute_modules is not None:
-        # Megatron-LM's default list; other modules (mlp, layernorm, moe, ...) would
-        # change what is kept, and are not built here
-        others = sorted(set(args.recompute_modules) - {"core_attn"})
+        # core attention (Megatron-LM's default) and whole MoE layers; other modules (mlp,
+        # layernorm, moe_act, ...) would change what is kept, and are not built here
+        others = sorted(set(args.recompute_modules) - {"core_attn", "moe"})
         _require(not others, f"--recompute-modules {' '.join(others)} is refused: selective "
-                             "recomputation here recomputes core attention only; use "
-                             "--recompute-modules core_attn or --recompute-granularity full")
+                             "recomputation here recomputes core attention and MoE layers "
+                             "only; use --recompute-modules core_attn moe or "
+                             "--recompute-granularity full")
+        if ("moe" in args.recompute_modules and args.num_experts is None
+                and not args.moe_layer_recompute):  # (that one is noted with the MoE flags)
+            args.flag_notes.append("note: --recompute-modules moe without --num-experts: "
+                                   "there is no MoE layer to recompute")
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None,
                  "--recompute-granularity full needs --recompute-method {uniform,block}")

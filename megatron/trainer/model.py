@@ -104,6 +104,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         recompute_granularity=args.recompute_granularity,
+        # megatron-core's default (core attention) unless given
+        **({"recompute_modules": list(args.recompute_modules)}
+           if args.recompute_granularity == "selective" and args.recompute_modules else {}),
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,

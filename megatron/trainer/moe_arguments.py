@@ -12,6 +12,7 @@ MOE_FLAGS = (
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-token-dispatcher-type",
     "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--moe-per-layer-logging", "--moe-router-pre-softmax", "--moe-router-dtype",
+    "--moe-layer-recompute",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -82,6 +83,9 @@ def add_moe_arguments(parser):
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="experts divided over this many ranks of the data-parallel group "
                         "(all-to-all over gloo on CPU)")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="recompute each MoE layer in backward (Megatron-LM's older spelling "
+                        "of --recompute-granularity selective --recompute-modules ... moe)")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="also write each layer's aux losses to TensorBoard/wandb "
                         "(moe/<name>_layer_<i>), as Megatron-LM")
@@ -172,6 +176,7 @@ def _given(args, flag):
                 "--moe-token-dispatcher-type": "allgather", "--moe-grouped-gemm": False,
                 "--expert-model-parallel-size": 1, "--moe-per-layer-logging": False,
                 "--moe-router-pre-softmax": False, "--moe-router-dtype": None,
+                "--moe-layer-recompute": False,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
