@@ -162,6 +162,10 @@ for _reason, _flags in (
      "--no-log-learnig-rate-to-tensorboard --log-batch-size-to-tensorboard"),
     ("query-key layer scaling is never applied here (as with this flag)",
      "--no-query-key-layer-scaling"),
+    ("query-key layer scaling divides the attention scores by the layer number before an "
+     "fp16 softmax and multiplies them back inside it (an fp16 range guard computing the "
+     "same function); the attention kernels here keep the softmax in fp32",
+     "--apply-query-key-layer-scaling"),
     ("p2p overlap is chosen by the schedule (interleaved stages overlap it)",
      "--overlap-p2p-communication"),
     ("the local rank is read from LOCAL_RANK (set by torchrun)", "--local_rank=N"),
@@ -257,7 +261,7 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
-               "--apply-query-key-layer-scaling --window-size --window-attn-skip-freq "
+               "--window-size --window-attn-skip-freq "
                "--softmax-type --qk-l2-norm --attention-output-gate "
                "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "
