@@ -76,7 +76,7 @@ class ModelShape:
     num_attention_heads: int
     num_query_groups: int
     ffn_hidden_size: int
-    swiglu: bool
+    swiglu: bool  # a gated MLP (SwiGLU, or gpt-oss's quick GeGLU below)
     vocab_size: int  # the output layer's width (training: the padded vocabulary)
     kv_channels: int | None = None  # None: hidden / heads, Megatron's default
     name: str = "custom"  # a preset's name
@@ -85,6 +85,10 @@ class ModelShape:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     untie_embeddings: bool = True
     position_embedding_type: str = "rope"  # or "yarn", "learned_absolute", "none"
+    # --quick-geglu (gated; swiglu is set too) and whether --activation-func-clamp-value
+    # clamps its halves: what the activation keeps for backward
+    quick_geglu: bool = False
+    glu_clamp: bool = False
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
@@ -130,7 +134,10 @@ class ModelShape:
             num_attention_heads=args.num_attention_heads,
             num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden_size,
-            swiglu=bool(args.swiglu),
+            # gated MLPs: SwiGLU and gpt-oss's quick GeGLU (fc1 twice as wide)
+            swiglu=bool(args.swiglu or getattr(args, "quick_geglu", False)),
+            quick_geglu=bool(getattr(args, "quick_geglu", False)),
+            glu_clamp=getattr(args, "activation_func_clamp_value", None) is not None,
             vocab_size=vocab_size,
             kv_channels=args.kv_channels,
             name=name,
@@ -167,6 +174,17 @@ class ModelShape:
     @property
     def expert_ffn(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def mlp_activation_terms(self) -> int:
+        """FFN-wide tensors an MLP keeps per token besides fc2's input, in units of the FFN
+        width: fc1's output (2 when gated) and what the activation saves. SwiGLU: fc1's
+        2F output and silu's and the product's F inputs; quick GeGLU: its fc1 output, the
+        sigmoid, the quick GeLU and the offset linear half, and with the clamp the
+        clamped activation input too; else fc1's output."""
+        if self.quick_geglu:
+            return 6 if self.glu_clamp else 5
+        return 4 if self.swiglu else 1
 
     @property
     def mlp_matrices(self) -> int:

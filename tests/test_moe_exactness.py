@@ -28,6 +28,8 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
   and the MoE layers, --moe-layer-recompute), s = 4 under full recomputation, and
   interleaved with the chunked KV cache. X also with only its MoE layers recomputed.
 
+G (gpt-oss-style): quick GeGLU experts with gpt-oss's linear offset 1 and clamp 7 (init
+std 0.25, so that the clamp cuts), YaRN, GQA, RMSNorm, an fp32 router with aux and z-loss.
 Multi-latent attention (issue #29 point 3) also on M, a dense MLA model without query
 compression and plain RoPE, with the chunked KV cache. Its weights are initialised with
 std 0.25 so that attention depends on positions: with each split's rotary part rotated
@@ -77,6 +79,19 @@ MODELS = {
         "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
         "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
         "--moe-aux-loss-coeff", "1", "0.5", "--moe-token-dispatcher-type", "alltoall"],
+    # gpt-oss-style: quick GeGLU experts with the linear offset and the clamp, YaRN,
+    # the router in fp32 with aux and z-losses (its sliding windows and attention sinks
+    # are not built here)
+    "G": TINY_MODEL + MOE + ["--quick-geglu", "--glu-linear-offset", "1.0",
+                             "--activation-func-clamp-value", "7.0",
+                             "--position-embedding-type", "yarn",
+                             "--rotary-scaling-factor", "4",
+                             "--yarn-original-max-position-embeddings", "12",
+                             "--normalization", "RMSNorm",
+                             "--untie-embeddings-and-output-weights",
+                             "--group-query-attention", "--num-query-groups", "2",
+                             "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "1",
+                             "--moe-z-loss-coeff", "0.1", "--init-method-std", "0.25"],
     # dense MLA, no query compression, plain RoPE; init std 0.25: positions matter
     "M": TINY_MODEL + ROPE_SWIGLU + MLA + ["--rope-type", "rope", "--disable-bias-linear",
                                           "--init-method-std", "0.25"],
@@ -99,6 +114,7 @@ CASES = {
     "N_pp2_s2": ("N", 2, [], 2, 1),
     "N_pp2_s3": ("N", 3, [], 2, 1),
     "X_pp2_s3": ("X", 3, [], 2, 1),
+    "G_pp2_s3": ("G", 3, [], 2, 1),
     "X_pp2_s4": ("X", 4, ["--use-distributed-optimizer"], 2, 1),
     "X_pp2_vp2_s3": ("X", 3, ["--virtual-pipeline-model-parallel-size", "2"], 2, 2),
     # experts over 2 ranks of the data-parallel group, all-to-all over gloo
@@ -145,6 +161,7 @@ DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + D
 # the MoE losses each model logs per iteration (Megatron-LM's names), compared split
 # against unsplit; one split run also writes them to TensorBoard
 MOE_LOSSES = {"N": [], "X": ["load_balancing_loss", "z_loss"],
+              "G": ["load_balancing_loss", "z_loss"],
               "D": ["seq_load_balancing_loss", "global_load_balancing_loss"], "M": [], "Q": []}
 TENSORBOARD_CASE, TENSORBOARD_DIR = "X_pp2_s3", []
 
@@ -335,7 +352,7 @@ def test_the_models_are_the_intended_ones(results):
         biases = [n for n in params if n.endswith("expert_bias")]
         if model == "N":
             continue
-        if model == "X":
+        if model in ("X", "G"):
             assert len(routers) == 4 and not shared and not biases, model
         else:
             assert [r.split(".")[2] for r in routers] == ["1", "2", "3"], routers

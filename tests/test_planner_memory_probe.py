@@ -111,6 +111,12 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--seq1f1b-splits", "2", "--recompute-granularity", "selective",
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "64"]
                              + NO_DROPOUT),
+    # gpt-oss's MLP: quick GeGLU with the linear offset and the clamp
+    "quick_geglu_clamp_s2": (2, PP2 + [
+        "--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value",
+        "7.0", "--disable-bias-linear", "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
+    "quick_geglu_s2": (2, PP2 + ["--quick-geglu", "--disable-bias-linear",
+                                 "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
     # DeepSeek's Megatron-LM recomputation: core attention and every MoE layer
     "moe_s3_moe_layer_recompute": (2, PP2 + MOE + [
         "--seq1f1b-splits", "3", "--recompute-activations", "--moe-layer-recompute",

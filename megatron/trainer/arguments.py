@@ -145,6 +145,14 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--squared-relu", action="store_true",
                    help="squared ReLU activation in the MLP instead of GeLU (not with --swiglu)")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLP with quick GeLU, x * sigmoid(1.702 x), as gpt-oss (not "
+                        "with --swiglu or --squared-relu)")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="with --quick-geglu: added to the gate's linear half (gpt-oss: 1)")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="with --quick-geglu: the activation's input clamped at this value, "
+                        "the linear half to +-this value (gpt-oss: 7)")
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
                    help="GeLU as Megatron-LM computes it without its bias+GeLU fusion (erf). "
                         "By default a GeLU MLP with biased linear layers computes what that "
@@ -916,6 +924,17 @@ def _check_model_shape(args):
         args.num_query_groups = args.num_attention_heads
     _require(not (args.squared_relu and args.swiglu),
              "--squared-relu and --swiglu are two MLP activations; keep one")
+    _require(not (args.quick_geglu and (args.swiglu or args.squared_relu)),
+             "--quick-geglu is another MLP activation than --swiglu and --squared-relu; keep one")
+    for flag, value, unset in (("--glu-linear-offset", args.glu_linear_offset, 0.0),
+                               ("--activation-func-clamp-value",
+                                args.activation_func_clamp_value, None)):
+        # megatron-core applies them in its unfused gated MLP only: Megatron-LM's default
+        # fused SwiGLU ignores them
+        _require(value == unset or args.quick_geglu,
+                 f"{flag} shapes --quick-geglu's gated MLP: add --quick-geglu or drop it")
+    _require(args.activation_func_clamp_value is None or args.activation_func_clamp_value > 0,
+             f"--activation-func-clamp-value must be > 0, got {args.activation_func_clamp_value}")
     _require(not args.use_rope_scaling or args.position_embedding_type == "rope",
              "--use-rope-scaling scales RoPE: it needs --position-embedding-type rope")
     if not args.disable_bias_linear:  # as Megatron-LM: biased linear layers bias QKV too

@@ -84,7 +84,7 @@ MODEL_SHAPE_FLAGS = (
     "qk_layernorm", "add_qkv_bias", "squared_relu", "rotary_interleaved", "use_rope_scaling",
     "rope_scaling_factor", "apply_residual_connection_post_layernorm",
     "num_experts", "multi_latent_attention", "rotary_seq_len_interpolation_factor",
-    "no_rope_freq",
+    "no_rope_freq", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
 )
 # YaRN's settings of standard attention (rope_arguments), saved with
 # --position-embedding-type yarn

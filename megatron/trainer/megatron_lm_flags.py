@@ -260,7 +260,7 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 # reads or saves, so it is refused rather than ignored
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
-               "--openai-gelu --quick-geglu --glu-linear-offset --activation-func-clamp-value "
+               "--openai-gelu "
                "--window-size --window-attn-skip-freq "
                "--softmax-type --qk-l2-norm --attention-output-gate "
                "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "

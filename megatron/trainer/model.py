@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.model_shape import pad_vocab_size
@@ -33,18 +34,21 @@ def tanh_gelu(x):
 def biased_gelu(args) -> bool:
     """Whether the MLP is GeLU with biased linear layers: the model Megatron-LM's
     bias+GeLU fusion applies to (it turns the fusion off without biases)."""
-    return not (args.swiglu or getattr(args, "squared_relu", False) or args.disable_bias_linear)
+    return not (args.swiglu or getattr(args, "squared_relu", False)
+                or getattr(args, "quick_geglu", False) or args.disable_bias_linear)
 
 
 def activation_func(args):
     """The MLP activation as Megatron-LM computes it: SiLU (gated) with --swiglu, squared
-    ReLU with --squared-relu, else GeLU: its tanh approximation where Megatron-LM fuses
+    ReLU with --squared-relu, quick GeLU (gated) with --quick-geglu, else GeLU: its tanh approximation where Megatron-LM fuses
     bias and GeLU (biased linear layers, no --no-bias-gelu-fusion), else the exact (erf)
     one."""
     if args.swiglu:
         return F.silu
     if getattr(args, "squared_relu", False):
         return squared_relu
+    if getattr(args, "quick_geglu", False):
+        return quick_gelu  # megatron-core's: its gated MLP checks for this function
     if biased_gelu(args) and getattr(args, "bias_gelu_fusion", True):
         return tanh_gelu
     return F.gelu
@@ -71,8 +75,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
+        gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
         activation_func=activation_func(args),
+        glu_linear_offset=getattr(args, "glu_linear_offset", 0.0),
+        activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
         add_bias_linear=not args.disable_bias_linear,
         # Megatron-LM's meaning: QKV bias also without biased linear layers (Qwen2.5)
         add_qkv_bias=getattr(args, "add_qkv_bias", False) or not args.disable_bias_linear,
