@@ -225,6 +225,13 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="weight decay also on the query/key norms' weights (--qk-layernorm; "
+                        "Qwen3-Next), which like every 1-D weight and bias get none by "
+                        "default")
+    g.add_argument("--no-weight-decay-cond-type", choices=["apply_wd_to_qk_layernorm"],
+                   default=None,
+                   help="Megatron-LM's deprecated spelling of --apply-wd-to-qk-layernorm")
     g.add_argument("--start-weight-decay", type=float, default=None)
     g.add_argument("--end-weight-decay", type=float, default=None)
     g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"],
@@ -670,6 +677,13 @@ def _check_megatron_compat(args, cuda_available):
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         args.position_embedding_type = "none"
     args.flag_notes = []
+    if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":  # as Megatron-LM
+        args.apply_wd_to_qk_layernorm = True
+        args.flag_notes.append("note: --no-weight-decay-cond-type is deprecated (as in "
+                               "Megatron-LM): use --apply-wd-to-qk-layernorm")
+    if args.apply_wd_to_qk_layernorm and not args.qk_layernorm:
+        args.flag_notes.append("note: --apply-wd-to-qk-layernorm without --qk-layernorm: "
+                               "there are no query/key norms, it has no effect")
     if args.use_flash_attn:
         if args.attention_backend not in ("auto", "flash"):
             problems.append(f"--use-flash-attn contradicts --attention-backend "

@@ -263,7 +263,7 @@ for _reason, _flags in (
                "--openai-gelu "
                "--window-size --window-attn-skip-freq "
                "--softmax-type --qk-l2-norm --attention-output-gate "
-               "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --no-pad-vocab-size "
+               "--no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "
                "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
                "--embedding-weights-in-fp32 "

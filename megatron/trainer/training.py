@@ -114,6 +114,7 @@ def build_optimizer(args, model):
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay,
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
