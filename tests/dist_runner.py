@@ -175,6 +175,11 @@ def main(spec_path, out_path):
         def on_finish(args, model, run=run, captured=captured):
             if run.get("params"):
                 captured["params"] = gather_full_parameters(args, model)
+            # each global rank's pipeline stage: how the ranks were laid out
+            stages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(
+                stages, parallel_state.get_pipeline_model_parallel_rank())
+            captured["pipeline_ranks"] = stages
 
         result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                           recording_forward_step(units, reports), argv=run["argv"],
@@ -185,7 +190,8 @@ def main(spec_path, out_path):
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
                  "forward_units": units, "reports": reports,
                  "params_norms": result.params_norms, "num_zeros": result.num_zeros,
-                 "moe_losses": result.moe_losses}
+                 "moe_losses": result.moe_losses,
+                 "pipeline_ranks": captured.get("pipeline_ranks")}
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"
             torch.save(captured["params"], path)

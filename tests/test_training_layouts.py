@@ -1,7 +1,7 @@
 """Foundation: every parallel layout trains the same model to the same losses.
 
-A single-process pp=1 run is the reference; pp=2, pp=4, tp=2, tp=2 x pp=2 and
-dp=2 start from the same iteration-0 checkpoint (resharded by megatron-core's
+A single-process pp=1 run is the reference; pp=2, pp=4, tp=2, tp=2 x pp=2, dp=2 and
+pp=2 x dp=2 in both of Megatron-LM's rank orders start from the same iteration-0 checkpoint (resharded by megatron-core's
 dist_checkpointing) and must print the same per-iteration losses and grad norms
 (relative 1e-5, fp32) and end with the same parameters.
 """
@@ -39,7 +39,11 @@ def plan(tmp, corpus):
             run("dp2_distopt", ["--use-distributed-optimizer"])],
         4: [run("pp4", ["--pipeline-model-parallel-size", "4"]),
             run("tp2pp2", ["--tensor-model-parallel-size", "2",
-                           "--pipeline-model-parallel-size", "2"])],
+                           "--pipeline-model-parallel-size", "2"]),
+            run("pp2dp2", ["--pipeline-model-parallel-size", "2"]),
+            # Megatron-LM's other rank order: consecutive ranks form a pipeline
+            run("pp2dp2_tp_pp_dp_mapping", ["--pipeline-model-parallel-size", "2",
+                                            "--use-tp-pp-dp-mapping"])],
     })
 
 
@@ -48,7 +52,8 @@ def layouts(exactness_runs):
     return exactness_runs[__name__]
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2", "dp2", "dp2_distopt", "pp4", "tp2pp2"])
+@pytest.mark.parametrize("layout", ["pp2", "tp2", "dp2", "dp2_distopt", "pp4", "tp2pp2",
+                                    "pp2dp2", "pp2dp2_tp_pp_dp_mapping"])
 def test_layout_matches_single_process(layouts, layout):
     reference, run = layouts["pp1"], layouts[layout]
     assert len(reference["losses"]) == 3
@@ -60,3 +65,11 @@ def test_layout_matches_single_process(layouts, layout):
 def test_training_moves_the_loss(layouts):
     losses = layouts["pp1"]["losses"]
     assert len(set(losses)) == 3  # a frozen model would make every comparison vacuous
+
+
+def test_rank_orders_as_megatron_lm(layouts):
+    """Global ranks 0..3 at pp=2 x dp=2: by default data parallelism inside each stage
+    (stages 0, 0, 1, 1); with --use-tp-pp-dp-mapping each pipeline on consecutive ranks
+    (0, 1, 0, 1), as Megatron-LM orders them. Both train like one process (above)."""
+    assert layouts["pp2dp2"]["pipeline_ranks"] == [0, 0, 1, 1]
+    assert layouts["pp2dp2_tp_pp_dp_mapping"]["pipeline_ranks"] == [0, 1, 0, 1]

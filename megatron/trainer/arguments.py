@@ -269,6 +269,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="order the ranks tensor, pipeline, then data parallel (consecutive "
+                        "ranks form a pipeline) instead of tensor, data, then pipeline")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
