@@ -40,9 +40,9 @@ def biased_gelu(args) -> bool:
 
 def activation_func(args):
     """The MLP activation as Megatron-LM computes it: SiLU (gated) with --swiglu, squared
-    ReLU with --squared-relu, quick GeLU (gated) with --quick-geglu, else GeLU: its tanh approximation where Megatron-LM fuses
-    bias and GeLU (biased linear layers, no --no-bias-gelu-fusion), else the exact (erf)
-    one."""
+    ReLU with --squared-relu, quick GeLU (gated) with --quick-geglu, else GeLU: its tanh
+    approximation where Megatron-LM fuses bias and GeLU (biased linear layers, no
+    --no-bias-gelu-fusion), else the exact (erf) one."""
     if args.swiglu:
         return F.silu
     if getattr(args, "squared_relu", False):

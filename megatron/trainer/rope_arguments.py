@@ -1,9 +1,10 @@
 """RoPE's per-layer and long-context flags for standard attention, with Megatron-LM 0.19's
 names, defaults and meanings: layers without RoPE (``--no-rope-freq``), linear position
-interpolation (``--rotary-seq-len-interpolation-factor``) and YaRN (``--position-embedding-type yarn``
-with the ``--yarn-*`` flags and the unprefixed ``--rotary-scaling-factor``, ``--mscale``,
-``--mscale-all-dim`` it shares with MLA). Llama-3 scaling (``--use-rope-scaling``) and the
-base, percent and interleaving flags stay in the model group of ``arguments.py``."""
+interpolation (``--rotary-seq-len-interpolation-factor``) and YaRN
+(``--position-embedding-type yarn`` with the ``--yarn-*`` flags and the unprefixed
+``--rotary-scaling-factor``, ``--mscale``, ``--mscale-all-dim`` it shares with MLA).
+Llama-3 scaling (``--use-rope-scaling``) and the base, percent and interleaving flags stay
+in the model group of ``arguments.py``."""
 
 from megatron.trainer.moe_arguments import layer_pattern
 
