@@ -193,6 +193,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int)
+    g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
+                   help="1-indexed iterations whose batch is read and not trained on (the "
+                        "optimizer and learning-rate schedule do not step), as Megatron-LM: "
+                        "e.g. to pass a bad stretch of data after a loss spike")
     g.add_argument("--train-samples", type=int, default=None,
                    help="train for this many samples instead of --train-iters")
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
@@ -1211,6 +1215,8 @@ def _check_exit_flags(args):
     _require(args.exit_interval is None or args.exit_interval >= 1,
              f"--exit-interval must be >= 1, got {args.exit_interval}")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    bad = [i for i in args.iterations_to_skip if i < 1]
+    _require(not bad, f"--iterations-to-skip counts iterations from 1, got {bad}")
     _require(args.manual_gc_interval >= 0,
              f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.profile:

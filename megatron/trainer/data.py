@@ -4,6 +4,31 @@ import math
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
+
+
+def reads_batches(args, vp_stage=None) -> bool:
+    """Whether this rank's model chunk reads the batch: the first stage (tokens), the last
+    (labels and loss mask) and, with --reset-attention-mask, every stage (attention on
+    each needs the document boundaries). With virtual stages, "first" and "last" are
+    those of the model chunk (``vp_stage``)."""
+    return (args.reset_attention_mask
+            or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+
+
+def skip_microbatches(args, iterators, model, count):
+    """Read ``count`` microbatches on every model chunk that reads batches, as a training
+    step would, without computing anything: --iterations-to-skip (Megatron-LM's
+    dummy_train_step). Read from the readers under a rerun wrapper, so that the rerun
+    machine never replays them."""
+    iterators = iterators if isinstance(iterators, list) else [iterators]
+    for chunk, iterator in zip(model, iterators):
+        if not reads_batches(args, get_attr_wrapped_model(chunk, "vp_stage")):
+            continue
+        reader = getattr(iterator, "iterable", iterator)  # megatron-core's RerunDataIterator
+        for _ in range(count):
+            next(reader)
 
 
 def collate(samples):

@@ -9,11 +9,11 @@ in full: pipeline stages, packed documents, and the split passed to the model.
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.seqsplit.documents import DocumentIdsDataset
 from megatron.seqsplit.split_context import SplitContext
+from megatron.trainer.data import reads_batches
 from megatron.trainer.device import compute_device
 from megatron.trainer.model import gpt_model_provider
 
@@ -73,12 +73,9 @@ def _has_test_split(args):
 
 def get_batch(data_iterator, args, vp_stage=None):
     """This stage's share of the next batch (or split): tokens on the first stage,
-    labels and loss mask on the last; with --reset-attention-mask every stage reads
-    it, because attention on every stage needs the document boundaries. With virtual
-    stages, "first" and "last" are those of the model chunk (``vp_stage``)."""
-    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if not (first or last or args.reset_attention_mask):
+    labels and loss mask on the last; every stage with --reset-attention-mask
+    (``data.reads_batches``)."""
+    if not reads_batches(args, vp_stage):
         return {}
     batch = next(data_iterator)
     device = compute_device()  # the flags' device (gloo on a GPU machine: the CPU)

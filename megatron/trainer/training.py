@@ -42,7 +42,7 @@ from megatron.trainer import (
     rerun,
 )
 from megatron.trainer.arguments import parse_args_or_exit
-from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator
+from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator, skip_microbatches
 from megatron.trainer.metrics import (
     format_iteration_line,
     memory_label,
@@ -558,6 +558,18 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             progress.step = f"asynchronous checkpoint finalization before iteration {iteration + 1}"
             async_save.maybe_finalize(args)
         args.num_microbatches = batch_sizes.microbatches_at(consumed_samples)
+        if iteration + 1 in args.iterations_to_skip:
+            # as Megatron-LM: the iteration's batch is read and dropped, nothing trains,
+            # the learning-rate schedule does not advance; nor is it evaluated or saved
+            progress.step = f"skipping iteration {iteration + 1}"
+            skip_microbatches(args, train_iterator, model, args.num_microbatches)
+            iteration += 1
+            batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
+            consumed_samples += batch
+            print_rank_0(f" iteration {iteration:8d}/{args.train_iters:8d} skipped "
+                         f"(--iterations-to-skip): its {batch} samples were read, not trained "
+                         f"on")
+            continue
         monitor.before_step(iteration)
         with monitor.step_label(iteration + 1):
             losses, grad_norm, ok, exit_reason, num_zeros = train_step(
