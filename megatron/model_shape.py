@@ -62,6 +62,16 @@ def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128,
     return -(-vocab_size // multiple) * multiple
 
 
+def _no_rope_pattern(every, layers) -> tuple:
+    """--no-rope-freq as megatron-core expands it: N marks every N-th layer, a list is the
+    pattern itself (1: no RoPE)."""
+    if every is None:
+        return ()
+    if isinstance(every, int):
+        return tuple(([0] * (every - 1) + [1]) * (layers // every))
+    return tuple(every)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer as Megatron builds it.
@@ -89,6 +99,8 @@ class ModelShape:
     # clamps its halves: what the activation keeps for backward
     quick_geglu: bool = False
     glu_clamp: bool = False
+    # --no-rope-freq: 1 for each layer without RoPE (Llama-4's NoPE layers); () for none
+    no_rope_layers: tuple = ()
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
@@ -138,6 +150,8 @@ class ModelShape:
             swiglu=bool(args.swiglu or getattr(args, "quick_geglu", False)),
             quick_geglu=bool(getattr(args, "quick_geglu", False)),
             glu_clamp=getattr(args, "activation_func_clamp_value", None) is not None,
+            no_rope_layers=_no_rope_pattern(getattr(args, "no_rope_freq", None),
+                                            args.num_layers),
             vocab_size=vocab_size,
             kv_channels=args.kv_channels,
             name=name,
@@ -157,6 +171,11 @@ class ModelShape:
     def rotary(self) -> bool:
         """RoPE rotates queries and keys (YaRN too: the same tensors, scaled)."""
         return self.position_embedding_type in ("rope", "yarn")
+
+    def ropes_in_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (global index) rotates its queries and keys."""
+        skipped = layer < len(self.no_rope_layers) and self.no_rope_layers[layer]
+        return self.rotary and not skipped
 
     @property
     def head_dim(self) -> int:

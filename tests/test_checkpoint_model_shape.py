@@ -134,6 +134,16 @@ def test_extending_the_context_of_a_checkpoint_needs_finetune(capsys):
     assert "--hidden-size saved 8, now 16" in problem and "--finetune" not in problem
 
 
+def test_layers_without_rope_are_recorded_as_their_pattern():
+    """--no-rope-freq 2 and the pattern it stands for are the same model (megatron-core
+    expands N the same way); another pattern is another model."""
+    every_second = _args(num_layers=4, no_rope_freq=2)
+    assert model_shape(every_second)["no_rope_freq"] == [0, 1, 0, 1]
+    assert _load_problem(every_second, _args(num_layers=4, no_rope_freq=[0, 1, 0, 1])) is None
+    assert "--no-rope-freq saved [0, 1, 0, 1], now [1, 0, 0, 0]" in _load_problem(
+        every_second, _args(num_layers=4, no_rope_freq=[1, 0, 0, 0]))
+
+
 def test_optimizer_state_across_an_expert_parallel_change():
     """A distributed-optimizer checkpoint saved without megatron-core's chain prefix
     loads into another number of chained optimizers (EP change; trained in

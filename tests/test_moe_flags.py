@@ -132,11 +132,16 @@ def test_moe_options_that_change_no_value_are_accepted_with_their_reason():
     """Megatron-LM's DeepSeek, Qwen3-MoE, Kimi and Llama-4 examples pass these; none
     changes a value here (no token is dropped; overlap and fusions are performance)."""
     args = args_of("--num-experts", "8", "--moe-token-drop-policy", "probs",
-                   "--moe-shared-expert-overlap", "--moe-permute-fusion", "--moe-router-fusion")
+                   "--moe-shared-expert-overlap", "--moe-permute-fusion", "--moe-router-fusion",
+                   "--moe-token-dispatcher-type", "alltoall")
     assert [flag for flag, _ in args.no_op_flags] == [
         "--moe-token-drop-policy", "--moe-shared-expert-overlap", "--moe-permute-fusion",
         "--moe-router-fusion"]
     assert "no token is dropped here" in dict(args.no_op_flags)["--moe-token-drop-policy"]
+    # megatron-core's config refuses the overlap with the allgather dispatcher
+    with pytest.raises(ArgumentErrors, match="--moe-shared-expert-overlap only works with "
+                                             "--moe-token-dispatcher-type alltoall"):
+        args_of("--num-experts", "8", "--moe-shared-expert-overlap")
 
 
 def test_moe_layer_freq_as_megatron_lm_reads_it():

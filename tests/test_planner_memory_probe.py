@@ -117,6 +117,11 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "7.0", "--disable-bias-linear", "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
     "quick_geglu_s2": (2, PP2 + ["--quick-geglu", "--disable-bias-linear",
                                  "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
+    # Llama-4's layers without RoPE (every second one): q, k stay views of the fused QKV
+    # output and keep no cos/sin there, unsplit and split
+    "no_rope_freq_s1": (2, PP2 + ["--no-rope-freq", "2"] + ROPE + NO_DROPOUT),
+    "no_rope_freq_s2": (2, PP2 + ["--no-rope-freq", "2", "--seq1f1b-splits", "2"]
+                        + ROPE + NO_DROPOUT),
     # DeepSeek's Megatron-LM recomputation: core attention and every MoE layer
     "moe_s3_moe_layer_recompute": (2, PP2 + MOE + [
         "--seq1f1b-splits", "3", "--recompute-activations", "--moe-layer-recompute",

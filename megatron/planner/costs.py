@@ -244,9 +244,10 @@ class CostModel:
         return (self.on_cpu and self.model.attention_dropout
                 and not (self.num_splits > 1 and self.kv_layout == "chunked"))
 
-    def attention_bytes(self, split: int) -> float:
-        """Core attention of one layer for split ``split``, with the output projection's
-        saved input (the QKV projection's input is the norm output, in ``norm_bytes``)."""
+    def attention_bytes(self, split: int, layer: int = 0) -> float:
+        """Core attention of layer ``layer`` for split ``split``, with the output
+        projection's saved input (the QKV projection's input is the norm output, in
+        ``norm_bytes``); a layer without RoPE (--no-rope-freq) keeps QKV's views."""
         m, t, e = self.model, self.par.tp, self.act_bytes
         if m.multi_latent_attention:
             return self.mla_attention_bytes(split)
@@ -256,12 +257,12 @@ class CostModel:
         kv = m.num_query_groups * m.head_dim / t * e
         qkv = q + 2 * kv
         lse = FP32 * m.num_attention_heads / t
-        rope = m.rotary
+        rope = m.ropes_in_layer(layer)
         split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
         # q, k, v handed to the kernel: views of the fused QKV output keep it whole;
         # RoPE's q, k are new tensors
         unsplit_inputs = (q + kv + qkv) if rope else qkv
-        cos_sin = self._rope_bytes(l)
+        cos_sin = self._rope_bytes(l) if rope else 0.0
         if split_kernel and self.kv_layout == "chunked":
             # q copy, LSE, output once; the chunked kernel is not checkpointed by
             # selective recomputation (it keeps no scores to drop)
@@ -406,7 +407,7 @@ class CostModel:
             mlp = 0.0 if self._moe_recomputed() else self.moe_bytes(tokens)
         else:
             mlp = self.mlp_bytes(tokens)
-        return (2 * self.norm_bytes(tokens) + self.attention_bytes(split)
+        return (2 * self.norm_bytes(tokens) + self.attention_bytes(split, layer)
                 + mlp + self.dropout_bytes(tokens))
 
     def chunk_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> List[float]:

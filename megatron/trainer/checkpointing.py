@@ -118,6 +118,9 @@ def model_shape(args) -> dict:
         shape["bias_gelu_fusion"] = getattr(args, "bias_gelu_fusion", True)
     if shape["position_embedding_type"] == "yarn":
         shape.update({flag: getattr(args, flag) for flag in YARN_SHAPE_FLAGS})
+    every, layers = shape.get("no_rope_freq"), shape["num_layers"]
+    if isinstance(every, int) and layers:  # N and its per-layer pattern are one model
+        shape["no_rope_freq"] = ([0] * (every - 1) + [1]) * (layers // every)
     return shape
 
 
