@@ -62,7 +62,7 @@ def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128,
     return -(-vocab_size // multiple) * multiple
 
 
-def _no_rope_pattern(every, layers) -> tuple:
+def no_rope_pattern(every, layers) -> tuple:
     """--no-rope-freq as megatron-core expands it: N marks every N-th layer, a list is the
     pattern itself (1: no RoPE)."""
     if every is None:
@@ -150,8 +150,8 @@ class ModelShape:
             swiglu=bool(args.swiglu or getattr(args, "quick_geglu", False)),
             quick_geglu=bool(getattr(args, "quick_geglu", False)),
             glu_clamp=getattr(args, "activation_func_clamp_value", None) is not None,
-            no_rope_layers=_no_rope_pattern(getattr(args, "no_rope_freq", None),
-                                            args.num_layers),
+            no_rope_layers=no_rope_pattern(getattr(args, "no_rope_freq", None),
+                                           args.num_layers),
             vocab_size=vocab_size,
             kv_channels=args.kv_channels,
             name=name,
@@ -195,15 +195,15 @@ class ModelShape:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
-    def mlp_activation_terms(self) -> int:
-        """FFN-wide tensors an MLP keeps per token besides fc2's input, in units of the FFN
-        width: fc1's output (2 when gated) and what the activation saves. SwiGLU: fc1's
-        2F output and silu's and the product's F inputs; quick GeGLU: its fc1 output, the
-        sigmoid, the quick GeLU and the offset linear half, and with the clamp the
-        clamped activation input too; else fc1's output."""
+    def mlp_saved_widths(self) -> int:
+        """FFN-wide tensors an MLP keeps per token, in units of the FFN width: fc1's output
+        (2 when gated), what the activation saves and fc2's input. SwiGLU: fc1's 2F
+        output, silu's and the product's F inputs (5); quick GeGLU: its fc1 output, the
+        sigmoid, the quick GeLU, the offset linear half and fc2's input (6), and with the
+        clamp the clamped activation input too (7); else fc1's output and fc2's input."""
         if self.quick_geglu:
-            return 6 if self.glu_clamp else 5
-        return 4 if self.swiglu else 1
+            return 7 if self.glu_clamp else 6
+        return 5 if self.swiglu else 2
 
     @property
     def mlp_matrices(self) -> int:

@@ -354,7 +354,7 @@ class CostModel:
         """fc1 output and activation output (SwiGLU: fc1's 2F output, silu and the
         product's two F inputs, the F fc2 input)."""
         f, e = self.model.ffn_hidden_size / self.par.tp, self.act_bytes
-        return tokens * f * e * (self.model.mlp_activation_terms + 1)
+        return tokens * f * e * self.model.mlp_saved_widths
 
     def router_bytes(self, tokens: float) -> float:
         """What the router and the token dispatcher keep for ``tokens`` tokens (megatron-core
@@ -388,7 +388,7 @@ class CostModel:
         over TP."""
         m, t, e = self.model, self.par.tp, self.act_bytes
         h, k = m.hidden_size, m.moe_topk
-        per_act = m.mlp_activation_terms + 1
+        per_act = m.mlp_saved_widths
         dispatched = k * tokens * (h * e + FP32)
         experts = k * tokens * m.expert_ffn / t * e * (per_act + 1)
         shared = tokens * m.moe_shared_ffn_hidden_size / t * e * per_act

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron import mcore_compat
+from megatron.model_shape import no_rope_pattern
 from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
 from megatron.trainer.model import biased_gelu
 from megatron.trainer.schedule_check import schedule_decision
@@ -118,9 +119,10 @@ def model_shape(args) -> dict:
         shape["bias_gelu_fusion"] = getattr(args, "bias_gelu_fusion", True)
     if shape["position_embedding_type"] == "yarn":
         shape.update({flag: getattr(args, flag) for flag in YARN_SHAPE_FLAGS})
-    every, layers = shape.get("no_rope_freq"), shape["num_layers"]
-    if isinstance(every, int) and layers:  # N and its per-layer pattern are one model
-        shape["no_rope_freq"] = ([0] * (every - 1) + [1]) * (layers // every)
+    if isinstance(shape.get("no_rope_freq"), int) and shape["num_layers"]:
+        # N and its per-layer pattern are one model
+        shape["no_rope_freq"] = list(no_rope_pattern(shape["no_rope_freq"],
+                                                     shape["num_layers"]))
     return shape
 
 

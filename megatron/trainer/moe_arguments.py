@@ -151,8 +151,8 @@ def check_moe_args(args, cuda_available):
             _aux_loss_on(args) or args.moe_z_loss_coeff is not None):
         problems.append("--calculate-per-token-loss with MoE auxiliary or z-losses is not "
                         "supported with --seq1f1b-splits > 1: drop one of them")
-    if (getattr(args, "noop--moe-shared-expert-overlap", False)
-            and args.moe_token_dispatcher_type != "alltoall"):
+    overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
+    if overlap and args.moe_token_dispatcher_type != "alltoall":
         # megatron-core's config refuses it there, so Megatron-LM stops too
         problems.append("--moe-shared-expert-overlap only works with "
                         "--moe-token-dispatcher-type alltoall (as in Megatron-LM)")
