@@ -16,6 +16,11 @@ Times, for one microbatch of one layer, forward and forward + backward of:
 Splits are `average` (equal lengths); split j attends over the keys of splits 0..j.
 Median of `--repeats` alternating rounds, printed as ratios to `unsplit`; `--clock cpu`
 times the process's CPU time (other load on the host then barely enters).
+
+`--query-rows N ...` adds what one query row costs in torch's fused CPU kernel (unmasked,
+against `--seq-length` keys) for each query length N: the kernel picks its query block
+from the query length (smaller blocks below 768 rows in torch 2.13), so a split's
+queries may cost more per row than the whole sequence's.
 """
 
 import argparse
@@ -66,6 +71,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the process's CPU time (robust to other load on the host)")
+    parser.add_argument("--query-rows", type=int, nargs="*", default=[],
+                        help="also time one query row of unmasked attention against "
+                             "--seq-length keys for each of these query lengths")
     args = parser.parse_args(argv)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     from megatron.seqsplit.attention_backends import get_backend
@@ -104,7 +112,35 @@ def main(argv=None):
         f, fb = (statistics.median(times[name, b]) for b in (False, True))
         print(f"| {name} | {1000 * f:.1f} | {f / base[False]:.3f} | {1000 * fb:.1f} | "
               f"{fb / base[True]:.3f} |")
+    if args.query_rows:
+        print_query_rows(args, clock, leaf)
     return 0
+
+
+def print_query_rows(args, clock, leaf):
+    """Per query row, forward and forward + backward, unmasked, against L keys."""
+    L, h, d = args.seq_length, args.heads, args.head_dim
+    k, v = leaf(1, h, L, d), leaf(1, h, L, d)
+    pieces = {n: [(leaf(1, h, n, d), k, v, torch.randn(1, h, n, d))] for n in args.query_rows}
+    times = {(n, b): [] for n in pieces for b in (False, True)}
+    for round_ in range(args.repeats + 1):  # round 0 warms up
+        for n, piece in pieces.items():
+            for backward in (False, True):
+                start = clock()
+                run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), piece, backward)
+                if round_:
+                    times[n, backward].append(clock() - start)
+    print()
+    print(f"Unmasked fused attention against {L} keys, per query row (median of "
+          f"{args.repeats} rounds):")
+    print("| query rows | forward us/row | vs longest | forward + backward us/row | vs longest |")
+    print("|---|---|---|---|---|")
+    per_row = {key: statistics.median(t) / key[0] for key, t in times.items()}
+    longest = max(pieces)
+    for n in pieces:
+        f, fb = per_row[n, False], per_row[n, True]
+        print(f"| {n} | {1e6 * f:.1f} | {f / per_row[longest, False]:.3f} | {1e6 * fb:.1f} | "
+              f"{fb / per_row[longest, True]:.3f} |")
 
 
 if __name__ == "__main__":
