@@ -101,6 +101,10 @@ class ModelShape:
     glu_clamp: bool = False
     # --no-rope-freq: 1 for each layer without RoPE (Llama-4's NoPE layers); () for none
     no_rope_layers: tuple = ()
+    # --window-size LEFT,0: keys a query sees before itself in a sliding-window layer;
+    # window_layers: 1 for each such layer (--window-attn-skip-freq), () for none
+    window: int | None = None
+    window_layers: tuple = ()
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
@@ -152,6 +156,7 @@ class ModelShape:
             glu_clamp=getattr(args, "activation_func_clamp_value", None) is not None,
             no_rope_layers=no_rope_pattern(getattr(args, "no_rope_freq", None),
                                            args.num_layers),
+            **_window_fields(args),
             vocab_size=vocab_size,
             kv_channels=args.kv_channels,
             name=name,
@@ -285,6 +290,30 @@ class ModelShape:
         ``l o + l (l + 1) / 2`` (each query sees the prefix, the earlier queries and itself)."""
         return length * offset + length * (length + 1) / 2
 
+    def layer_pairs(self, layer: int, length: int, offset: int = 0) -> float:
+        """(query, key) pairs layer ``layer`` attends for ``length`` queries after
+        ``offset`` earlier tokens: causal, or at most ``window`` keys before each query in
+        a sliding-window layer (query p sees min(p, window) earlier keys and itself)."""
+        if not (self.window_layers and self.window_layers[layer]):
+            return self.causal_pairs(length, offset)
+        w = self.window
+
+        def earlier(n):  # sum of min(p, w) over positions p < n
+            return n * (n - 1) / 2 if n <= w else w * (w - 1) / 2 + (n - w) * w
+
+        return length + earlier(offset + length) - earlier(offset)
+
+    def attention_flops(self, length: int, offset: int = 0, *, layers: int | None = None,
+                        first_layer: int = 0) -> float:
+        """Forward attention FLOPs (QK^T and AV) of ``length`` queries after ``offset``
+        earlier tokens through ``layers`` layers (default all) from ``first_layer`` on."""
+        n = self.num_layers if layers is None else layers
+        if not self.window_layers:
+            return n * self.layer_flops_per_pair() * self.causal_pairs(length, offset)
+        return self.layer_flops_per_pair() * sum(
+            self.layer_pairs(layer, length, offset)
+            for layer in range(first_layer, first_layer + n))
+
     def layer_flops_per_token(self, layer: int | None = None) -> float:
         """Forward FLOPs per token of layer ``layer``'s linear layers (position-independent):
         twice the weights a token multiplies (attention projections, MLP or active
@@ -322,21 +351,37 @@ class ModelShape:
         linear *= length
         if lm_head:
             linear += self.lm_head_flops_per_token() * length
-        return linear, n * self.layer_flops_per_pair() * self.causal_pairs(length, offset)
+        return linear, self.attention_flops(length, offset, layers=n, first_layer=first_layer)
 
     def forward_flops(self, length: int, offset: int = 0) -> float:
         """Forward FLOPs of ``length`` tokens after ``offset`` earlier ones, whole model."""
-        a, b = self.linear_flops_per_token(), self.attention_flops_per_pair()
-        return a * length + b * self.causal_pairs(length, offset)
+        return self.linear_flops_per_token() * length + self.attention_flops(length, offset)
 
     def iteration_flops(self, seq_length: int, num_sequences: int = 1,
                         causal: bool = True) -> float:
         """Forward + backward (3x forward) FLOPs of ``num_sequences`` sequences.
         ``causal=False`` counts ``S^2`` pairs (Narayanan et al. 2021), not ``S (S + 1) / 2``."""
-        pairs = self.causal_pairs(seq_length) if causal else seq_length**2
-        per_sequence = (self.linear_flops_per_token() * seq_length
-                        + self.attention_flops_per_pair() * pairs)
+        attention = (self.attention_flops(seq_length) if causal
+                     else self.attention_flops_per_pair() * seq_length**2)
+        per_sequence = self.linear_flops_per_token() * seq_length + attention
         return 3 * num_sequences * per_sequence
+
+
+def _window_fields(args) -> dict:
+    """--window-size LEFT,0 and --window-attn-skip-freq as megatron-core applies them
+    (``is_layer_window_attention``: N keeps every N-th layer full; a pattern's 1 is a
+    sliding-window layer); LEFT -1 is no window."""
+    size = getattr(args, "window_size", None)
+    if not size or size[0] < 0:
+        return {}
+    skip, layers = getattr(args, "window_attn_skip_freq", None), args.num_layers
+    if skip is None:
+        pattern = (1,) * layers
+    elif isinstance(skip, int):
+        pattern = tuple(int((layer + 1) % skip != 0) for layer in range(layers))
+    else:
+        pattern = tuple(skip)
+    return {"window": size[0], "window_layers": pattern}
 
 
 def _moe_fields(args) -> dict:

@@ -7,9 +7,25 @@
 * `check_reports`: the schedule returned what megatron-core's returns: per call one loss
   report per microbatch, equal to the unsplit run's (loss sum within `rtol`, token
   count exact).
+* `SplitStub`: a split's fields for the kernels' own tests.
 """
 
 from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class SplitStub:
+    """What the attention kernels read of a split (`megatron.seqsplit.split_context`'s
+    fields), for calling `split_causal_attention` without a schedule."""
+
+    microbatch_id: int
+    split_index: int
+    num_splits: int
+    offset: int
+    length: int
+    seq_length: int
+    document_ids: object = None  # [b, >= offset + length] with packed documents
 
 
 def check_split_units(name, units, *, splits, method, seq_length, calls, microbatches,

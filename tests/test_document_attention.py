@@ -7,8 +7,6 @@ by an emulation (the boundaries, packing and unpacking are ours; the kernel itse
 needs CUDA and is exercised only by the CUDA tests at the end, skipped without one).
 """
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +26,7 @@ from megatron.seqsplit.documents import (
     varlen_document_layout,
 )
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
+from split_checks import SplitStub as Split
 
 EOD = 0
 
@@ -67,17 +66,6 @@ def kv_cache_of(name):
 
 
 BACKENDS = available_backends("cpu", torch.float64) + ["flash_emulated", "chunked"]
-
-
-@dataclass
-class Split:
-    microbatch_id: int
-    split_index: int
-    num_splits: int
-    offset: int
-    length: int
-    seq_length: int
-    document_ids: torch.Tensor
 
 
 def reference(q, k, v, tokens, scale):

@@ -4,8 +4,6 @@ Backward runs one split at a time in reverse order, each split on its own leaf
 tensors, as a pipeline does: cross-split gradients can only flow through the cache.
 """
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -13,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.seqsplit.attention_backends import AttentionCall, available_backends, get_backend
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention, storage_id
 from megatron.seqsplit.split_lengths import split_offsets
+from split_checks import SplitStub as Split
 
 DTYPE = torch.float64
 BACKENDS = available_backends(torch.device("cpu"), DTYPE)
@@ -23,16 +22,6 @@ HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 LENGTHS = [[3, 4], [5, 5], [4, 1, 3, 2], [1, 6], [2, 3, 1, 1, 5], [1, 1, 1]]
 D = 8
 SCALE = D ** -0.5
-
-
-@dataclass
-class Split:
-    microbatch_id: int
-    split_index: int
-    num_splits: int
-    offset: int
-    length: int
-    seq_length: int
 
 
 def splits_of(lengths, mb=0):

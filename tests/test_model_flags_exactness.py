@@ -16,7 +16,8 @@ Two tiny models cover every flag (the unit checks are in tests/test_model_flags.
 
 And issue #28 point 5: Megatron-LM's own model settings for Qwen3, Qwen2.5 and
 Llama-3.1 (RECIPES: their flags as Megatron-LM's examples give them, only the sizes scaled
-down), and Qwen3 with YaRN, each trained with Seq1F1B at pp=2 against one process.
+down), and Qwen3 with YaRN and with sliding windows in every other layer, each trained
+with Seq1F1B at pp=2 against one process.
 """
 
 import pytest
@@ -83,13 +84,18 @@ RECIPES["qwen3-yarn"] = [
 RECIPES["qwen3-yarn"][RECIPES["qwen3-yarn"].index("rope")] = "yarn"
 RECIPES["qwen3-yarn"] += ["--rotary-scaling-factor", "4",
                           "--yarn-original-max-position-embeddings", "12"]
+# Qwen3 with sliding-window attention in every other layer, as gpt-oss and Gemma
+# alternate them (Megatron-LM's --window-size and --window-attn-skip-freq): a window of 20
+# keys over splits of 12 reaches into the previous split's keys and not further
+RECIPES["qwen3-swa"] = RECIPES["qwen3"] + ["--window-size", "20,0",
+                                           "--window-attn-skip-freq", "2"]
 # what TINY_MODEL adds: data, vocabulary, dropout 0, learning rate, logging, seed
 _RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "1e-3",
         "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"]
 # recipe -> (split count, extra flags of the split run)
 RECIPE_CASES = {"qwen3": (4, []), "qwen2.5": (3, ["--seq1f1b-kv-cache", "chunked"]),
-                "llama3.1": (2, []), "qwen3-yarn": (3, [])}
+                "llama3.1": (2, []), "qwen3-yarn": (3, []), "qwen3-swa": (4, [])}
 ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
@@ -191,6 +197,7 @@ def test_megatron_lm_recipe_trains_exactly_with_seq1f1b(results, recipe):
            "position embedding": any("position_embeddings" in n for n in names)}
     expected = {"qwen3": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen3-yarn": {"qk norm": True, "qkv bias": False, "output layer": False},
+                "qwen3-swa": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen2.5": {"qk norm": False, "qkv bias": True, "output layer": True},
                 "llama3.1": {"qk norm": False, "qkv bias": False, "output layer": True}}
     assert has == dict(expected[recipe], **{"position embedding": False}), (recipe, has)
@@ -228,3 +235,11 @@ def test_yarn_changes_what_the_model_computes(results):
     plain = results["ref_qwen3"]["grad_norms"][0]
     yarn = results["ref_qwen3-yarn"]["grad_norms"][0]
     assert abs(plain - yarn) > 1e-2 * plain, (plain, yarn)
+
+
+def test_sliding_window_changes_what_the_model_computes(results):
+    """The window is not a no-op: the same Qwen3 weights and data give another gradient
+    with 20-key windows in every other layer than with full attention."""
+    full = results["ref_qwen3"]["grad_norms"][0]
+    windowed = results["ref_qwen3-swa"]["grad_norms"][0]
+    assert abs(full - windowed) > 1e-3 * full, (full, windowed)

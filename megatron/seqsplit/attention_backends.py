@@ -1,11 +1,13 @@
 """Causal attention kernels for sequence splits: queries are the LAST `lq` of `lk` keys.
 
 Interface (one call per split and layer):
-    backend(q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None) -> out
+    backend(q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None, window=None) -> out
     q [b, hq, lq, d]; k, v [b, g, lk, d] with lk >= lq and hq % g == 0 (GQA/MQA);
     the causal mask is aligned to the bottom right: query i sees keys 0 .. lk - lq + i.
     document_ids [b, lk] (packed documents, non-decreasing per row): the document of
     every key; query i then sees only keys of its own document.
+    window (sliding-window attention, megatron-core's ``window_size[0]``): query i sees
+    only the keys lk - lq + i - window .. lk - lq + i (window + 1 keys).
     out [b, hq, lq, d].
 
 Backends: "sdpa" (always), "flash" (flash-attn >= 2.1, CUDA fp16/bf16; documents via
@@ -55,18 +57,23 @@ class AttentionCall:
     grouped: bool  # fewer K/V heads than query heads (GQA/MQA)
     documents: bool  # packed documents: a per-document mask
     dropout: bool = False
+    window: bool = False  # sliding-window attention: a banded mask
 
     @classmethod
-    def of(cls, q, k, document_ids=None, dropout_p=0.0):
+    def of(cls, q, k, document_ids=None, dropout_p=0.0, window=None):
         return cls(q.device.type, q.dtype, q.shape[-1], q.shape[1] != k.shape[1],
-                   document_ids is not None, dropout_p > 0.0)
+                   document_ids is not None, dropout_p > 0.0, window is not None)
+
+
+FLASH_WINDOW_VERSION = (2, 3)  # flash-attn's window_size argument
 
 
 def flash_attn_runs(call: AttentionCall, flash_version) -> bool:
     """Whether flash-attn (installed ``flash_version``, None: absent) runs ``call``."""
+    needed = FLASH_WINDOW_VERSION if call.window else (2, 1)
     return (call.device_type == "cuda" and call.dtype in HALF_DTYPES
             and call.head_dim <= FLASH_MAX_HEAD_DIM
-            and flash_version is not None and flash_version >= (2, 1))
+            and flash_version is not None and flash_version >= needed)
 
 
 def auto_backend_name(call: AttentionCall, flash_version, flex_available: bool) -> str:
@@ -81,7 +88,7 @@ def auto_backend_name(call: AttentionCall, flash_version, flex_available: bool) 
         return "sdpa"
     if flash_attn_runs(call, flash_version):
         return "flash"
-    if call.documents and flex_available and not call.dropout:
+    if (call.documents or call.window) and flex_available and not call.dropout:
         return "flex"
     return "sdpa"
 
@@ -98,7 +105,8 @@ def sdpa_expands_kv_heads(call: AttentionCall) -> bool:
     On CPU the fused kernel reads grouped K/V under any mask: never needed."""
     if call.device_type != "cuda" or not call.grouped:
         return False
-    return call.documents or call.dtype not in HALF_DTYPES or call.head_dim > FLASH_MAX_HEAD_DIM
+    return (call.documents or call.window or call.dtype not in HALF_DTYPES
+            or call.head_dim > FLASH_MAX_HEAD_DIM)
 
 
 _EXPANSION_WARNED = set()
@@ -109,6 +117,7 @@ def _expanded_kv_heads(call: AttentionCall, k, v, query_heads: int):
     if call not in _EXPANSION_WARNED:
         _EXPANSION_WARNED.add(call)
         why = ("packed documents (an explicit mask)" if call.documents else
+               "a sliding window (an explicit mask)" if call.window else
                f"{str(call.dtype).replace('torch.', '')}, head dim {call.head_dim}")
         warnings.warn(
             f"attention: SDPA on CUDA has no fused kernel for grouped K/V with {why}; K/V "
@@ -124,7 +133,8 @@ class AttentionBackend:
     name = "base"
     supports_dropout = True
 
-    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
+                 window=None):
         raise NotImplementedError
 
     def runs_split_kernel_cpu(self, call: "AttentionCall") -> bool:
@@ -135,6 +145,31 @@ class AttentionBackend:
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+
+def _check_window(window, document_ids):
+    if window is None:
+        return
+    if window < 0:
+        raise ValueError(f"sliding window: need window >= 0 keys before the query, got {window}")
+    if document_ids is not None:
+        raise ValueError("sliding-window attention with packed documents is not supported")
+
+
+def window_key_start(lq: int, lk: int, window) -> int:
+    """The first key any of the last ``lq`` of ``lk`` queries sees in a window of
+    ``window`` keys before each query (0 without a window)."""
+    return 0 if window is None else max(0, lk - lq - window)
+
+
+@functools.lru_cache(maxsize=16)
+def window_mask(lq: int, lk: int, window: int, device) -> torch.Tensor:
+    """[lq, lk] bool, True where query i (position lk - lq + i) sees key j: j in
+    [i + lk - lq - window, i + lk - lq]. One tensor for every layer of a split shape (the
+    kernels keep it for backward)."""
+    rel = (torch.arange(lk, device=device)[None, :]
+           - torch.arange(lq, device=device)[:, None] - (lk - lq))  # key - query position
+    return (rel <= 0) & (rel >= -window)
 
 
 def _check_shapes(q, k, v, document_ids=None):
@@ -169,22 +204,29 @@ class SDPABackend(AttentionBackend):
     @staticmethod
     def _cpu_kernels(call: AttentionCall) -> bool:
         """A split (lq < lk) runs `cpu_split_attention`'s mask-free kernels."""
-        return (call.device_type == "cpu" and not call.dropout
+        return (call.device_type == "cpu" and not call.dropout and not call.window
                 and not sdpa_expands_kv_heads(call))
 
     def runs_split_kernel_cpu(self, call: AttentionCall) -> bool:
         return self._cpu_kernels(call) and not call.documents
 
-    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
+                 window=None):
         _check_shapes(q, k, v, document_ids)
+        _check_window(window, document_ids)
         lq, lk = q.shape[2], k.shape[2]
-        call = AttentionCall.of(q, k, document_ids, dropout_p)
+        call = AttentionCall.of(q, k, document_ids, dropout_p, window)
         cpu_kernels = self._cpu_kernels(call)
-        if document_ids is not None and lq < lk and cpu_kernels:
+        if window is not None:
+            # keys before the earliest query's window are invisible to all: views, no copy
+            first_key = window_key_start(lq, lk, window)
+            k, v = k[:, :, first_key:], v[:, :, first_key:]
+            causal = {"attn_mask": window_mask(lq, lk - first_key, window, q.device)}
+        elif document_ids is not None and lq < lk and cpu_kernels:
             return split_document_attention_cpu(
                 q, k, v, softmax_scale, _shared_own_block_bias(document_ids, lq, q.dtype),
                 _shared_prefix_rows(document_ids, lq))
-        if document_ids is not None:
+        elif document_ids is not None:
             bias = _shared_document_bias(document_ids, lq, q.dtype)
             first_key = lk - bias.shape[-1]  # keys before it are invisible to every query
             k, v = k[:, :, first_key:], v[:, :, first_key:]  # views: nothing copied
@@ -300,16 +342,24 @@ class FlashAttnBackend(AttentionBackend):
             kernels = (flash_attn_func, flash_attn_varlen_func)
         self._func, self._varlen_func = kernels
 
-    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
+                 window=None):
         _check_shapes(q, k, v, document_ids)
+        _check_window(window, document_ids)
         if self._needs_cuda and (
                 q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
             raise ValueError(f"flash backend needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
         if document_ids is not None:
             return self._documents(q, k, v, document_ids, softmax_scale, dropout_p)
+        # flash-attn >= 2.3 aligns its window to the bottom right, as its causal mask
+        windowed = {} if window is None else {"window_size": (window, 0)}
+        if window is not None and self._needs_cuda and (
+                (_flash_attn_version() or (0,)) < FLASH_WINDOW_VERSION):
+            raise ValueError("flash backend: sliding-window attention needs flash-attn >= 2.3; "
+                             "use 'auto' or 'sdpa'")
         out = self._func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True, **windowed,
         )
         return out.transpose(1, 2)
 
@@ -366,12 +416,14 @@ class FlexAttentionBackend(AttentionBackend):
             raise ValueError("attention backend 'flex' needs torch >= 2.5 (FlexAttention)")
         self._module = module
 
-    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
+                 window=None):
         _check_shapes(q, k, v, document_ids)
+        _check_window(window, document_ids)
         if dropout_p > 0.0:
             raise ValueError("attention backend 'flex' has no dropout: set --attention-dropout 0")
         block_mask = _shared_block_mask(self._module, document_ids, q.shape[2], k.shape[2],
-                                        q.device)
+                                        q.device, window)
         if q.device.type == "cuda":
             # Not run yet (no GPU where this was written)
             return _compiled_flex_attention(self._module)(
@@ -397,19 +449,22 @@ def _compiled_flex_attention(module):
     return torch.compile(module.flex_attention)
 
 
-def _causal_mask_mod(offset):
+def _causal_mask_mod(offset, window=None):
     def mask_mod(b, h, q_idx, kv_idx):  # bottom-right: query i is position offset + i
         return kv_idx <= q_idx + offset
 
-    return mask_mod
+    def window_mask_mod(b, h, q_idx, kv_idx):  # and at most `window` keys before it
+        return (kv_idx <= q_idx + offset) & (kv_idx >= q_idx + offset - window)
+
+    return mask_mod if window is None else window_mask_mod
 
 
-def _make_block_mask(module, document_ids, lq, lk, device):
+def _make_block_mask(module, document_ids, lq, lk, device, window=None):
     """FlexAttention's block mask for one split (per row with documents)."""
     if document_ids is not None:
         mask_mod, batch = document_mask_mod(document_ids, lq), document_ids.shape[0]
-    else:
-        mask_mod, batch = _causal_mask_mod(lk - lq), None  # the same for every row
+    else:  # the same for every row
+        mask_mod, batch = _causal_mask_mod(lk - lq, window), None
     compiled = {"_compile": True} if torch.device(device).type == "cuda" else {}
     return module.create_block_mask(mask_mod, batch, None, lq, lk, device=device, **compiled)
 
@@ -421,14 +476,14 @@ _document_block_mask = PerSplitMemo(
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(module, lq, lk, device):
-    return _make_block_mask(module, None, lq, lk, device)
+def _causal_block_mask(module, lq, lk, device, window=None):
+    return _make_block_mask(module, None, lq, lk, device, window)
 
 
-def _shared_block_mask(module, document_ids, lq, lk, device):
+def _shared_block_mask(module, document_ids, lq, lk, device, window=None):
     if document_ids is not None:
         return _document_block_mask(document_ids, module, lq, lk, device)
-    return _causal_block_mask(module, lq, lk, device)
+    return _causal_block_mask(module, lq, lk, device, window)
 
 
 def _flash_usable(device, dtype):
@@ -469,10 +524,11 @@ class AutoBackend(AttentionBackend):
     def runs_split_kernel_cpu(self, call: AttentionCall) -> bool:
         return self.backend_for(call).runs_split_kernel_cpu(call)
 
-    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
-        backend = self.backend_for(AttentionCall.of(q, k, document_ids, dropout_p))
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
+                 window=None):
+        backend = self.backend_for(AttentionCall.of(q, k, document_ids, dropout_p, window))
         return backend(q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                       document_ids=document_ids)
+                       document_ids=document_ids, window=window)
 
 
 def get_backend(name: str, device=None, dtype=None) -> AttentionBackend:

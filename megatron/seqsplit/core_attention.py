@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.seqsplit.attention_backends import get_backend
 from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS, split_causal_attention
@@ -62,6 +63,10 @@ class SplitCausalAttention(MegatronModule):
             raise ValueError("the chunked KV cache has no attention dropout; set "
                              f"--attention-dropout 0 (got {self.dropout_p})")
         self.kv_cache = kv_cache
+        self.window = layer_window(config, layer_number)
+        if self.window is not None and kv_cache == "chunked":
+            raise ValueError("sliding-window attention (--window-size) is not supported with "
+                             "--seq1f1b-kv-cache chunked; use the buffer cache")
         if self.dropout_p > 0.0 and not self.backend.supports_dropout:
             raise ValueError(
                 f"attention backend {self.backend.name!r} has no attention dropout; "
@@ -91,6 +96,7 @@ class SplitCausalAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             dropout_p=dropout_p,
             kv_cache=self.kv_cache,
+            window=self.window,
         )
         if dropout_p > 0.0:
             # heads are split across TP ranks: use the model-parallel RNG stream, as
@@ -101,3 +107,19 @@ class SplitCausalAttention(MegatronModule):
             context = split_causal_attention(query, key, value, **kwargs)
         seq, batch, heads, head_dim = context.shape
         return context.reshape(seq, batch, heads * head_dim)
+
+
+def layer_window(config, layer_number):
+    """Keys a query sees before itself in this layer under sliding-window attention
+    (``config.window_size[0]``), or None for full causal attention: megatron-core's rule
+    (``window_attn_skip_freq`` makes some layers full). ``window_size[1]``, the keys after
+    the query, must be 0: attention here is causal."""
+    window_size = getattr(config, "window_size", None)
+    if not window_size or not is_layer_window_attention(
+            window_size, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    left, right = window_size
+    if right != 0 or left < -1:
+        raise ValueError(f"window_size {tuple(window_size)}: need (left, 0) for causal "
+                         "attention, left >= 0 keys before each query (-1: unlimited)")
+    return None if left == -1 else left

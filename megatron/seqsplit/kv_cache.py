@@ -239,12 +239,12 @@ def query_alone(query: torch.Tensor) -> torch.Tensor:
     return query.clone()
 
 
-def _runs_split_kernel_cpu(backend, query, key, dropout_p) -> bool:
+def _runs_split_kernel_cpu(backend, query, key, dropout_p, window=None) -> bool:
     """Whether ``backend`` would run this split on the CPU split kernel (False for any
     callable that is not one of our attention backends)."""
     asks = getattr(backend, "runs_split_kernel_cpu", None)
     return asks is not None and asks(AttentionCall.of(_to_bhld(query), _to_bhld(key), None,
-                                                      dropout_p))
+                                                      dropout_p, window))
 
 
 class _CachedSplitAttention(torch.autograd.Function):
@@ -291,7 +291,7 @@ from megatron.seqsplit.names import KV_CACHE_LAYOUTS  # noqa: E402,F401 - re-exp
 
 def split_causal_attention(
     query, key, value, *, split, store, layer_key, backend, softmax_scale, dropout_p=0.0,
-    kv_cache="buffer",
+    kv_cache="buffer", window=None,
 ):
     """Causal attention of one split over its microbatch's cached prefix.
 
@@ -302,7 +302,13 @@ def split_causal_attention(
     attention over the given query/key/value alone, with `backend`.
     `kv_cache`: "buffer" (this module: one buffer grown split by split, `backend` attends over
     its prefix) or "chunked" (`kv_chunks`: per-split chunks merged by log-sum-exp).
+    `window`: sliding-window attention, each query seeing at most `window` keys before it
+    (buffer cache only; the cache still holds the whole prefix).
     """
+    if window is not None and kv_cache == "chunked" and split is not None and (
+            split.num_splits > 1):
+        raise ValueError("sliding-window attention (--window-size) is not supported with "
+                         "--seq1f1b-kv-cache chunked; use the buffer cache")
     if split is None or split.num_splits == 1:
         k_all, v_all = key, value
     elif kv_cache == "chunked":
@@ -326,7 +332,7 @@ def split_causal_attention(
             query = query_alone(query)
         if (tracked and split.offset > 0 and value.shape[-1] == key.shape[-1]
                 and key_documents(split, split.offset + split.length, query.device) is None
-                and _runs_split_kernel_cpu(backend, query, key, dropout_p)):
+                and _runs_split_kernel_cpu(backend, query, key, dropout_p, window)):
             out = _CachedSplitAttention.apply(_to_bhld(query), key, value, entry, split.offset,
                                               softmax_scale)
             store.release_after_last_forward(entry_id, split, tracked)
@@ -345,8 +351,9 @@ def split_causal_attention(
         # added to V give zero output columns and the same other columns, so the output
         # is cut back to v_dim; only this call's V copy is padded, not the cache
         v_all = torch.nn.functional.pad(v_all, (0, key.shape[-1] - v_dim))
+    windowed = {} if window is None else {"window": window}
     out = backend(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
-        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents,
+        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents, **windowed,
     )
     return _from_bhld(out[..., :v_dim]).contiguous()

@@ -56,7 +56,10 @@ def plan_splits(
     if method == "average":
         base, rem = divmod(units, num_splits)
         return [(base + (1 if i < rem else 0)) * alignment for i in range(num_splits)]
-    ends = _balanced_ends(seq_length, num_splits, model)
+    if model.window_layers:  # sliding windows: a split's cost is no longer quadratic
+        ends = _balanced_ends_by_bisection(seq_length, num_splits, model)
+    else:
+        ends = _balanced_ends(seq_length, num_splits, model)
     return _round_to_units(ends, units, alignment)
 
 
@@ -105,6 +108,26 @@ def _balanced_ends(seq_length: int, num_splits: int, model: ModelShape) -> list[
         end -= 2 * target / (big_b + math.sqrt(max(big_b * big_b - 2 * b * target, 0.0)))
         ends.append(end)
     return ends[::-1]  # ends of splits 0..s-1; the last one is seq_length
+
+
+def _balanced_ends_by_bisection(seq_length: int, num_splits: int,
+                                model: ModelShape) -> list[float]:
+    """As `_balanced_ends` for any cost that grows with a split's length (sliding-window
+    layers: a query's cost stops growing at the window): walking back from the end, each
+    split's start is found by bisection on ``model.forward_flops``."""
+    target = model.forward_flops(seq_length) / num_splits
+    ends, end = [float(seq_length)], float(seq_length)
+    for _ in range(num_splits - 1):
+        low, high = 0.0, end  # the split's length
+        for _ in range(60):
+            mid = (low + high) / 2
+            if model.forward_flops(mid, end - mid) < target:
+                low = mid
+            else:
+                high = mid
+        end -= (low + high) / 2
+        ends.append(end)
+    return ends[::-1]
 
 
 def _round_to_units(ends: list[float], units: int, alignment: int) -> list[int]:

@@ -261,7 +261,6 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu "
-               "--window-size --window-attn-skip-freq "
                "--softmax-type --qk-l2-norm --attention-output-gate "
                "--no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "

@@ -1,0 +1,71 @@
+"""Sliding-window attention flags with Megatron-LM 0.19's names, types and meanings.
+
+``--window-size LEFT,RIGHT`` is megatron-core's ``window_size``: each query sees the
+LEFT keys before it and itself (RIGHT keys after it, which causal attention here
+requires to be 0; LEFT -1: unlimited). ``--window-attn-skip-freq`` picks the layers that
+keep full attention: N (every N-th layer, as gpt-oss and Gemma alternate) or a 0/1
+pattern per layer (1: sliding window). The kernels are in ``megatron.seqsplit``: every
+split attends to at most LEFT keys of its cached prefix per query, exact against the
+unsplit window (docs/megatron_lm.md)."""
+
+from megatron.trainer.moe_arguments import layer_pattern
+
+
+def window_size_type(text):
+    """Megatron-LM's tuple_type: "128,0" or "(128,0)" -> (128, 0)."""
+    if isinstance(text, tuple):
+        return text
+    return tuple(int(part) for part in text.strip("()").split(","))
+
+
+def window_skip_freq_type(text):
+    """--window-attn-skip-freq: N (one full-attention layer every N) or a pattern."""
+    return layer_pattern(text, "a sliding-window layer")
+
+
+def add_window_arguments(group):
+    """Into the model group, beside the attention flags."""
+    group.add_argument("--window-size", type=window_size_type, default=None,
+                       help="sliding-window attention: LEFT,0 lets each query see the LEFT "
+                            "keys before it and itself (megatron-core's window_size)")
+    group.add_argument("--window-attn-skip-freq", type=window_skip_freq_type, default=None,
+                       help="layers with full attention among sliding-window ones: N (every "
+                            "N-th layer) or a pattern such as \"[1,1,1,0]*3\" (1: sliding "
+                            "window), one entry per layer")
+
+
+def check_window_args(args):
+    """The combinations that cannot run exactly here stop before any work, one line each;
+    returns the problems."""
+    size, skip = args.window_size, args.window_attn_skip_freq
+    if size is None:
+        if skip is not None:
+            args.flag_notes.append("note: --window-attn-skip-freq without --window-size has "
+                                   "no effect (every layer keeps full attention)")
+        return []
+    if len(size) != 2:
+        return [f"--window-size takes LEFT,RIGHT (two integers), got {','.join(map(str, size))}"]
+    left, right = size
+    problems = []
+    if right != 0:
+        problems.append(f"--window-size {left},{right}: attention here is causal, so the keys "
+                        f"after each query must be 0: give {left},0")
+    if left < -1:
+        problems.append(f"--window-size {left},{right}: LEFT is the keys a query sees before "
+                        "itself, >= 0 (-1: unlimited)")
+    if isinstance(skip, list) and len(skip) != args.num_layers:
+        problems.append(f"--window-attn-skip-freq gives {len(skip)} layers, --num-layers is "
+                        f"{args.num_layers}: give one 0 or 1 per layer")
+    elif isinstance(skip, int) and skip < 1:
+        problems.append(f"--window-attn-skip-freq must be >= 1, got {skip}")
+    for flag, given in (("--reset-attention-mask", args.reset_attention_mask),
+                        ("--multi-latent-attention", args.multi_latent_attention),
+                        ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked")):
+        if given:
+            problems.append(f"--window-size is not supported with {flag} yet: drop one of them")
+    return problems
+
+
+def window_config_fields(args) -> dict:
+    """TransformerConfig's window_size and window_attn_skip_freq."""
+    return {"window_size": args.window_size, "window_attn_skip_freq": args.window_attn_skip_freq}
