@@ -7,7 +7,8 @@
 * `check_reports`: the schedule returned what megatron-core's returns: per call one loss
   report per microbatch, equal to the unsplit run's (loss sum within `rtol`, token
   count exact).
-* `SplitStub`: a split's fields for the kernels' own tests.
+* `SplitStub`: a split's fields for the kernels' own tests, and
+  `check_backward_split_by_split` for their gradients.
 """
 
 from collections import defaultdict
@@ -60,3 +61,17 @@ def check_reports(name, reports, unsplit_reports, *, calls, microbatches, rtol=1
             assert count == expected_count, f"{name} call {call} microbatch {microbatch}"
             assert abs(loss_sum - expected_sum) <= rtol * abs(expected_sum), \
                 f"{name} call {call} microbatch {microbatch}: {loss_sum} vs {expected_sum}"
+
+
+def check_backward_split_by_split(outputs, leaves, lengths, grad_out, expected_grads, atol):
+    """Runs each split's backward, the last split first as the pipeline does, with its
+    rows of ``grad_out``; the q, k and v gradients joined over the splits (``leaves``: per
+    split its (q, k, v) leaves) must equal ``expected_grads`` within ``atol``."""
+    import torch
+
+    starts = [sum(lengths[:j]) for j in range(len(lengths))]
+    for j in reversed(range(len(lengths))):
+        outputs[j].backward(grad_out[starts[j]:starts[j] + lengths[j]])
+    for i, name in enumerate("qkv"):
+        got = torch.cat([leaf[i].grad for leaf in leaves])
+        torch.testing.assert_close(got, expected_grads[i], rtol=0, atol=atol, msg=name)

@@ -16,8 +16,9 @@ Two tiny models cover every flag (the unit checks are in tests/test_model_flags.
 
 And issue #28 point 5: Megatron-LM's own model settings for Qwen3, Qwen2.5 and
 Llama-3.1 (RECIPES: their flags as Megatron-LM's examples give them, only the sizes scaled
-down), and Qwen3 with YaRN and with sliding windows in every other layer, each trained
-with Seq1F1B at pp=2 against one process.
+down), and Qwen3 with YaRN, with sliding windows in every other layer, and with those windows
+and learnable attention sinks (gpt-oss's attention), each trained with Seq1F1B at pp=2
+against one process (the sinks' parameters compared too).
 """
 
 import pytest
@@ -89,18 +90,22 @@ RECIPES["qwen3-yarn"] += ["--rotary-scaling-factor", "4",
 # keys over splits of 12 reaches into the previous split's keys and not further
 RECIPES["qwen3-swa"] = RECIPES["qwen3"] + ["--window-size", "20,0",
                                            "--window-attn-skip-freq", "2"]
+# and gpt-oss's attention sinks: a learnt logit per head in every softmax
+RECIPES["qwen3-swa-sinks"] = RECIPES["qwen3-swa"] + ["--softmax-type", "learnable"]
 # what TINY_MODEL adds: data, vocabulary, dropout 0, learning rate, logging, seed
 _RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "1e-3",
         "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"]
 # recipe -> (split count, extra flags of the split run)
 RECIPE_CASES = {"qwen3": (4, []), "qwen2.5": (3, ["--seq1f1b-kv-cache", "chunked"]),
-                "llama3.1": (2, []), "qwen3-yarn": (3, []), "qwen3-swa": (4, [])}
+                "llama3.1": (2, []), "qwen3-yarn": (3, []), "qwen3-swa": (4, []),
+                "qwen3-swa-sinks": (3, [])}
 ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2"]
 # name -> (model, split count, extra flags of the split run)
 CASES = {
     "Q_pp2_s3": ("Q", 3, ["--seq1f1b-kv-cache", "chunked"]),
@@ -135,6 +140,9 @@ def plan(tmp, corpus):
         runs[2].append({"name": f"{recipe}_pp2_s{n}", "argv": flags + start + PP2 + _splits(n)
                         + extra, "params": True})
         runs[1].append({"name": f"ref_{recipe}", "argv": flags + start, "params": True})
+        if recipe == "qwen3-swa-sinks":  # the sinks split by head across TP ranks
+            runs[2].append({"name": f"{recipe}_tp2_s{n}", "params": True,
+                            "argv": flags + start + TP2 + _splits(n)})
     return Plan(inits, runs)
 
 
@@ -198,9 +206,12 @@ def test_megatron_lm_recipe_trains_exactly_with_seq1f1b(results, recipe):
     expected = {"qwen3": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen3-yarn": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen3-swa": {"qk norm": True, "qkv bias": False, "output layer": False},
+                "qwen3-swa-sinks": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen2.5": {"qk norm": False, "qkv bias": True, "output layer": True},
                 "llama3.1": {"qk norm": False, "qkv bias": False, "output layer": True}}
     assert has == dict(expected[recipe], **{"position embedding": False}), (recipe, has)
+    sinks = {n for n in names if n.endswith("core_attention.softmax_offset")}
+    assert len(sinks) == (4 if recipe.endswith("sinks") else 0), (recipe, sinks)
 
 
 def test_the_flags_built_their_parameters(results):
@@ -243,3 +254,20 @@ def test_sliding_window_changes_what_the_model_computes(results):
     full = results["ref_qwen3"]["grad_norms"][0]
     windowed = results["ref_qwen3-swa"]["grad_norms"][0]
     assert abs(full - windowed) > 1e-3 * full, (full, windowed)
+
+
+def test_attention_sinks_change_what_the_model_computes(results):
+    """The learnable sinks are not a no-op: against the same model without them (same
+    seed, one process) the gradient differs."""
+    plain = results["ref_qwen3-swa"]["grad_norms"][0]
+    sinks = results["ref_qwen3-swa-sinks"]["grad_norms"][0]
+    assert abs(plain - sinks) > 1e-3 * plain, (plain, sinks)
+
+
+def test_attention_sinks_split_by_head_across_tp_ranks(results):
+    """TP=2 with splits: each rank learns its heads' sinks; the run equals one process
+    (losses, grad norms with every rank's sinks counted, the gathered parameters)."""
+    run, ref = results["qwen3-swa-sinks_tp2_s3"], results["ref_qwen3-swa-sinks"]
+    assert_close_series(run["losses"], ref["losses"], 1e-5, "tp2 sinks loss")
+    assert_close_series(run["grad_norms"], ref["grad_norms"], 1e-5, "tp2 sinks grad norm")
+    assert_params_close(run["params"], ref["params"])

@@ -21,7 +21,9 @@ from megatron.seqsplit.attention_backends import (
 )
 from megatron.seqsplit.core_attention import layer_window
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
+from megatron_lm_parser import megatron_lm_args
 from split_checks import SplitStub as Split
+from split_checks import check_backward_split_by_split
 
 
 def megatron_core_window_mask(sq, skv, window_size):
@@ -71,10 +73,16 @@ def emulated_flash(q, k, v, *, dropout_p, softmax_scale, causal, window_size=(-1
 def make_backend(name):
     if name == "flash_emulated":
         return FlashAttnBackend(kernels=(emulated_flash, None))
+    if name == "recomputed":  # --recompute-activations: the kernel checkpointed
+        from megatron import cpu_support
+        from megatron.seqsplit.recompute import RecomputedAttentionKernel
+
+        cpu_support.apply()  # megatron-core's checkpoint keeps RNG states: CPU ones here
+        return RecomputedAttentionKernel(get_backend("sdpa"))
     return get_backend(name)
 
 
-BACKENDS = available_backends("cpu", torch.float64) + ["auto", "flash_emulated"]
+BACKENDS = available_backends("cpu", torch.float64) + ["auto", "flash_emulated", "recomputed"]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -107,12 +115,7 @@ def test_split_window_attention_matches_unsplit(backend_name, lengths, window, h
         leaves.append(part)
         offset += length
     torch.testing.assert_close(torch.cat(outputs), expected, rtol=0, atol=1e-10)
-    starts = [sum(lengths[:j]) for j in range(len(lengths))]
-    for j in reversed(range(len(lengths))):  # backward split by split, as the pipeline does
-        outputs[j].backward(grad_out[starts[j]:starts[j] + lengths[j]])
-    for i, name in enumerate("qkv"):
-        got = torch.cat([leaf[i].grad for leaf in leaves])
-        torch.testing.assert_close(got, expected_grads[i], rtol=0, atol=1e-10, msg=name)
+    check_backward_split_by_split(outputs, leaves, lengths, grad_out, expected_grads, 1e-10)
     assert store.num_entries() == 0
 
 
@@ -201,25 +204,9 @@ def test_window_flags_reach_the_config_as_in_megatron_lm(flags, size, skip):
     assert (args.window_size, args.window_attn_skip_freq) == (size, skip)
     config = transformer_config_from_args(args)
     assert (config.window_size, config.window_attn_skip_freq) == (size, skip)
-    megatron_lm = megatron_lm_parse(flags)
+    megatron_lm = megatron_lm_args(flags)
     if megatron_lm is not None:  # megatron-core 0.19.2 ships Megatron-LM's parser
         assert (megatron_lm.window_size, megatron_lm.window_attn_skip_freq) == (size, skip)
-
-
-def megatron_lm_parse(flags):
-    import argparse
-    import typing
-
-    if not hasattr(typing, "override"):  # megatron/training uses it; Python 3.12+
-        typing.override = lambda function: function
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("NO_VCS_VERSION", "1")
-            from megatron.training.arguments import add_megatron_arguments
-    except ImportError:
-        return None
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    return parser.parse_args(flags)
 
 
 @pytest.mark.parametrize("flags, message", [

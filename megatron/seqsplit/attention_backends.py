@@ -1,13 +1,16 @@
 """Causal attention kernels for sequence splits: queries are the LAST `lq` of `lk` keys.
 
 Interface (one call per split and layer):
-    backend(q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None, window=None) -> out
+    backend(q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None, window=None,
+            sink=None) -> out
     q [b, hq, lq, d]; k, v [b, g, lk, d] with lk >= lq and hq % g == 0 (GQA/MQA);
     the causal mask is aligned to the bottom right: query i sees keys 0 .. lk - lq + i.
     document_ids [b, lk] (packed documents, non-decreasing per row): the document of
     every key; query i then sees only keys of its own document.
     window (sliding-window attention, megatron-core's ``window_size[0]``): query i sees
     only the keys lk - lq + i - window .. lk - lq + i (window + 1 keys).
+    sink [hq] (attention sinks, megatron-core's ``softmax_offset``): a logit per head
+    joined to every query's softmax, with no value (CPU, "sdpa", no dropout).
     out [b, hq, lq, d].
 
 Backends: "sdpa" (always), "flash" (flash-attn >= 2.1, CUDA fp16/bf16; documents via
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.seqsplit.cpu_split_attention import (
+    masked_attention_cpu,
     prefix_visibility,
     split_causal_attention_cpu,
     split_document_attention_cpu,
@@ -134,7 +138,7 @@ class AttentionBackend:
     supports_dropout = True
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
-                 window=None):
+                 window=None, sink=None):
         raise NotImplementedError
 
     def runs_split_kernel_cpu(self, call: "AttentionCall") -> bool:
@@ -145,6 +149,12 @@ class AttentionBackend:
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+
+def _refuse_sink(sink, where):
+    if sink is not None:
+        raise ValueError(f"attention sinks (--softmax-type) are not supported {where} yet: "
+                         "they run on CPU through the 'sdpa' backend")
 
 
 def _check_window(window, document_ids):
@@ -170,6 +180,15 @@ def window_mask(lq: int, lk: int, window: int, device) -> torch.Tensor:
     rel = (torch.arange(lk, device=device)[None, :]
            - torch.arange(lq, device=device)[:, None] - (lk - lq))  # key - query position
     return (rel <= 0) & (rel >= -window)
+
+
+@functools.lru_cache(maxsize=16)
+def window_bias(lq: int, lk: int, window: int, device, dtype) -> torch.Tensor:
+    """`window_mask` as an additive mask of ``dtype`` (0 or -inf), which the fused CPU
+    kernel takes when called directly (attention sinks)."""
+    visible = window_mask(lq, lk, window, device)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
+        ~visible, float("-inf"))
 
 
 def _check_shapes(q, k, v, document_ids=None):
@@ -211,21 +230,25 @@ class SDPABackend(AttentionBackend):
         return self._cpu_kernels(call) and not call.documents
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
-                 window=None):
+                 window=None, sink=None):
         _check_shapes(q, k, v, document_ids)
         _check_window(window, document_ids)
         lq, lk = q.shape[2], k.shape[2]
         call = AttentionCall.of(q, k, document_ids, dropout_p, window)
         cpu_kernels = self._cpu_kernels(call)
+        if q.device.type != "cpu" or call.dropout:
+            _refuse_sink(sink, "on CUDA or with attention dropout")
         if window is not None:
             # keys before the earliest query's window are invisible to all: views, no copy
             first_key = window_key_start(lq, lk, window)
             k, v = k[:, :, first_key:], v[:, :, first_key:]
-            causal = {"attn_mask": window_mask(lq, lk - first_key, window, q.device)}
+            mask = (window_mask(lq, lk - first_key, window, q.device) if sink is None
+                    else window_bias(lq, lk - first_key, window, q.device, q.dtype))
+            causal = {"attn_mask": mask}
         elif document_ids is not None and lq < lk and cpu_kernels:
             return split_document_attention_cpu(
                 q, k, v, softmax_scale, _shared_own_block_bias(document_ids, lq, q.dtype),
-                _shared_prefix_rows(document_ids, lq))
+                _shared_prefix_rows(document_ids, lq), sink)
         elif document_ids is not None:
             bias = _shared_document_bias(document_ids, lq, q.dtype)
             first_key = lk - bias.shape[-1]  # keys before it are invisible to every query
@@ -234,7 +257,7 @@ class SDPABackend(AttentionBackend):
         elif lq == lk:
             causal = {"is_causal": True}
         elif cpu_kernels:
-            return split_causal_attention_cpu(q, k, v, softmax_scale)
+            return split_causal_attention_cpu(q, k, v, softmax_scale, sink)
         elif q.device.type == "cpu" and _reversed_queries_save_memory(q, k):
             return _bottom_right_causal_cpu(q, k, v, softmax_scale, dropout_p)
         else:
@@ -242,6 +265,8 @@ class SDPABackend(AttentionBackend):
             # every process's start-up), and only this path needs it
             from torch.nn.attention.bias import causal_lower_right
             causal = {"attn_mask": causal_lower_right(lq, lk)}
+        if sink is not None:  # the fused CPU kernel and its LSE, with the sink joined
+            return masked_attention_cpu(q, k, v, softmax_scale, sink, **causal)
         if sdpa_expands_kv_heads(call):
             k, v = _expanded_kv_heads(call, k, v, q.shape[1])
         return F.scaled_dot_product_attention(
@@ -343,9 +368,10 @@ class FlashAttnBackend(AttentionBackend):
         self._func, self._varlen_func = kernels
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
-                 window=None):
+                 window=None, sink=None):
         _check_shapes(q, k, v, document_ids)
         _check_window(window, document_ids)
+        _refuse_sink(sink, "by flash-attn 2")
         if self._needs_cuda and (
                 q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
             raise ValueError(f"flash backend needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
@@ -417,9 +443,10 @@ class FlexAttentionBackend(AttentionBackend):
         self._module = module
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
-                 window=None):
+                 window=None, sink=None):
         _check_shapes(q, k, v, document_ids)
         _check_window(window, document_ids)
+        _refuse_sink(sink, "by the 'flex' backend")
         if dropout_p > 0.0:
             raise ValueError("attention backend 'flex' has no dropout: set --attention-dropout 0")
         block_mask = _shared_block_mask(self._module, document_ids, q.shape[2], k.shape[2],
@@ -525,10 +552,10 @@ class AutoBackend(AttentionBackend):
         return self.backend_for(call).runs_split_kernel_cpu(call)
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
-                 window=None):
+                 window=None, sink=None):
         backend = self.backend_for(AttentionCall.of(q, k, document_ids, dropout_p, window))
         return backend(q, k, v, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                       document_ids=document_ids, window=window)
+                       document_ids=document_ids, window=window, sink=sink)
 
 
 def get_backend(name: str, device=None, dtype=None) -> AttentionBackend:

@@ -10,11 +10,20 @@ unsplit run differ only by floating-point summation order.
 import math
 from typing import Optional
 
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    get_cuda_rng_tracker,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from megatron.seqsplit.attention_backends import get_backend
 from megatron.seqsplit.kv_cache import KV_CACHE_LAYOUTS, split_causal_attention
@@ -63,6 +72,9 @@ class SplitCausalAttention(MegatronModule):
             raise ValueError("the chunked KV cache has no attention dropout; set "
                              f"--attention-dropout 0 (got {self.dropout_p})")
         self.kv_cache = kv_cache
+        self.tp_group = (pg_collection.tp if pg_collection is not None else
+                         parallel_state.get_tensor_model_parallel_group(check_initialized=False))
+        self._make_softmax_offset(config)
         self.window = layer_window(config, layer_number)
         if self.window is not None and kv_cache == "chunked":
             raise ValueError("sliding-window attention (--window-size) is not supported with "
@@ -71,6 +83,41 @@ class SplitCausalAttention(MegatronModule):
             raise ValueError(
                 f"attention backend {self.backend.name!r} has no attention dropout; "
                 f"set --attention-dropout 0 (got {self.dropout_p}) or pick another backend")
+
+    def _make_softmax_offset(self, config):
+        """Attention sinks as megatron-core's DotProductAttention makes them
+        (``softmax_type``): off-by-one, a zero logit per head (not saved); learnable, a
+        parameter per head of this TP rank, initialised with ``init_method``."""
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        if self.softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        if self.softmax_type not in ("off-by-one", "learnable"):
+            raise ValueError(f"softmax_type {self.softmax_type!r}: use vanilla, off-by-one or "
+                             "learnable")
+        tp_size = self.tp_group.size() if self.tp_group is not None else 1
+        heads = config.num_attention_heads // tp_size
+        device = ("cpu" if config.use_cpu_initialization or not torch.cuda.is_available()
+                  else torch.cuda.current_device())
+        offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+        if self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", offset, persistent=False)
+            return
+        self.softmax_offset = torch.nn.Parameter(offset)
+        # one entry per head of this rank: split by head across TP like QKV's rows (so the
+        # grad norm counts every rank's, where megatron-core's counts TP rank 0's only)
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        if config.perform_initialization:
+            config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The learnable sinks split by head across TP ranks (megatron-core's layout)."""
+        state_dict = (self.state_dict(prefix="", keep_vars=True)
+                      if self.softmax_type == "learnable" else {})
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     def forward(
         self,
@@ -97,6 +144,7 @@ class SplitCausalAttention(MegatronModule):
             dropout_p=dropout_p,
             kv_cache=self.kv_cache,
             window=self.window,
+            sink=self.softmax_offset,
         )
         if dropout_p > 0.0:
             # heads are split across TP ranks: use the model-parallel RNG stream, as

@@ -22,6 +22,14 @@ computes each part's gradients exactly when given those. Saved for backward: q, 
 (views of what the caller keeps anyway), the merged output and its LSE; no mask.
 No dropout: the kernel draws its own mask per call (callers route dropout elsewhere).
 
+Attention sinks (``softmax_type`` off-by-one or learnable, gpt-oss): a per-head logit
+``sink`` joins every query's softmax with no value, megatron-core's ``SoftmaxOne``. It
+merges like one more part with a zero output: ``lse' = logaddexp(lse, sink)``,
+``out' = exp(lse - lse') out``. The fused backward given ``out'`` and ``lse'`` is then
+exact for q, k and v (the sink's column has no value, so it adds nothing to
+``rowsum(dO * O')``), and the sink's own gradient is ``-sum_i exp(sink - lse'_i)
+rowsum(dO_i * O'_i)`` (``sink_gradient``).
+
 With packed documents (contiguous runs of positions), the own block takes the split's
 per-document causal mask, ``lq x lq`` at most; of the prefix, only the queries of the
 document that began before the split see keys, all of that document's earlier keys and
@@ -35,23 +43,69 @@ _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def split_causal_attention_cpu(q, k, v, softmax_scale):
+def split_causal_attention_cpu(q, k, v, softmax_scale, sink=None):
     """q [b, hq, lq, d], k/v [b, g, lk, d] (hq % g == 0, lq < lk) on CPU -> [b, hq, lq, d].
 
-    The queries are the last ``lq`` positions of the keys; no dropout."""
+    The queries are the last ``lq`` positions of the keys; no dropout; ``sink`` [hq]: the
+    attention sinks' logits, or None."""
     if not q.shape[2] < k.shape[2]:
         raise ValueError(f"a split has a prefix: need lq < lk, got {q.shape[2]} and {k.shape[2]}")
     # every query sees the whole prefix: one part, all batch rows and queries from key 0
-    return _SplitAttention.apply(q, k, v, softmax_scale, None, None)
+    return _SplitAttention.apply(q, k, v, softmax_scale, None, None, sink)
 
 
-def split_document_attention_cpu(q, k, v, softmax_scale, own_bias, prefix_rows):
+def split_document_attention_cpu(q, k, v, softmax_scale, own_bias, prefix_rows, sink=None):
     """As ``split_causal_attention_cpu`` with packed documents: ``own_bias`` the additive
     per-document causal mask of the own block [b, 1, lq, lq]; ``prefix_rows``, per batch
     row, (rows, first_key) from ``prefix_visibility``."""
     if not q.shape[2] < k.shape[2]:
         raise ValueError(f"a split has a prefix: need lq < lk, got {q.shape[2]} and {k.shape[2]}")
-    return _SplitAttention.apply(q, k, v, softmax_scale, own_bias, tuple(prefix_rows))
+    return _SplitAttention.apply(q, k, v, softmax_scale, own_bias, tuple(prefix_rows), sink)
+
+
+def masked_attention_cpu(q, k, v, softmax_scale, sink, *, is_causal=False, attn_mask=None):
+    """One fused CPU call (``is_causal`` or ``attn_mask``, as SDPA takes them) with
+    attention sinks: what SDPA would compute plus the sink in every row's softmax."""
+    return _MaskedSinkAttention.apply(q, k, v, softmax_scale, sink, is_causal, attn_mask)
+
+
+def with_sink(out, lse, sink):
+    """``out`` [b, hq, lq, d] and ``lse`` [b, hq, lq] with the sink logits [hq] joined to
+    every row's softmax: (out', lse'), out' rounded once to ``out``'s dtype."""
+    lse_all = torch.logaddexp(lse, sink.to(lse.dtype).view(1, -1, 1))
+    weight = torch.exp(lse - lse_all).unsqueeze(-1)
+    return (out.to(lse.dtype) * weight).to(out.dtype), lse_all
+
+
+def sink_gradient(grad_out, out, lse, sink):
+    """The sinks' gradient [hq] from the output's gradient, given the output and LSE
+    with the sink joined (``with_sink``)."""
+    rows = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # rowsum(dO * O')
+    p_sink = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(rows * p_sink).sum(dim=(0, 2)).to(sink.dtype)
+
+
+class _MaskedSinkAttention(torch.autograd.Function):
+    """The fused CPU kernel with a sink: forward, then the sink joined; backward, the
+    fused backward with the joined output and LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, sink, is_causal, attn_mask):
+        out, lse = _flash_forward(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
+                                  scale=softmax_scale)[:2]
+        out, lse = with_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink, attn_mask)
+        ctx.softmax_scale, ctx.is_causal = softmax_scale, is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, sink, attn_mask = ctx.saved_tensors
+        grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
+        dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, 0.0, ctx.is_causal,
+                                     attn_mask=attn_mask, scale=ctx.softmax_scale)
+        dsink = sink_gradient(grad_out, out, lse, sink) if ctx.needs_input_grad[4] else None
+        return dq, dk, dv, None, dsink, None, None
 
 
 def prefix_visibility(document_ids, q_length):
@@ -108,7 +162,7 @@ class _SplitAttention(torch.autograd.Function):
     output and LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, own_bias, prefix_rows):
+    def forward(ctx, q, k, v, softmax_scale, own_bias, prefix_rows, sink):
         prefix = k.shape[2] - q.shape[2]
         if prefix_rows is None:  # one part, every row: the merge is the result, no copy back
             out, lse = own_and_prefix_forward(q, k[:, :, :prefix], v[:, :, :prefix],
@@ -121,21 +175,24 @@ class _SplitAttention(torch.autograd.Function):
             before = _flash_forward(q[part], k[batch, :, first:prefix], v[batch, :, first:prefix],
                                     0.0, False, scale=softmax_scale)
             out[part], lse[part] = _merge(out[part], lse[part], *before)
-        ctx.save_for_backward(q, k, v, out, lse, own_bias)
+        if sink is not None:
+            out, lse = with_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, own_bias, sink)
         ctx.softmax_scale, ctx.prefix_rows = softmax_scale, prefix_rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, own_bias = ctx.saved_tensors
+        q, k, v, out, lse, own_bias, sink = ctx.saved_tensors
         prefix = k.shape[2] - q.shape[2]
+        dsink = sink_gradient(grad_out, out, lse, sink) if ctx.needs_input_grad[6] else None
         if ctx.prefix_rows is None:  # the prefix part covers every key before the block
             dq, dk_prefix, dv_prefix, dk_own, dv_own = own_and_prefix_backward(
                 grad_out, q, k[:, :, :prefix], v[:, :, :prefix], k[:, :, prefix:],
                 v[:, :, prefix:], out, lse, ctx.softmax_scale)
             # one copy of each part into the prefix-long gradient, no zero fill
             return (dq, torch.cat([dk_prefix, dk_own], dim=2),
-                    torch.cat([dv_prefix, dv_own], dim=2), None, None, None)
+                    torch.cat([dv_prefix, dv_own], dim=2), None, None, None, dsink)
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
         dq, dk_own, dv_own = _flash_backward(
             grad_out, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, False,
@@ -150,4 +207,4 @@ class _SplitAttention(torch.autograd.Function):
                 out[part], lse[part], 0.0, False, scale=ctx.softmax_scale)
             dq[part] += dq_prefix
             dk[batch, :, first:prefix], dv[batch, :, first:prefix] = dk_prefix, dv_prefix
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, dsink

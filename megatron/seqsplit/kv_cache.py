@@ -33,7 +33,12 @@ import torch
 
 from megatron.seqsplit.attention_backends import AttentionCall
 from megatron.seqsplit.attention_exchange import UnitExchange
-from megatron.seqsplit.cpu_split_attention import own_and_prefix_backward, own_and_prefix_forward
+from megatron.seqsplit.cpu_split_attention import (
+    own_and_prefix_backward,
+    own_and_prefix_forward,
+    sink_gradient,
+    with_sink,
+)
 from megatron.seqsplit.documents import key_documents
 from megatron.seqsplit.kv_chunks import chunked_split_attention
 
@@ -261,21 +266,24 @@ class _CachedSplitAttention(torch.autograd.Function):
     Takes and returns kernel layout for the query, megatron layout for K/V."""
 
     @staticmethod
-    def forward(ctx, q, key, value, entry, offset, softmax_scale):
+    def forward(ctx, q, key, value, entry, offset, softmax_scale, sink):
         k_all, v_all = _write_and_expose(entry, key, value, offset)
         k_all, v_all = _to_bhld(k_all), _to_bhld(v_all)
         out, lse = own_and_prefix_forward(q, k_all[:, :, :offset], v_all[:, :, :offset],
                                           k_all[:, :, offset:], v_all[:, :, offset:],
                                           softmax_scale)
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        if sink is not None:  # attention sinks: one more part of the softmax, no value
+            out, lse = with_sink(out, lse, sink)
+        ctx.save_for_backward(q, k_all, v_all, out, lse, sink)
         ctx.entry, ctx.offset, ctx.end = entry, offset, offset + key.shape[0]
         ctx.softmax_scale = softmax_scale  # offset > 0: split 0's _PrefixKV frees the entry
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_all, v_all, out, lse = ctx.saved_tensors
+        q, k_all, v_all, out, lse, sink = ctx.saved_tensors
         entry, offset, end = ctx.entry, ctx.offset, ctx.end
+        dsink = sink_gradient(grad_out, out, lse, sink) if ctx.needs_input_grad[6] else None
         dq, dk_prefix, dv_prefix, dk_own, dv_own = own_and_prefix_backward(
             grad_out, q, k_all[:, :, :offset], v_all[:, :, :offset], k_all[:, :, offset:],
             v_all[:, :, offset:], out, lse, ctx.softmax_scale)
@@ -283,7 +291,7 @@ class _CachedSplitAttention(torch.autograd.Function):
                                                entry.grad_key, offset, end)
         gv, entry.grad_value = _split_grad_parts(_from_bhld(dv_prefix), _from_bhld(dv_own),
                                                  entry.grad_value, offset, end)
-        return dq, gk, gv, None, None, None
+        return dq, gk, gv, None, None, None, dsink
 
 
 from megatron.seqsplit.names import KV_CACHE_LAYOUTS  # noqa: E402,F401 - re-exported
@@ -291,7 +299,7 @@ from megatron.seqsplit.names import KV_CACHE_LAYOUTS  # noqa: E402,F401 - re-exp
 
 def split_causal_attention(
     query, key, value, *, split, store, layer_key, backend, softmax_scale, dropout_p=0.0,
-    kv_cache="buffer", window=None,
+    kv_cache="buffer", window=None, sink=None,
 ):
     """Causal attention of one split over its microbatch's cached prefix.
 
@@ -304,11 +312,14 @@ def split_causal_attention(
     its prefix) or "chunked" (`kv_chunks`: per-split chunks merged by log-sum-exp).
     `window`: sliding-window attention, each query seeing at most `window` keys before it
     (buffer cache only; the cache still holds the whole prefix).
+    `sink` [hq]: attention sinks' logits (``softmax_type`` off-by-one / learnable), or None.
     """
-    if window is not None and kv_cache == "chunked" and split is not None and (
-            split.num_splits > 1):
-        raise ValueError("sliding-window attention (--window-size) is not supported with "
-                         "--seq1f1b-kv-cache chunked; use the buffer cache")
+    if kv_cache == "chunked" and split is not None and split.num_splits > 1:
+        for flag, given in (("sliding-window attention (--window-size)", window is not None),
+                            ("attention sinks (--softmax-type)", sink is not None)):
+            if given:
+                raise ValueError(f"{flag} is not supported with --seq1f1b-kv-cache chunked; "
+                                 "use the buffer cache")
     if split is None or split.num_splits == 1:
         k_all, v_all = key, value
     elif kv_cache == "chunked":
@@ -334,7 +345,7 @@ def split_causal_attention(
                 and key_documents(split, split.offset + split.length, query.device) is None
                 and _runs_split_kernel_cpu(backend, query, key, dropout_p, window)):
             out = _CachedSplitAttention.apply(_to_bhld(query), key, value, entry, split.offset,
-                                              softmax_scale)
+                                              softmax_scale, sink)
             store.release_after_last_forward(entry_id, split, tracked)
             return _from_bhld(out).contiguous()
         if tracked:
@@ -351,9 +362,11 @@ def split_causal_attention(
         # added to V give zero output columns and the same other columns, so the output
         # is cut back to v_dim; only this call's V copy is padded, not the cache
         v_all = torch.nn.functional.pad(v_all, (0, key.shape[-1] - v_dim))
-    windowed = {} if window is None else {"window": window}
+    # only what is set: any attention callable serves plain causal attention
+    extra = {name: value for name, value in (("window", window), ("sink", sink))
+             if value is not None}
     out = backend(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
-        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents, **windowed,
+        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents, **extra,
     )
     return _from_bhld(out[..., :v_dim]).contiguous()

@@ -40,14 +40,20 @@ class RecomputedAttentionKernel:
         # the KV cache's fused CPU node would run the kernel outside this checkpoint
         return False
 
-    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None):
-        def kernel(q_, k_, v_, document_ids_):
+    def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
+                 window=None, sink=None):
+        extra = {"window": window} if window is not None else {}
+
+        def kernel(q_, k_, v_, document_ids_, sink_):
+            if sink_ is not None:
+                extra["sink"] = sink_
             return self.backend(q_, k_, v_, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                                document_ids=document_ids_)
+                                document_ids=document_ids_, **extra)
 
         if not any(t.requires_grad for t in (q, k, v)):  # evaluation: nothing to save
-            return kernel(q, k, v, document_ids)
-        return tensor_parallel.checkpoint(kernel, False, q, k, v, document_ids)
+            return kernel(q, k, v, document_ids, sink)
+        # the sinks are an input, so their gradient leaves the checkpoint
+        return tensor_parallel.checkpoint(kernel, False, q, k, v, document_ids, sink)
 
     def __repr__(self):
         return f"RecomputedAttentionKernel({self.backend!r})"

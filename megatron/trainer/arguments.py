@@ -15,7 +15,7 @@ from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
-from megatron.trainer.window_arguments import add_window_arguments, check_window_args
+from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
@@ -143,7 +143,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="the Llama-3.x RoPE scaling factor of --use-rope-scaling")
     add_rope_scaling_arguments(g)
-    add_window_arguments(g)
+    add_attention_arguments(g)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--squared-relu", action="store_true",
                    help="squared ReLU activation in the MLP instead of GeLU (not with --swiglu)")
@@ -607,7 +607,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: problems.extend(check_mla_args(args)),
         lambda: problems.extend(check_rope_scaling_args(args)),
-        lambda: problems.extend(check_window_args(args)),
+        lambda: problems.extend(check_attention_args(args)),
         lambda: _validate_slimpipe(args),
         lambda: _check_rampup_layouts(args),
     )

@@ -13,7 +13,7 @@ from megatron.trainer import device
 from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
 from megatron.trainer.rope_arguments import yarn_config_attributes
-from megatron.trainer.window_arguments import window_config_fields
+from megatron.trainer.attention_arguments import attention_config_fields
 from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
 
 
@@ -91,7 +91,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         init_method_std=args.init_method_std,
         embedding_init_method_std=getattr(args, "embedding_init_method_std", None),
         no_rope_freq=getattr(args, "no_rope_freq", None),
-        **window_config_fields(args),
+        **attention_config_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,

@@ -1,4 +1,5 @@
-"""Sliding-window attention flags with Megatron-LM 0.19's names, types and meanings.
+"""Sliding-window attention and attention sinks: Megatron-LM 0.19's flags, types and
+meanings (gpt-oss uses both; Gemma and Mistral the windows).
 
 ``--window-size LEFT,RIGHT`` is megatron-core's ``window_size``: each query sees the
 LEFT keys before it and itself (RIGHT keys after it, which causal attention here
@@ -6,7 +7,13 @@ requires to be 0; LEFT -1: unlimited). ``--window-attn-skip-freq`` picks the lay
 keep full attention: N (every N-th layer, as gpt-oss and Gemma alternate) or a 0/1
 pattern per layer (1: sliding window). The kernels are in ``megatron.seqsplit``: every
 split attends to at most LEFT keys of its cached prefix per query, exact against the
-unsplit window (docs/megatron_lm.md)."""
+unsplit window (docs/megatron_lm.md).
+
+``--softmax-type`` is megatron-core's: ``vanilla`` (plain softmax), ``off-by-one`` (a zero
+logit per head joins every query's softmax, with no value) or ``learnable`` (that logit a
+parameter per head, gpt-oss's attention sinks). The sinks run on the CPU kernels here
+(``megatron.seqsplit.cpu_split_attention``); the CUDA kernels used here (flash-attn 2,
+SDPA, FlexAttention) have none, so a CUDA run with sinks stops before work."""
 
 from megatron.trainer.moe_arguments import layer_pattern
 
@@ -23,8 +30,15 @@ def window_skip_freq_type(text):
     return layer_pattern(text, "a sliding-window layer")
 
 
-def add_window_arguments(group):
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def add_attention_arguments(group):
     """Into the model group, beside the attention flags."""
+    group.add_argument("--softmax-type", choices=SOFTMAX_TYPES, default="vanilla",
+                       help="attention softmax: vanilla; off-by-one (a zero logit per head in "
+                            "every softmax, no value); learnable (that logit learnt per head: "
+                            "gpt-oss's attention sinks; CPU kernels only here)")
     group.add_argument("--window-size", type=window_size_type, default=None,
                        help="sliding-window attention: LEFT,0 lets each query see the LEFT "
                             "keys before it and itself (megatron-core's window_size)")
@@ -34,9 +48,34 @@ def add_window_arguments(group):
                             "window), one entry per layer")
 
 
-def check_window_args(args):
+def check_attention_args(args):
     """The combinations that cannot run exactly here stop before any work, one line each;
     returns the problems."""
+    return _window_problems(args) + _sink_problems(args)
+
+
+def _sink_problems(args):
+    kind = args.softmax_type
+    if kind == "vanilla":
+        return []
+    flag = f"--softmax-type {kind}"
+    problems = []
+    if getattr(args, "device", None) == "cuda":
+        problems.append(f"{flag}: attention sinks run on the CPU kernels only here (flash-attn "
+                        "2, SDPA and FlexAttention on CUDA have none); use Megatron-LM with "
+                        "Transformer Engine for a GPU run")
+    if args.attention_dropout > 0:
+        problems.append(f"{flag} needs --attention-dropout 0 (the kernel with sinks has no "
+                        f"dropout; got {args.attention_dropout})")
+    for other, given in (("--multi-latent-attention", args.multi_latent_attention),
+                         ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
+                         ("--attention-backend flex", args.attention_backend == "flex")):
+        if given:
+            problems.append(f"{flag} is not supported with {other} yet: drop one of them")
+    return problems
+
+
+def _window_problems(args):
     size, skip = args.window_size, args.window_attn_skip_freq
     if size is None:
         if skip is not None:
@@ -66,6 +105,7 @@ def check_window_args(args):
     return problems
 
 
-def window_config_fields(args) -> dict:
-    """TransformerConfig's window_size and window_attn_skip_freq."""
-    return {"window_size": args.window_size, "window_attn_skip_freq": args.window_attn_skip_freq}
+def attention_config_fields(args) -> dict:
+    """TransformerConfig's window_size, window_attn_skip_freq and softmax_type."""
+    return {"window_size": args.window_size, "window_attn_skip_freq": args.window_attn_skip_freq,
+            "softmax_type": args.softmax_type}
