@@ -47,7 +47,10 @@ def reference(q, k, v, sink, scale, window=None, tokens=None):
 
 def make_backend(name):
     """A backend by name; "recomputed": selective recomputation's checkpointed kernel
-    (--recompute-activations), the sinks an input of its checkpoint."""
+    (--recompute-activations), the sinks an input of its checkpoint; "chunked": the chunked
+    KV cache's kernel (sdpa serves its unsplit calls)."""
+    if name == "chunked":
+        return get_backend("sdpa")
     if name == "recomputed":
         from megatron import cpu_support
         from megatron.seqsplit.recompute import RecomputedAttentionKernel
@@ -66,9 +69,11 @@ TOKENS = torch.tensor([[5, 7, EOD, 3, 3, 9, 4, EOD, 6, 2, 8, 1, 5, 5, 7, 3, EOD,
 @pytest.mark.parametrize("case", ["causal", "window", "documents"])
 @pytest.mark.parametrize("lengths", [[24], [8, 8, 8], [5, 11, 8], [12, 12]])
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
-@pytest.mark.parametrize("backend_name", ["sdpa", "auto", "recomputed"])
+@pytest.mark.parametrize("backend_name", ["sdpa", "auto", "recomputed", "chunked"])
 def test_split_attention_with_sinks_matches_the_definition(case, lengths, heads, groups,
                                                            backend_name):
+    if backend_name == "chunked" and case == "documents":
+        pytest.skip("sinks with packed documents are not in the chunked kernel (refused)")
     torch.manual_seed(0)
     L, b, d, scale = sum(lengths), 2, 8, 8 ** -0.5
     q = torch.randn(L, b, heads, d, dtype=torch.float64, requires_grad=True)
@@ -92,9 +97,10 @@ def test_split_attention_with_sinks_matches_the_definition(case, lengths, heads,
                        None if ids is None else ids[:, :offset + length]))
         if split is None and ids is not None:  # unsplit with documents: one whole split
             split = Split(0, 0, 1, 0, L, L, ids)
-        outputs.append(split_causal_attention(*part, split=split, store=store, layer_key=1,
-                                              backend=backend, softmax_scale=scale,
-                                              window=window, sink=split_sink))
+        outputs.append(split_causal_attention(
+            *part, split=split, store=store, layer_key=1, backend=backend, softmax_scale=scale,
+            window=window, sink=split_sink,
+            kv_cache="chunked" if backend_name == "chunked" else "buffer"))
         leaves.append(part)
         offset += length
     torch.testing.assert_close(torch.cat(outputs), expected, rtol=0, atol=1e-10)
@@ -130,7 +136,7 @@ def test_a_sink_changes_attention():
     assert not torch.allclose(with_sink, without)
 
 
-@pytest.mark.parametrize("what", ["dropout", "flex", "chunked"])
+@pytest.mark.parametrize("what", ["dropout", "flex", "chunked documents"])
 def test_routes_without_sinks_stop_with_the_reason(what):
     q = torch.randn(1, 2, 4, 8)
     sink = torch.zeros(2)
@@ -142,8 +148,12 @@ def test_routes_without_sinks_stop_with_the_reason(what):
             get_backend("flex")(q, q, q, softmax_scale=0.3, sink=sink)
     else:
         x = torch.randn(4, 1, 2, 8)
-        with pytest.raises(ValueError, match="chunked"):
-            split_causal_attention(x, x, x, split=Split(0, 1, 2, 4, 4, 8), store=KVCacheStore(),
+        store, ids = KVCacheStore(), document_ids(TOKENS[:1, :8], EOD)
+        split_causal_attention(x, x, x, split=Split(0, 0, 2, 0, 4, 8, ids[:, :4]), store=store,
+                               layer_key=1, backend=get_backend("sdpa"), softmax_scale=0.3,
+                               kv_cache="chunked")
+        with pytest.raises(ValueError, match="packed documents"):
+            split_causal_attention(x, x, x, split=Split(0, 1, 2, 4, 4, 8, ids), store=store,
                                    layer_key=1, backend=get_backend("sdpa"), softmax_scale=0.3,
                                    kv_cache="chunked", sink=sink)
 
@@ -194,11 +204,12 @@ def test_megatron_lm_default_is_vanilla():
 
 
 @pytest.mark.parametrize("flags, cuda, message", [
-    (["--softmax-type", "learnable"], True, "CPU kernels only"),
+    (["--softmax-type", "learnable", "--seq1f1b-splits", "2"], True,
+     "on CUDA needs --seq1f1b-kv-cache chunked"),
     (["--softmax-type", "off-by-one", "--attention-dropout", "0.1"], False,
      "--attention-dropout 0"),
-    (["--softmax-type", "learnable", "--seq1f1b-kv-cache", "chunked"], False,
-     "--seq1f1b-kv-cache chunked"),
+    (["--softmax-type", "learnable", "--seq1f1b-kv-cache", "chunked", "--reset-attention-mask"],
+     False, "--reset-attention-mask on CUDA or with the chunked KV cache"),
     (["--softmax-type", "learnable", "--attention-backend", "flex"], False,
      "--attention-backend flex"),
 ])
@@ -208,3 +219,52 @@ def test_softmax_type_stops_where_there_are_no_sinks(flags, cuda, message):
     with pytest.raises(ArgumentErrors) as error:
         parsed(*flags, cuda=cuda)
     assert message in "\n".join(error.value.problems)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--softmax-type", "learnable"],  # no splits: the unsplit kernel has the sinks
+    ["--softmax-type", "learnable", "--seq1f1b-splits", "2", "--seq1f1b-kv-cache", "chunked"],
+])
+def test_softmax_type_runs_on_cuda_where_a_kernel_has_sinks(flags):
+    assert parsed(*flags, cuda=True).softmax_type == "learnable"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 9])
+def test_sinks_on_cuda_bf16(window):
+    """bf16 on CUDA: splits through the chunked cache's kernel and the unsplit call through
+    the same kernel over one chunk, against the float64 CPU definition (not run yet: no
+    GPU where this was written)."""
+    torch.manual_seed(0)
+    lengths, heads, groups, d, scale = [16, 8, 16], 4, 2, 64, 0.125
+    L = sum(lengths)
+    q = torch.randn(L, 1, heads, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(L, 1, groups, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(L, 1, groups, d, dtype=torch.float64, requires_grad=True)
+    sink = torch.randn(heads, dtype=torch.float64, requires_grad=True)
+    expected = reference(q, k, v, sink, scale, window)
+    grad_out = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, (q, k, v, sink), grad_out)
+    for split_lengths in ([L], lengths):
+        store, leaves, outputs, offset = KVCacheStore(), [], [], 0
+        cuda_sink = sink.detach().to("cuda", torch.bfloat16).requires_grad_()
+        for j, length in enumerate(split_lengths):
+            part = [t[offset:offset + length].detach().to("cuda", torch.bfloat16)
+                    .requires_grad_() for t in (q, k, v)]
+            split = (None if len(split_lengths) == 1
+                     else Split(0, j, len(split_lengths), offset, length, L))
+            outputs.append(split_causal_attention(
+                *part, split=split, store=store, layer_key=1, backend=get_backend("auto"),
+                softmax_scale=scale, window=window, sink=cuda_sink, kv_cache="chunked"))
+            leaves.append(part)
+            offset += length
+        torch.testing.assert_close(torch.cat(outputs).double().cpu(), expected.detach(),
+                                   rtol=0, atol=2e-2)
+        starts = [sum(split_lengths[:j]) for j in range(len(split_lengths))]
+        for j in reversed(range(len(split_lengths))):
+            outputs[j].backward(grad_out[starts[j]:starts[j] + split_lengths[j]]
+                                .to("cuda", torch.bfloat16))
+        for i, name in enumerate("qkv"):
+            got = torch.cat([leaf[i].grad for leaf in leaves]).double().cpu()
+            torch.testing.assert_close(got, want[i], rtol=0, atol=8e-2, msg=name)
+        torch.testing.assert_close(cuda_sink.grad.double().cpu(), want[3], rtol=0, atol=0.5)

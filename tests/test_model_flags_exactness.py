@@ -99,7 +99,8 @@ _RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200
 # recipe -> (split count, extra flags of the split run)
 RECIPE_CASES = {"qwen3": (4, []), "qwen2.5": (3, ["--seq1f1b-kv-cache", "chunked"]),
                 "llama3.1": (2, []), "qwen3-yarn": (3, []), "qwen3-swa": (4, []),
-                "qwen3-swa-sinks": (3, [])}
+                # the chunked cache's kernel here; the TP=2 run below, the buffer's
+                "qwen3-swa-sinks": (3, ["--seq1f1b-kv-cache", "chunked"])}
 ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",

@@ -73,6 +73,8 @@ def emulated_flash(q, k, v, *, dropout_p, softmax_scale, causal, window_size=(-1
 def make_backend(name):
     if name == "flash_emulated":
         return FlashAttnBackend(kernels=(emulated_flash, None))
+    if name == "chunked":  # the chunked KV cache's own kernel; sdpa serves unsplit calls
+        return get_backend("sdpa")
     if name == "recomputed":  # --recompute-activations: the kernel checkpointed
         from megatron import cpu_support
         from megatron.seqsplit.recompute import RecomputedAttentionKernel
@@ -82,7 +84,8 @@ def make_backend(name):
     return get_backend(name)
 
 
-BACKENDS = available_backends("cpu", torch.float64) + ["auto", "flash_emulated", "recomputed"]
+BACKENDS = available_backends("cpu", torch.float64) + ["auto", "flash_emulated", "recomputed",
+                                                        "chunked"]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -111,7 +114,7 @@ def test_split_window_attention_matches_unsplit(backend_name, lengths, window, h
         split = Split(0, j, len(lengths), offset, length, L)
         outputs.append(split_causal_attention(*part, split=split, store=store, layer_key=1,
                                               backend=backend, softmax_scale=scale,
-                                              window=window))
+                                              window=window, kv_cache=kv_cache_of(backend_name)))
         leaves.append(part)
         offset += length
     torch.testing.assert_close(torch.cat(outputs), expected, rtol=0, atol=1e-10)
@@ -161,13 +164,37 @@ def test_layer_window_follows_megatron_cores_skip_rule():
         layer_window(_Config((7, 3)), 1)
 
 
-def test_chunked_cache_refuses_a_window():
-    q = torch.randn(4, 1, 2, 8)
-    split = Split(0, 1, 2, 4, 4, 8)
-    with pytest.raises(ValueError, match="chunked"):
-        split_causal_attention(q, q, q, split=split, store=KVCacheStore(), layer_key=1,
-                               backend=get_backend("sdpa"), softmax_scale=0.3,
-                               kv_cache="chunked", window=3)
+def kv_cache_of(backend_name):
+    return "chunked" if backend_name == "chunked" else "buffer"
+
+
+@pytest.mark.parametrize("window", [0, 3, 9, 50])
+@pytest.mark.parametrize("sink", [False, True])
+def test_whole_sequence_kernel_with_window_and_sinks(window, sink):
+    """The chunked kernel over one chunk (what an unsplit call with sinks runs on CUDA)."""
+    from megatron.seqsplit.kv_chunks import whole_sequence_attention
+    from test_attention_sinks import reference as sink_reference
+
+    torch.manual_seed(2)
+    L, heads, groups, d, scale = 20, 4, 2, 8, 0.3
+    q = torch.randn(L, 1, heads, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(L, 1, groups, d, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    logits = torch.randn(heads, dtype=torch.float64, requires_grad=True) if sink else None
+    expected = (sink_reference(q, k, v, logits, scale, window) if sink
+                else reference(q, k, v, window, scale))
+    grad_out = torch.randn_like(expected)
+    leaves = [q, k, v] + ([logits] if sink else [])
+    want = torch.autograd.grad(expected, leaves, grad_out)
+
+    def bhld(x):
+        return x.permute(1, 2, 0, 3)
+
+    got = whole_sequence_attention(bhld(q), bhld(k), bhld(v), softmax_scale=scale,
+                                   window=window, sink=logits).permute(2, 0, 1, 3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    for name, g, w in zip("qkvs", torch.autograd.grad(got, leaves, grad_out), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10, msg=name)
 
 
 # --- the flags ------------------------------------------------------------------------
@@ -215,7 +242,8 @@ def test_window_flags_reach_the_config_as_in_megatron_lm(flags, size, skip):
     (["--window-size=-3,0"], ">= 0"),
     (["--window-size", "8,0", "--window-attn-skip-freq", "[1,0]"], "gives 2 layers"),
     (["--window-size", "8,0", "--window-attn-skip-freq", "0"], ">= 1"),
-    (["--window-size", "8,0", "--seq1f1b-kv-cache", "chunked"], "--seq1f1b-kv-cache chunked"),
+    (["--window-size", "8,0", "--seq1f1b-kv-cache", "chunked", "--pipeline-schedule",
+      "slimpipe", "--slimpipe-attention-balance"], "--slimpipe-attention-balance"),
     (["--window-size", "8,0", "--reset-attention-mask"], "--reset-attention-mask"),
 ])
 def test_window_flags_stop_before_work(flags, message):
@@ -281,7 +309,7 @@ def test_model_shape_reads_the_window_flags_as_megatron_core():
 # --- CUDA (skipped here; run by `bash tools/gpu_checks.sh tests`) -------------------------
 
 def _cuda_backends():
-    names = ["sdpa", "auto"]
+    names = ["sdpa", "auto", "chunked"]
     if torch.cuda.is_available():
         names += [name for name in available_backends("cuda", torch.bfloat16) if name != "sdpa"]
     return names
@@ -290,9 +318,10 @@ def _cuda_backends():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend_name", _cuda_backends())
 def test_split_window_attention_cuda_bf16(backend_name):
-    """bf16 on CUDA, split by split with the buffer KV cache, against the float64 CPU
-    definition: SDPA's masked kernel, flash-attn's window_size and FlexAttention's block
-    mask, each where installed (not run yet: no GPU where this was written)."""
+    """bf16 on CUDA, split by split, against the float64 CPU definition: with the buffer
+    KV cache SDPA's masked kernel, flash-attn's window_size and FlexAttention's block mask,
+    each where installed; the chunked cache's kernel (not run yet: no GPU where this was
+    written)."""
     torch.manual_seed(0)
     lengths, window, heads, groups, d, scale = [40, 24, 32, 32], 37, 4, 2, 64, 0.125
     L, b = sum(lengths), 1
@@ -302,14 +331,15 @@ def test_split_window_attention_cuda_bf16(backend_name):
     expected = reference(q, k, v, window, scale)
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
-    store, backend = KVCacheStore(), get_backend(backend_name)
+    store, backend = KVCacheStore(), make_backend(backend_name)
     leaves, outputs, offset = [], [], 0
     for j, length in enumerate(lengths):
         part = [t[offset:offset + length].detach().to("cuda", torch.bfloat16).requires_grad_()
                 for t in (q, k, v)]
         outputs.append(split_causal_attention(
             *part, split=Split(0, j, len(lengths), offset, length, L), store=store,
-            layer_key=1, backend=backend, softmax_scale=scale, window=window))
+            layer_key=1, backend=backend, softmax_scale=scale, window=window,
+            kv_cache=kv_cache_of(backend_name)))
         leaves.append(part)
         offset += length
     torch.testing.assert_close(torch.cat(outputs).double().cpu(), expected.detach(),

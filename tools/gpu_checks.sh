@@ -29,7 +29,8 @@
 #   tests    the CUDA tests, bf16: split attention with the KV cache on SDPA, flash-attn
 #            (if installed) and the chunked cache (#3 point 10), packed-document attention
 #            on SDPA / FlexAttention / chunked and the flash-attn varlen kernel (#7 point
-#            5), sliding-window attention on every CUDA route, and #22's: packed documents + GQA keep no lq x lk tensor on any route,
+#            5), sliding-window attention on every CUDA route, attention sinks
+#            through the chunked kernel, and #22's: packed documents + GQA keep no lq x lk tensor on any route,
 #            the document mask uncopied by layers, the chunked kernel's bf16 accuracy and
 #            no host sync in it (tests/test_gpu_readiness_cuda.py); a few minutes
 #   multirank  #22 acceptance 3: multi-rank tests on this GPU machine run on gloo/CPU
@@ -254,6 +255,7 @@ phase_tests() {
         "tests/test_document_attention.py::test_document_attention_cuda_bf16" \
         "tests/test_document_attention.py::test_flash_varlen_kernel_matches_sdpa_bf16" \
         "tests/test_sliding_window.py::test_split_window_attention_cuda_bf16" \
+        "tests/test_attention_sinks.py::test_sinks_on_cuda_bf16" \
         tests/test_gpu_readiness_cuda.py tests/test_gpu_readiness_suite.py
 }
 

@@ -76,9 +76,6 @@ class SplitCausalAttention(MegatronModule):
                          parallel_state.get_tensor_model_parallel_group(check_initialized=False))
         self._make_softmax_offset(config)
         self.window = layer_window(config, layer_number)
-        if self.window is not None and kv_cache == "chunked":
-            raise ValueError("sliding-window attention (--window-size) is not supported with "
-                             "--seq1f1b-kv-cache chunked; use the buffer cache")
         if self.dropout_p > 0.0 and not self.backend.supports_dropout:
             raise ValueError(
                 f"attention backend {self.backend.name!r} has no attention dropout; "

@@ -40,7 +40,7 @@ from megatron.seqsplit.cpu_split_attention import (
     with_sink,
 )
 from megatron.seqsplit.documents import key_documents
-from megatron.seqsplit.kv_chunks import chunked_split_attention
+from megatron.seqsplit.kv_chunks import chunked_split_attention, whole_sequence_attention
 
 
 def storage_id(tensor: torch.Tensor) -> int:
@@ -311,23 +311,31 @@ def split_causal_attention(
     `kv_cache`: "buffer" (this module: one buffer grown split by split, `backend` attends over
     its prefix) or "chunked" (`kv_chunks`: per-split chunks merged by log-sum-exp).
     `window`: sliding-window attention, each query seeing at most `window` keys before it
-    (buffer cache only; the cache still holds the whole prefix).
+    (the caches still hold the whole prefix).
     `sink` [hq]: attention sinks' logits (``softmax_type`` off-by-one / learnable), or None.
+    On CUDA no backend has sinks: there a split with sinks needs the chunked cache, and
+    an unsplit call runs the chunked kernel over its one chunk.
     """
-    if kv_cache == "chunked" and split is not None and split.num_splits > 1:
-        for flag, given in (("sliding-window attention (--window-size)", window is not None),
-                            ("attention sinks (--softmax-type)", sink is not None)):
-            if given:
-                raise ValueError(f"{flag} is not supported with --seq1f1b-kv-cache chunked; "
-                                 "use the buffer cache")
     if split is None or split.num_splits == 1:
+        if sink is not None and query.device.type == "cuda":
+            if dropout_p > 0.0:
+                raise ValueError("attention sinks have no attention dropout here: set "
+                                 "--attention-dropout 0")
+            if key_documents(split, key.shape[0], query.device) is not None:
+                raise ValueError("attention sinks with packed documents on CUDA are not "
+                                 "supported yet")
+            out = whole_sequence_attention(_to_bhld(query), _to_bhld(key), _to_bhld(value),
+                                           softmax_scale=softmax_scale, window=window,
+                                           sink=sink)
+            return _from_bhld(out).contiguous()
         k_all, v_all = key, value
     elif kv_cache == "chunked":
         if dropout_p > 0.0:
             raise ValueError("the chunked KV cache has no attention dropout: set "
                              "--attention-dropout 0 or use --seq1f1b-kv-cache buffer")
         return chunked_split_attention(query, key, value, split=split, store=store,
-                                       layer_key=layer_key, softmax_scale=softmax_scale)
+                                       layer_key=layer_key, softmax_scale=softmax_scale,
+                                       window=window, sink=sink)
     elif kv_cache != "buffer":
         raise ValueError(f"unknown KV-cache layout {kv_cache!r}; use one of {KV_CACHE_LAYOUTS}")
     else:

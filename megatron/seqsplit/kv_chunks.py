@@ -24,6 +24,12 @@ per chunk, which returns each partial's LSE; backward (and every path with packe
 documents) is plain PyTorch matmuls over the chunks, since only a flash-attn backward
 taking an external LSE is private. So on GPU the backward trades speed for the chunked
 layout. No attention dropout.
+
+Sliding windows (``window``) skip the chunks before a query block's windows and mask the
+rest in the kernel; attention sinks (``sink``) join the merged softmax as
+`cpu_split_attention.with_sink` does, so the backward over the chunks, given the joined
+output and LSE, stays exact. ``whole_sequence_attention`` runs the same kernel over one
+chunk for unsplit calls that need it (sinks on CUDA).
 """
 
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ from functools import partial
 import torch
 
 from megatron.seqsplit import attention_exchange
+from megatron.seqsplit.cpu_split_attention import sink_gradient, with_sink
 from megatron.seqsplit.documents import key_documents
 from megatron.seqsplit.lse_attention import (
     DEFAULT_MAX_BLOCK_ELEMENTS,
@@ -146,17 +153,18 @@ class _ChunkedSplitAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, entry, split_index, softmax_scale, documents,
-                on_first_split_done, max_block_elements, store):
+                on_first_split_done, max_block_elements, store, window, sink):
         keys, values = _store_own(entry, split_index, key, value)
-        ctx.kwargs = dict(softmax_scale=softmax_scale, document_ids=documents,
-                          max_block_elements=max_block_elements)
+        ctx.kwargs = _kernel_kwargs(softmax_scale, documents, max_block_elements, window)
         out, lse = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
                            keys, values, ctx.kwargs)
+        if sink is not None:  # one more part of the softmax, with no value
+            out, lse = with_sink(out, lse, sink)
         # saved and returned in Megatron's [l, b, h, d] layout: the output projection keeps
         # this same storage, not a second copy. The query is copied so a view of the fused
         # QKV output does not keep K and V alive twice (they are in the chunks)
         out = out.permute(2, 0, 1, 3).contiguous()
-        ctx.save_for_backward(query.contiguous(), out, lse)
+        ctx.save_for_backward(query.contiguous(), out, lse, sink)
         ctx.entry, ctx.split_index, ctx.chunks = entry, split_index, (keys, values)
         ctx.unit_exchange = store.unit_exchange  # at backward time: the backward unit's
         ctx.on_first_split_done = on_first_split_done
@@ -165,10 +173,12 @@ class _ChunkedSplitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, out, lse = ctx.saved_tensors
+        query, out, lse, sink = ctx.saved_tensors
         keys, values = ctx.chunks
         entry, j = ctx.entry, ctx.split_index
         bhld = (1, 2, 0, 3)  # [l, b, h, d] -> the kernel's [b, h, l, d]
+        dsink = (sink_gradient(grad_out.permute(bhld), out.permute(bhld), lse, sink)
+                 if ctx.needs_input_grad[11] else None)
         dq, dks, dvs = _attend_backward(ctx.unit_exchange.current(False),
                                         grad_out.permute(bhld), query.permute(bhld),
                                         out.permute(bhld), lse, keys, values, ctx.kwargs)
@@ -185,11 +195,48 @@ class _ChunkedSplitAttention(torch.autograd.Function):
             return x.permute(2, 0, 1, 3).to(ctx.kv_dtype)
 
         return (dq.permute(2, 0, 1, 3), megatron_layout(dk), megatron_layout(dv),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, dsink)
+
+
+def _kernel_kwargs(softmax_scale, documents, max_block_elements, window):
+    kwargs = dict(softmax_scale=softmax_scale, document_ids=documents,
+                  max_block_elements=max_block_elements)
+    if window is not None:  # only when set: the attention exchange's kernels take none
+        kwargs["window"] = window
+    return kwargs
+
+
+class _WholeSequenceAttention(torch.autograd.Function):
+    """``lse_attention`` over one chunk (the queries are the last of the keys), with
+    sliding windows and sinks: kernel layout [b, h, l, d] in and out."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, window, sink):
+        ctx.kwargs = _kernel_kwargs(softmax_scale, None, DEFAULT_MAX_BLOCK_ELEMENTS, window)
+        out, lse = lse_attention_forward(q, [k], [v], **ctx.kwargs)
+        if sink is not None:
+            out, lse = with_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, (dk,), (dv,) = lse_attention_backward(grad_out, q, out, lse, [k], [v],
+                                                  **ctx.kwargs)
+        dsink = sink_gradient(grad_out, out, lse, sink) if ctx.needs_input_grad[5] else None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, dsink
+
+
+def whole_sequence_attention(q, k, v, *, softmax_scale, window=None, sink=None):
+    """Causal attention of q [b, hq, l, d] over k/v [b, g, l, d] through the chunked
+    kernel (exact on every device), with a sliding ``window`` and attention ``sink``."""
+    return _WholeSequenceAttention.apply(q, k, v, softmax_scale, window, sink)
 
 
 def chunked_split_attention(query, key, value, *, split, store, layer_key, softmax_scale,
-                            max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS):
+                            max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS, window=None,
+                            sink=None):
     """Split attention over the microbatch's K/V chunks; same contract as
     `kv_cache.split_causal_attention` (query [l, b, hq, d], key/value [l, b, g, d],
     returns [l, b, hq, d]) for a split with `num_splits > 1`. `store`: a
@@ -202,18 +249,24 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
     entry_id = (split.microbatch_id, layer_key)
     entry = _entry(store, entry_id, split)
     documents = key_documents(split, split.offset + split.length, query.device)
+    if (window is not None or sink is not None) and (
+            documents is not None or store.unit_exchange.current(True) is not None):
+        raise ValueError("sliding windows and attention sinks in the chunked KV cache: not "
+                         "with packed documents or SlimPipe's attention exchange yet")
     tracked = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value))
+        t.requires_grad for t in (query, key, value, *([sink] if sink is not None else [])))
     if tracked:
         release = partial(store.release, entry_id)
         out = _ChunkedSplitAttention.apply(
             query, key, value, entry, split.split_index, softmax_scale, documents, release,
-            max_block_elements, store)
+            max_block_elements, store, window, sink)
     else:
         keys, values = _store_own(entry, split.split_index, key, value)
-        out, _ = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
-                         keys, values, dict(softmax_scale=softmax_scale, document_ids=documents,
-                                            max_block_elements=max_block_elements))
+        out, lse = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
+                           keys, values, _kernel_kwargs(softmax_scale, documents,
+                                                        max_block_elements, window))
+        if sink is not None:
+            out, _ = with_sink(out, lse, sink)
         out = out.permute(2, 0, 1, 3).contiguous()
     store.release_after_last_forward(entry_id, split, tracked)
     return out  # [l, b, hq, d]

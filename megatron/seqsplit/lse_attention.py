@@ -47,19 +47,26 @@ def _query_blocks(q, chunk_lengths, max_block_elements):
     return [(i, min(i + rows, lq)) for i in range(0, lq, rows)]
 
 
-def _allowed(q_first, n, start, length, document_ids, device):
-    """Visibility of keys [start, start+length) for queries at positions q_first..+n.
+def _allowed(q_first, n, start, length, document_ids, device, window=None):
+    """Visibility of keys [start, start+length) for queries at positions q_first..+n
+    (with ``window``, each query sees at most ``window`` keys before itself).
 
     Returns None (everything visible), False (nothing visible) or a bool tensor
     broadcastable to the scores [b, g, r, n, length].
     """
     if start > q_first + n - 1:
         return False
-    if start + length - 1 <= q_first and document_ids is None:
+    if window is not None and start + length - 1 < q_first - window:
+        return False  # before the earliest query's window
+    in_window = window is None or start >= q_first + n - 1 - window
+    if start + length - 1 <= q_first and document_ids is None and in_window:
         return None
     q_pos = torch.arange(q_first, q_first + n, device=device)
     k_pos = torch.arange(start, start + length, device=device)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None, None, None]  # [1, 1, 1, n, l]
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] >= q_pos[:, None] - window
+    allowed = visible[None, None, None]  # [1, 1, 1, n, l]
     if document_ids is not None:
         docs_q = document_ids[:, q_first:q_first + n]
         docs_k = document_ids[:, start:start + length]
@@ -256,12 +263,12 @@ def _flash_partial(flash, q, chunks, causal_flags, softmax_scale):
 
 def lse_attention_forward(q, keys, values, *, softmax_scale, document_ids=None,
                           query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS,
-                          flash_forward=AUTO):
+                          flash_forward=AUTO, window=None):
     """(out [b, hq, lq, d] in q's dtype, lse [b, hq, lq] in the statistics dtype)."""
     out, lse = lse_attention_partial(q, keys, values, softmax_scale=softmax_scale,
                                      document_ids=document_ids, query_start=query_start,
                                      max_block_elements=max_block_elements,
-                                     flash_forward=flash_forward)
+                                     flash_forward=flash_forward, window=window)
     return out.to(q.dtype), lse
 
 
@@ -276,7 +283,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
                           query_start=None, max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS,
-                          flash_forward=AUTO):
+                          flash_forward=AUTO, window=None):
     """Like ``lse_attention_forward`` but the output stays in the statistics dtype, to be
     merged with other partials (``merge_partials``).
 
@@ -289,6 +296,8 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
     signature) computes each chunk's partial and LSE where it can (no documents, every
     query sees a key of every chunk); ``AUTO``: flash-attn's when it is installed and
     ``q`` is a CUDA fp16/bf16 tensor with head dim <= 256; None: this module's kernel.
+    ``window``: sliding-window attention, each query seeing at most ``window`` keys
+    before itself (this module's kernel; chunks before every query's window skipped).
     """
     chunks = _Chunks(keys, values)
     _check(q, chunks, document_ids, query_start)
@@ -296,8 +305,8 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
     first = chunks.total - lq if query_start is None else query_start
     flash = installed_flash_forward(q) if flash_forward is AUTO else flash_forward
     # flash-attn 2 needs one head size for q, k and v (MLA's differ)
-    causal = (_flash_causal_flags(first, lq, chunks)
-              if flash and document_ids is None and chunks.value_dim == d else None)
+    causal = (_flash_causal_flags(first, lq, chunks) if flash and document_ids is None
+              and window is None and chunks.value_dim == d else None)
     if causal is not None:
         return _flash_partial(flash, q, chunks, causal, softmax_scale)
     g = chunks.keys[0].shape[1]
@@ -315,7 +324,8 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
         q_rows = q5[:, :, :, i0:i1].reshape(b, g, r * n, d)
         acc_out, acc_lse = out[:, :, :, i0:i1], lse[:, :, :, i0:i1]
         for c, (key, value, start) in enumerate(zip(chunks.keys, chunks.values, chunks.starts)):
-            allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
+            allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device,
+                               window)
             if allowed is False or (visible is not None and not visible[block][c]):
                 continue
             s = _scores(q_rows, key, allowed, (b, g, r, n), softmax_scale)
@@ -336,7 +346,8 @@ def lse_attention_partial(q, keys, values, *, softmax_scale, document_ids=None,
 
 def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale,
                            document_ids=None, query_start=None,
-                           max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS, dq_dtype=None):
+                           max_block_elements=DEFAULT_MAX_BLOCK_ELEMENTS, dq_dtype=None,
+                           window=None):
     """(dq, [dk_c], [dv_c]) for the merged attention; chunk grads in stat dtype, dq in
     ``dq_dtype`` (default q's dtype; the statistics dtype to add partials exactly).
     ``out`` and ``lse`` are the merged output and LSE over *all* keys the queries see,
@@ -365,7 +376,8 @@ def lse_attention_backward(grad_out, q, out, lse, keys, values, *, softmax_scale
         row_lse = lse5[:, :, :, i0:i1, None]
         row_delta = delta[:, :, :, i0:i1, None]
         for c, (key, value, start) in enumerate(zip(chunks.keys, chunks.values, chunks.starts)):
-            allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device)
+            allowed = _allowed(first + i0, n, start, key.shape[2], document_ids, q.device,
+                               window)
             if allowed is False or (visible is not None and not visible[block][c]):
                 continue
             probs = _scores(q_rows, key, allowed, (b, g, r, n), softmax_scale).sub_(row_lse).exp_()

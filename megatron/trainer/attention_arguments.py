@@ -11,9 +11,10 @@ unsplit window (docs/megatron_lm.md).
 
 ``--softmax-type`` is megatron-core's: ``vanilla`` (plain softmax), ``off-by-one`` (a zero
 logit per head joins every query's softmax, with no value) or ``learnable`` (that logit a
-parameter per head, gpt-oss's attention sinks). The sinks run on the CPU kernels here
-(``megatron.seqsplit.cpu_split_attention``); the CUDA kernels used here (flash-attn 2,
-SDPA, FlexAttention) have none, so a CUDA run with sinks stops before work."""
+parameter per head, gpt-oss's attention sinks). The sinks run in the CPU kernels
+(``megatron.seqsplit.cpu_split_attention``) and in the chunked KV cache's kernel
+(``lse_attention``, any device); flash-attn 2, SDPA and FlexAttention have none, so a CUDA
+run with splits and sinks needs ``--seq1f1b-kv-cache chunked``."""
 
 from megatron.trainer.moe_arguments import layer_pattern
 
@@ -38,7 +39,8 @@ def add_attention_arguments(group):
     group.add_argument("--softmax-type", choices=SOFTMAX_TYPES, default="vanilla",
                        help="attention softmax: vanilla; off-by-one (a zero logit per head in "
                             "every softmax, no value); learnable (that logit learnt per head: "
-                            "gpt-oss's attention sinks; CPU kernels only here)")
+                            "gpt-oss's attention sinks; on CUDA with splits it needs "
+                            "--seq1f1b-kv-cache chunked)")
     group.add_argument("--window-size", type=window_size_type, default=None,
                        help="sliding-window attention: LEFT,0 lets each query see the LEFT "
                             "keys before it and itself (megatron-core's window_size)")
@@ -60,15 +62,20 @@ def _sink_problems(args):
         return []
     flag = f"--softmax-type {kind}"
     problems = []
-    if getattr(args, "device", None) == "cuda":
-        problems.append(f"{flag}: attention sinks run on the CPU kernels only here (flash-attn "
-                        "2, SDPA and FlexAttention on CUDA have none); use Megatron-LM with "
-                        "Transformer Engine for a GPU run")
+    splits = (args.seq1f1b_splits or 1) > 1 or args.slimpipe_slices is not None
+    if (getattr(args, "device", None) == "cuda" and splits
+            and args.seq1f1b_kv_cache != "chunked"):
+        problems.append(f"{flag} on CUDA needs --seq1f1b-kv-cache chunked: its kernel has "
+                        "the sinks, while flash-attn 2, SDPA and FlexAttention there have none")
     if args.attention_dropout > 0:
-        problems.append(f"{flag} needs --attention-dropout 0 (the kernel with sinks has no "
+        problems.append(f"{flag} needs --attention-dropout 0 (the kernels with sinks have no "
                         f"dropout; got {args.attention_dropout})")
+    chunked_with_documents = args.reset_attention_mask and (
+        args.seq1f1b_kv_cache == "chunked" or getattr(args, "device", None) == "cuda")
     for other, given in (("--multi-latent-attention", args.multi_latent_attention),
-                         ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
+                         ("--slimpipe-attention-balance", args.slimpipe_attention_balance),
+                         ("--reset-attention-mask on CUDA or with the chunked KV cache",
+                          chunked_with_documents),
                          ("--attention-backend flex", args.attention_backend == "flex")):
         if given:
             problems.append(f"{flag} is not supported with {other} yet: drop one of them")
@@ -99,7 +106,7 @@ def _window_problems(args):
         problems.append(f"--window-attn-skip-freq must be >= 1, got {skip}")
     for flag, given in (("--reset-attention-mask", args.reset_attention_mask),
                         ("--multi-latent-attention", args.multi_latent_attention),
-                        ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked")):
+                        ("--slimpipe-attention-balance", args.slimpipe_attention_balance)):
         if given:
             problems.append(f"--window-size is not supported with {flag} yet: drop one of them")
     return problems
