@@ -29,7 +29,9 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
   interleaved with the chunked KV cache. X also with only its MoE layers recomputed.
 
 G (gpt-oss-style): quick GeGLU experts with gpt-oss's linear offset 1 and clamp 7 (init
-std 0.25, so that the clamp cuts), YaRN, GQA, RMSNorm, an fp32 router with aux and z-loss.
+std 0.25, so that the clamp cuts), YaRN, GQA, RMSNorm, an fp32 router with aux and z-loss,
+and gpt-oss's attention: 20-key sliding windows in every other layer and learnable
+attention sinks (its linear biases left out: MoE here trains without them).
 Multi-latent attention (issue #29 point 3) also on M, a dense MLA model without query
 compression and plain RoPE, with the chunked KV cache. Its weights are initialised with
 std 0.25 so that attention depends on positions: with each split's rotary part rotated
@@ -91,7 +93,10 @@ MODELS = {
                              "--untie-embeddings-and-output-weights",
                              "--group-query-attention", "--num-query-groups", "2",
                              "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "1",
-                             "--moe-z-loss-coeff", "0.1", "--init-method-std", "0.25"],
+                             "--moe-z-loss-coeff", "0.1", "--init-method-std", "0.25",
+                             # gpt-oss's attention: windows in every other layer, sinks
+                             "--window-size", "20,0", "--window-attn-skip-freq", "2",
+                             "--softmax-type", "learnable"],
     # dense MLA, no query compression, plain RoPE; init std 0.25: positions matter
     "M": TINY_MODEL + ROPE_SWIGLU + MLA + ["--rope-type", "rope", "--disable-bias-linear",
                                           "--init-method-std", "0.25"],
