@@ -31,7 +31,8 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
 G (gpt-oss-style): quick GeGLU experts with gpt-oss's linear offset 1 and clamp 7 (init
 std 0.25, so that the clamp cuts), YaRN, GQA, RMSNorm, an fp32 router with aux and z-loss,
 and gpt-oss's attention: 20-key sliding windows in every other layer and learnable
-attention sinks (its linear biases left out: MoE here trains without them).
+attention sinks, and linear layers and experts with biases; also with the chunked KV
+cache at s = 4.
 Multi-latent attention (issue #29 point 3) also on M, a dense MLA model without query
 compression and plain RoPE, with the chunked KV cache. Its weights are initialised with
 std 0.25 so that attention depends on positions: with each split's rotary part rotated
@@ -82,9 +83,9 @@ MODELS = {
         "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
         "--moe-aux-loss-coeff", "1", "0.5", "--moe-token-dispatcher-type", "alltoall"],
     # gpt-oss-style: quick GeGLU experts with the linear offset and the clamp, YaRN,
-    # the router in fp32 with aux and z-losses (its sliding windows and attention sinks
-    # are not built here)
-    "G": TINY_MODEL + MOE + ["--quick-geglu", "--glu-linear-offset", "1.0",
+    # the router in fp32 with aux and z-losses, biased linear layers and experts
+    "G": TINY_MODEL + [f for f in MOE if f != "--disable-bias-linear"] + [
+                             "--quick-geglu", "--glu-linear-offset", "1.0",
                              "--activation-func-clamp-value", "7.0",
                              "--position-embedding-type", "yarn",
                              "--rotary-scaling-factor", "4",
@@ -120,6 +121,8 @@ CASES = {
     "N_pp2_s3": ("N", 3, [], 2, 1),
     "X_pp2_s3": ("X", 3, [], 2, 1),
     "G_pp2_s3": ("G", 3, [], 2, 1),
+    # its windows and sinks through the chunked cache's kernel
+    "G_pp2_s4_chunked": ("G", 4, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
     "X_pp2_s4": ("X", 4, ["--use-distributed-optimizer"], 2, 1),
     "X_pp2_vp2_s3": ("X", 3, ["--virtual-pipeline-model-parallel-size", "2"], 2, 2),
     # experts over 2 ranks of the data-parallel group, all-to-all over gloo
@@ -328,8 +331,9 @@ def test_optimizer_state_resumes_across_an_expert_parallel_change(results):
 
 def test_the_models_are_the_intended_ones(results):
     """X: 4 MoE layers of 8 experts; D: a dense first layer, 3 MoE layers with a shared
-    expert, and expert biases that the steps moved (aux-loss-free balancing ran); the
-    MLA models D and Q with a normalised query latent, M without a query latent."""
+    expert, and expert biases that the steps moved (aux-loss-free balancing ran); G with
+    biased experts and attention sinks; the MLA models D and Q with a normalised query
+    latent, M without a query latent."""
     import torch
 
     for model in ("D", "M", "Q"):  # MLA: with and without query compression
@@ -357,6 +361,10 @@ def test_the_models_are_the_intended_ones(results):
         biases = [n for n in params if n.endswith("expert_bias")]
         if model == "N":
             continue
+        expert_biases = [n for n in params if ".local_experts." in n and n.endswith(".bias")]
+        sinks = [n for n in params if n.endswith("core_attention.softmax_offset")]
+        # G, gpt-oss-style: both expert matrices biased in 8 experts of 4 layers; sinks
+        assert (len(expert_biases), len(sinks)) == ((64, 4) if model == "G" else (0, 0)), model
         if model in ("X", "G"):
             assert len(routers) == 4 and not shared and not biases, model
         else:

@@ -189,10 +189,24 @@ def test_mistakes_are_named(flags, message):
     assert message in str(error.value)
 
 
-def test_biased_experts_are_refused_with_the_fix():
-    with pytest.raises(ArgumentErrors, match="needs --disable-bias-linear"):
-        parse_args([f for f in BASE if f != "--disable-bias-linear"] + ["--num-experts", "4"],
-                   world_size=1, cuda_available=False, check_files=False)
+def test_biased_grouped_experts_are_refused_with_the_fix():
+    """megatron-core's grouped experts have no bias (on CUDA; on CPU the flag runs the
+    sequential experts, which have theirs)."""
+    flags = [f for f in BASE if f != "--disable-bias-linear"] + ["--num-experts", "4",
+                                                                 "--moe-grouped-gemm"]
+    with pytest.raises(ArgumentErrors, match="--moe-grouped-gemm has no expert biases"):
+        parse_args(flags, world_size=1, cuda_available=True, check_files=False)
+    assert parse_args(flags, world_size=1, cuda_available=False, check_files=False).num_experts
+
+
+def test_biased_experts_need_tensor_parallel_size_one():
+    """megatron-core asserts expert biases only with expert TP 1; experts here are split
+    over TP (ETP = TP)."""
+    flags = [f for f in BASE if f != "--disable-bias-linear"] + [
+        "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    with pytest.raises(ArgumentErrors, match="biased linear layers needs "
+                                             "--tensor-model-parallel-size 1"):
+        parse_args(flags, world_size=2, cuda_available=False, check_files=False)
 
 
 def test_grouped_gemm_on_cpu_runs_sequential_experts_with_a_note():

@@ -263,6 +263,14 @@ class SplitRouter(TopKRouter):
                             avg_group=self.tp_dp_cp_group)
 
 
+def _output_of_its_own(module, inputs, output):
+    """A biased expert's fc2 output, copied: megatron-core's expert MLP adds the bias to it
+    in place, and at one TP rank the output is the input of the (identity) TP all-reduce,
+    returned as-is by its autograd Function, which autograd forbids modifying in place."""
+    out, bias = output
+    return out.clone(), bias
+
+
 class SplitMoELayer(MoELayer):
     """megatron-core's MoE layer whose recomputation (``--recompute-modules moe``,
     ``--moe-layer-recompute``) re-runs it with the split its forward ran.
@@ -277,6 +285,9 @@ class SplitMoELayer(MoELayer):
         super().__init__(*args, **kwargs)
         self.recompute_with_split = self.moe_layer_recompute
         self.moe_layer_recompute = False  # megatron-core's own checkpoint: replaced below
+        for expert in getattr(self.experts, "local_experts", ()):
+            if getattr(expert.linear_fc2, "bias", None) is not None:
+                expert.linear_fc2.register_forward_hook(_output_of_its_own)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         if not (self.recompute_with_split and self.training):

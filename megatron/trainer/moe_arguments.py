@@ -136,11 +136,6 @@ def check_moe_args(args, cuda_available):
     if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
         problems.append(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, "
                         f"--num-layers is {args.num_layers}: give one 0 or 1 per layer")
-    if not args.disable_bias_linear:
-        problems.append("--num-experts needs --disable-bias-linear here: megatron-core's "
-                        "experts with biases fail on the local layer spec (an in-place add "
-                        "on a view in the MLP); Megatron-LM's MoE recipes train without "
-                        "biases too")
     if tp > 1 and not args.sequence_parallel:
         # megatron-core's MoELayer raises this at model build, after the groups exist
         problems.append(f"--num-experts with --tensor-model-parallel-size {tp} needs "
@@ -160,6 +155,17 @@ def check_moe_args(args, cuda_available):
         args.flag_notes.append("note: --moe-grouped-gemm is a CUDA kernel: on CPU the "
                                "experts run one after the other (the same values)")
         args.moe_grouped_gemm = False
+    if tp > 1 and not args.disable_bias_linear:
+        # megatron-core asserts it at build; experts here are split over TP (ETP = TP)
+        problems.append(f"--num-experts with biased linear layers needs "
+                        f"--tensor-model-parallel-size 1 (got {tp}): megatron-core has expert "
+                        "biases only without expert tensor parallelism; add "
+                        "--disable-bias-linear to split experts over TP")
+    if args.moe_grouped_gemm and not args.disable_bias_linear:
+        # megatron-core's grouped experts assert at build time
+        problems.append("--moe-grouped-gemm has no expert biases in megatron-core: add "
+                        "--disable-bias-linear, or drop --moe-grouped-gemm to run the "
+                        "experts one after the other with their biases")
     return problems
 
 
