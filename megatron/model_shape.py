@@ -367,21 +367,24 @@ class ModelShape:
         return 3 * num_sequences * per_sequence
 
 
+def window_layer_pattern(skip, layers) -> tuple:
+    """--window-attn-skip-freq as megatron-core applies it (``is_layer_window_attention``):
+    1 for each sliding-window layer; N keeps every N-th layer full, a pattern is itself,
+    None windows every layer."""
+    if skip is None:
+        return (1,) * layers
+    if isinstance(skip, int):
+        return tuple(int((layer + 1) % skip != 0) for layer in range(layers))
+    return tuple(skip)
+
+
 def _window_fields(args) -> dict:
-    """--window-size LEFT,0 and --window-attn-skip-freq as megatron-core applies them
-    (``is_layer_window_attention``: N keeps every N-th layer full; a pattern's 1 is a
-    sliding-window layer); LEFT -1 is no window."""
+    """--window-size LEFT,0 and its layers; LEFT -1 is no window."""
     size = getattr(args, "window_size", None)
     if not size or size[0] < 0:
         return {}
-    skip, layers = getattr(args, "window_attn_skip_freq", None), args.num_layers
-    if skip is None:
-        pattern = (1,) * layers
-    elif isinstance(skip, int):
-        pattern = tuple(int((layer + 1) % skip != 0) for layer in range(layers))
-    else:
-        pattern = tuple(skip)
-    return {"window": size[0], "window_layers": pattern}
+    return {"window": size[0], "window_layers": window_layer_pattern(
+        getattr(args, "window_attn_skip_freq", None), args.num_layers)}
 
 
 def _moe_fields(args) -> dict:

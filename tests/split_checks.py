@@ -7,8 +7,9 @@
 * `check_reports`: the schedule returned what megatron-core's returns: per call one loss
   report per microbatch, equal to the unsplit run's (loss sum within `rtol`, token
   count exact).
-* `SplitStub`: a split's fields for the kernels' own tests, and
-  `check_backward_split_by_split` for their gradients.
+* `SplitStub`: a split's fields for the kernels' own tests,
+  `check_backward_split_by_split` for their gradients and `recomputed_kernel` for
+  selective recomputation's kernel.
 """
 
 from collections import defaultdict
@@ -75,3 +76,19 @@ def check_backward_split_by_split(outputs, leaves, lengths, grad_out, expected_g
     for i, name in enumerate("qkv"):
         got = torch.cat([leaf[i].grad for leaf in leaves])
         torch.testing.assert_close(got, expected_grads[i], rtol=0, atol=atol, msg=name)
+
+
+def recomputed_kernel(backend, monkeypatch):
+    """Selective recomputation's checkpointed attention kernel (--recompute-activations)
+    around ``backend``, on CPU: megatron-core's checkpoint saves the CUDA RNG state, here
+    the CPU generator's (patched for this test only, not process-wide as
+    ``cpu_support.apply`` would, which also turns off torch.compile)."""
+    import torch
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from megatron.seqsplit.recompute import RecomputedAttentionKernel
+
+    monkeypatch.setattr(mp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    monkeypatch.setattr(mp_random, "_set_cuda_rng_state",
+                        lambda state, *a, **k: torch.set_rng_state(state))
+    return RecomputedAttentionKernel(backend)

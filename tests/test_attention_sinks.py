@@ -19,7 +19,7 @@ from megatron.seqsplit.documents import document_ids
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
 from megatron_lm_parser import megatron_lm_args
 from split_checks import SplitStub as Split
-from split_checks import check_backward_split_by_split
+from split_checks import check_backward_split_by_split, recomputed_kernel
 
 EOD = 0
 
@@ -45,18 +45,14 @@ def reference(q, k, v, sink, scale, window=None, tokens=None):
     return torch.einsum("bhqk,kbhd->qbhd", probs, v)
 
 
-def make_backend(name):
+def make_backend(name, monkeypatch=None):
     """A backend by name; "recomputed": selective recomputation's checkpointed kernel
     (--recompute-activations), the sinks an input of its checkpoint; "chunked": the chunked
     KV cache's kernel (sdpa serves its unsplit calls)."""
     if name == "chunked":
         return get_backend("sdpa")
     if name == "recomputed":
-        from megatron import cpu_support
-        from megatron.seqsplit.recompute import RecomputedAttentionKernel
-
-        cpu_support.apply()  # megatron-core's checkpoint keeps RNG states: CPU ones here
-        return RecomputedAttentionKernel(get_backend("sdpa"))
+        return recomputed_kernel(get_backend("sdpa"), monkeypatch)
     return get_backend(name)
 
 
@@ -71,7 +67,7 @@ TOKENS = torch.tensor([[5, 7, EOD, 3, 3, 9, 4, EOD, 6, 2, 8, 1, 5, 5, 7, 3, EOD,
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
 @pytest.mark.parametrize("backend_name", ["sdpa", "auto", "recomputed", "chunked"])
 def test_split_attention_with_sinks_matches_the_definition(case, lengths, heads, groups,
-                                                           backend_name):
+                                                           backend_name, monkeypatch):
     if backend_name == "chunked" and case == "documents":
         pytest.skip("sinks with packed documents are not in the chunked kernel (refused)")
     torch.manual_seed(0)
@@ -87,7 +83,7 @@ def test_split_attention_with_sinks_matches_the_definition(case, lengths, heads,
     expected_grads = torch.autograd.grad(expected, (q, k, v, sink), grad_out)
 
     ids = document_ids(tokens, EOD) if tokens is not None else None
-    store, backend = KVCacheStore(forward_only=False), make_backend(backend_name)
+    store, backend = KVCacheStore(forward_only=False), make_backend(backend_name, monkeypatch)
     leaves, outputs, offset = [], [], 0
     split_sink = sink.detach().clone().requires_grad_()
     for j, length in enumerate(lengths):

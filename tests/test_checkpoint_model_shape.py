@@ -144,6 +144,22 @@ def test_layers_without_rope_are_recorded_as_their_pattern():
         every_second, _args(num_layers=4, no_rope_freq=[1, 0, 0, 0]))
 
 
+def test_windows_and_sinks_are_part_of_the_model_shape():
+    """--window-size, its layers (N or the pattern it stands for) and --softmax-type are
+    the model's function; a resume that changes them stops, naming them."""
+    windowed = _args(num_layers=4, window_size=(128, 0), window_attn_skip_freq=2,
+                     softmax_type="learnable")
+    shape = model_shape(windowed)
+    assert (shape["window_size"], shape["window_attn_skip_freq"]) == ([128, 0], [1, 0, 1, 0])
+    assert _load_problem(windowed, _args(num_layers=4, window_size=(128, 0),
+                                         window_attn_skip_freq=[1, 0, 1, 0],
+                                         softmax_type="learnable")) is None
+    problem = _load_problem(windowed, _args(num_layers=4, softmax_type="vanilla"))
+    assert "--window-size saved [128, 0], now None" in problem
+    assert "--softmax-type saved 'learnable', now 'vanilla'" in problem
+    assert _load_problem(_args(), _args(window_attn_skip_freq=2)) is None  # moot unwindowed
+
+
 def test_optimizer_state_across_an_expert_parallel_change():
     """A distributed-optimizer checkpoint saved without megatron-core's chain prefix
     loads into another number of chained optimizers (EP change; trained in

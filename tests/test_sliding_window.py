@@ -23,7 +23,7 @@ from megatron.seqsplit.core_attention import layer_window
 from megatron.seqsplit.kv_cache import KVCacheStore, split_causal_attention
 from megatron_lm_parser import megatron_lm_args
 from split_checks import SplitStub as Split
-from split_checks import check_backward_split_by_split
+from split_checks import check_backward_split_by_split, recomputed_kernel
 
 
 def megatron_core_window_mask(sq, skv, window_size):
@@ -70,17 +70,13 @@ def emulated_flash(q, k, v, *, dropout_p, softmax_scale, causal, window_size=(-1
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def make_backend(name):
+def make_backend(name, monkeypatch=None):
     if name == "flash_emulated":
         return FlashAttnBackend(kernels=(emulated_flash, None))
     if name == "chunked":  # the chunked KV cache's own kernel; sdpa serves unsplit calls
         return get_backend("sdpa")
     if name == "recomputed":  # --recompute-activations: the kernel checkpointed
-        from megatron import cpu_support
-        from megatron.seqsplit.recompute import RecomputedAttentionKernel
-
-        cpu_support.apply()  # megatron-core's checkpoint keeps RNG states: CPU ones here
-        return RecomputedAttentionKernel(get_backend("sdpa"))
+        return recomputed_kernel(get_backend("sdpa"), monkeypatch)
     return get_backend(name)
 
 
@@ -93,7 +89,8 @@ BACKENDS = available_backends("cpu", torch.float64) + ["auto", "flash_emulated",
                                             ([12, 20], 3), ([10, 10, 12], 40),
                                             ([9, 9, 9], 0)])
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
-def test_split_window_attention_matches_unsplit(backend_name, lengths, window, heads, groups):
+def test_split_window_attention_matches_unsplit(backend_name, lengths, window, heads, groups,
+                                                monkeypatch):
     torch.manual_seed(0)
     L, b, d = sum(lengths), 2, 8
     q = torch.randn(L, b, heads, d, dtype=torch.float64, requires_grad=True)
@@ -104,7 +101,7 @@ def test_split_window_attention_matches_unsplit(backend_name, lengths, window, h
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
 
-    store, backend = KVCacheStore(forward_only=False), make_backend(backend_name)
+    store, backend = KVCacheStore(forward_only=False), make_backend(backend_name, monkeypatch)
     unsplit = split_causal_attention(q, k, v, split=None, store=None, layer_key=1,
                                      backend=backend, softmax_scale=scale, window=window)
     torch.testing.assert_close(unsplit, expected, rtol=0, atol=1e-10)
@@ -317,7 +314,7 @@ def _cuda_backends():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend_name", _cuda_backends())
-def test_split_window_attention_cuda_bf16(backend_name):
+def test_split_window_attention_cuda_bf16(backend_name, monkeypatch):
     """bf16 on CUDA, split by split, against the float64 CPU definition: with the buffer
     KV cache SDPA's masked kernel, flash-attn's window_size and FlexAttention's block mask,
     each where installed; the chunked cache's kernel (not run yet: no GPU where this was
@@ -331,7 +328,7 @@ def test_split_window_attention_cuda_bf16(backend_name):
     expected = reference(q, k, v, window, scale)
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
-    store, backend = KVCacheStore(), make_backend(backend_name)
+    store, backend = KVCacheStore(), make_backend(backend_name, monkeypatch)
     leaves, outputs, offset = [], [], 0
     for j, length in enumerate(lengths):
         part = [t[offset:offset + length].detach().to("cuda", torch.bfloat16).requires_grad_()

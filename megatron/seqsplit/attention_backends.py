@@ -10,7 +10,8 @@ Interface (one call per split and layer):
     window (sliding-window attention, megatron-core's ``window_size[0]``): query i sees
     only the keys lk - lq + i - window .. lk - lq + i (window + 1 keys).
     sink [hq] (attention sinks, megatron-core's ``softmax_offset``): a logit per head
-    joined to every query's softmax, with no value (CPU, "sdpa", no dropout).
+    joined to every query's softmax, with no value ("sdpa" on CPU, no dropout; on CUDA
+    the chunked KV cache's kernel has them, `kv_chunks`).
     out [b, hq, lq, d].
 
 Backends: "sdpa" (always), "flash" (flash-attn >= 2.1, CUDA fp16/bf16; documents via
@@ -154,7 +155,8 @@ class AttentionBackend:
 def _refuse_sink(sink, where):
     if sink is not None:
         raise ValueError(f"attention sinks (--softmax-type) are not supported {where} yet: "
-                         "they run on CPU through the 'sdpa' backend")
+                         "they run in the CPU kernels ('sdpa') and in the chunked KV cache's "
+                         "kernel (--seq1f1b-kv-cache chunked)")
 
 
 def _check_window(window, document_ids):

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron import mcore_compat
-from megatron.model_shape import no_rope_pattern
+from megatron.model_shape import no_rope_pattern, window_layer_pattern
 from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
 from megatron.trainer.model import biased_gelu
 from megatron.trainer.schedule_check import schedule_decision
@@ -86,6 +86,7 @@ MODEL_SHAPE_FLAGS = (
     "rope_scaling_factor", "apply_residual_connection_post_layernorm",
     "num_experts", "multi_latent_attention", "rotary_seq_len_interpolation_factor",
     "no_rope_freq", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
+    "softmax_type", "window_size", "window_attn_skip_freq",
 )
 # YaRN's settings of standard attention (rope_arguments), saved with
 # --position-embedding-type yarn
@@ -123,6 +124,12 @@ def model_shape(args) -> dict:
         # N and its per-layer pattern are one model
         shape["no_rope_freq"] = list(no_rope_pattern(shape["no_rope_freq"],
                                                      shape["num_layers"]))
+    if shape.get("window_size") is None:
+        shape["window_attn_skip_freq"] = None  # no window: which layers is moot
+    else:  # as a list (what a reload gives back), its layers as their pattern
+        shape["window_size"] = list(shape["window_size"])
+        shape["window_attn_skip_freq"] = list(window_layer_pattern(
+            shape["window_attn_skip_freq"], shape["num_layers"]))
     return shape
 
 
