@@ -105,6 +105,13 @@ class ModelShape:
     # window_layers: 1 for each such layer (--window-attn-skip-freq), () for none
     window: int | None = None
     window_layers: tuple = ()
+    # --attention-output-gate: QKV also projects a gate per head channel (Qwen3-Next)
+    attention_output_gate: bool = False
+    # --qk-l2-norm: Llama-4's weightless L2 norms in the query/key norms' place
+    qk_l2_norm: bool = False
+    # --softmax-type off-by-one / learnable: attention sinks (the CPU window mask is
+    # then additive, in the activation dtype)
+    attention_sinks: bool = False
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
@@ -128,8 +135,9 @@ class ModelShape:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
-    # --qk-layernorm: MLA's latent norms (megatron-core's local and TE specs build them
-    # only with it; without, the latents go to the up-projections as they are)
+    # --qk-layernorm: per-head query/key norms (standard attention); MLA's latent norms
+    # (megatron-core's local and TE specs build them only with it; without, the latents
+    # go to the up-projections as they are)
     qk_layernorm: bool = False
 
     @classmethod
@@ -157,6 +165,10 @@ class ModelShape:
             no_rope_layers=no_rope_pattern(getattr(args, "no_rope_freq", None),
                                            args.num_layers),
             **_window_fields(args),
+            attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
+            qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
+            attention_sinks=getattr(args, "softmax_type", "vanilla") != "vanilla",
+            qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
             vocab_size=vocab_size,
             kv_channels=args.kv_channels,
             name=name,
@@ -220,7 +232,8 @@ class ModelShape:
         h, a = self.hidden_size, self.num_attention_heads
         if not self.multi_latent_attention:
             d, g = self.head_dim, self.num_query_groups
-            return h * (a * d + 2 * g * d) + a * d * h
+            gate = a * d if self.attention_output_gate else 0  # QKV's extra gate rows
+            return h * (a * d + 2 * g * d + gate) + a * d * h
         qk = self.qk_head_dim + self.qk_pos_emb_head_dim
         q = (h * self.q_lora_rank + self.q_lora_rank * a * qk) if self.q_lora_rank else h * a * qk
         kv_down = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)

@@ -17,8 +17,9 @@ Two tiny models cover every flag (the unit checks are in tests/test_model_flags.
 And issue #28 point 5: Megatron-LM's own model settings for Qwen3, Qwen2.5 and
 Llama-3.1 (RECIPES: their flags as Megatron-LM's examples give them, only the sizes scaled
 down), and Qwen3 with YaRN, with sliding windows in every other layer, and with those windows
-and learnable attention sinks (gpt-oss's attention), each trained with Seq1F1B at pp=2
-against one process (the sinks' parameters compared too).
+and learnable attention sinks (gpt-oss's attention), Qwen3 with gated attention and
+with query/key L2 norms, each trained with Seq1F1B at pp=2 against one process (the sinks'
+parameters compared too).
 """
 
 import pytest
@@ -92,6 +93,10 @@ RECIPES["qwen3-swa"] = RECIPES["qwen3"] + ["--window-size", "20,0",
                                            "--window-attn-skip-freq", "2"]
 # and gpt-oss's attention sinks: a learnt logit per head in every softmax
 RECIPES["qwen3-swa-sinks"] = RECIPES["qwen3-swa"] + ["--softmax-type", "learnable"]
+# Qwen3-Next's gated attention, and Llama-4's query/key L2 norm (in the qk norms' place)
+RECIPES["qwen3-gate"] = RECIPES["qwen3"] + ["--attention-output-gate"]
+RECIPES["qwen3-l2norm"] = [flag for flag in RECIPES["qwen3"] if flag != "--qk-layernorm"] + [
+    "--qk-l2-norm"]
 # what TINY_MODEL adds: data, vocabulary, dropout 0, learning rate, logging, seed
 _RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "1e-3",
@@ -100,7 +105,8 @@ _RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200
 RECIPE_CASES = {"qwen3": (4, []), "qwen2.5": (3, ["--seq1f1b-kv-cache", "chunked"]),
                 "llama3.1": (2, []), "qwen3-yarn": (3, []), "qwen3-swa": (4, []),
                 # the chunked cache's kernel here; the TP=2 run below, the buffer's
-                "qwen3-swa-sinks": (3, ["--seq1f1b-kv-cache", "chunked"])}
+                "qwen3-swa-sinks": (3, ["--seq1f1b-kv-cache", "chunked"]),
+                "qwen3-gate": (4, []), "qwen3-l2norm": (3, ["--seq1f1b-kv-cache", "chunked"])}
 ITERATIONS, MICROBATCHES = 3, 5  # 5 microbatches: a multiple of no split count
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "5", "--train-iters", "3",
@@ -208,11 +214,17 @@ def test_megatron_lm_recipe_trains_exactly_with_seq1f1b(results, recipe):
                 "qwen3-yarn": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen3-swa": {"qk norm": True, "qkv bias": False, "output layer": False},
                 "qwen3-swa-sinks": {"qk norm": True, "qkv bias": False, "output layer": False},
+                "qwen3-gate": {"qk norm": True, "qkv bias": False, "output layer": False},
+                "qwen3-l2norm": {"qk norm": False, "qkv bias": False, "output layer": False},
                 "qwen2.5": {"qk norm": False, "qkv bias": True, "output layer": True},
                 "llama3.1": {"qk norm": False, "qkv bias": False, "output layer": True}}
     assert has == dict(expected[recipe], **{"position embedding": False}), (recipe, has)
     sinks = {n for n in names if n.endswith("core_attention.softmax_offset")}
     assert len(sinks) == (4 if recipe.endswith("sinks") else 0), (recipe, sinks)
+    # _SCALED's QKV: 4 heads and 2 groups of 16 channels, 128 rows; the gate adds 64
+    qkv_rows = {torch.load(ref["params"])[n].shape[0] for n in names
+                if n.endswith("linear_qkv.weight")}
+    assert qkv_rows == ({192} if recipe == "qwen3-gate" else {128}), (recipe, qkv_rows)
 
 
 def test_the_flags_built_their_parameters(results):
@@ -272,3 +284,13 @@ def test_attention_sinks_split_by_head_across_tp_ranks(results):
     assert_close_series(run["losses"], ref["losses"], 1e-5, "tp2 sinks loss")
     assert_close_series(run["grad_norms"], ref["grad_norms"], 1e-5, "tp2 sinks grad norm")
     assert_params_close(run["params"], ref["params"])
+
+
+def test_the_gate_changes_what_the_model_computes(results):
+    """Against Qwen3, same seed, one process. (The L2 norms are Qwen3's RMS qk norms
+    without their weights, which start at 1: the same function at iteration 0; that they
+    replace the norms is checked on the spec, tests/test_gate_and_l2_norm_flags.py, and by
+    the parameters above.)"""
+    plain = results["ref_qwen3"]["grad_norms"][0]
+    gated = results["ref_qwen3-gate"]["grad_norms"][0]
+    assert abs(plain - gated) > 1e-3 * plain, (plain, gated)

@@ -19,6 +19,9 @@ bias and seq_aux_loss; and the allgather dispatcher with aux_loss and z-loss, wh
 final parameters also check the planner's total parameter count. Treating the MoE
 layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
 
+Attention variants (in the 2-process launch): query/key LayerNorms and L2 norms, the
+output gate, and sliding windows with attention sinks, each planned within 2%.
+
 Multi-latent attention (in the 2-process launch): an MoE + MLA model (query and kv
 latents, query-key head 16 + 8 rotary, value head 12, shared expert, first layer dense,
 s = 2, selective recomputation) and a dense one (LayerNorm latent norms of
@@ -127,6 +130,19 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--seq1f1b-splits", "3", "--recompute-activations", "--moe-layer-recompute",
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "64"]
                                    + ROPE + NO_DROPOUT),
+    # gpt-oss's attention: windows in every other layer and learnable sinks (the windowed
+    # layers' SDPA with its band mask, the sinks' fused kernels with their LSE)
+    "window_sinks_s2": (2, PP2 + ["--window-size", "64,0", "--window-attn-skip-freq", "2",
+                                  "--softmax-type", "learnable", "--seq1f1b-splits", "2"]
+                        + ROPE + NO_DROPOUT),
+    # Qwen3-Next's gated attention and Llama-4's query/key L2 norms
+    "output_gate_s2": (2, PP2 + ["--attention-output-gate", "--seq1f1b-splits", "2"]
+                       + ROPE + NO_DROPOUT),
+    "qk_l2_norm_s2": (2, PP2 + ["--qk-l2-norm", "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
+    # Qwen3's per-head query/key norms (LayerNorm here): their input, a view of QKV's
+    # output, keeps all of it (planned 15% under the probe when not counted)
+    "qk_layernorm_s2": (2, PP2 + ["--qk-layernorm", "--seq1f1b-splits", "2"] + ROPE
+                        + NO_DROPOUT),
     "mla_qk_layernorm_s3": (2, PP2 + MLA + ["--qk-layernorm", "--disable-bias-linear",
                                             "--seq1f1b-splits", "3"] + NO_DROPOUT),
     # MLA under TP with SP: per-head terms divided by TP, the latents not, their norms'

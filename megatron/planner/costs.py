@@ -260,21 +260,25 @@ class CostModel:
         rope = m.ropes_in_layer(layer)
         split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
         # q, k, v handed to the kernel: views of the fused QKV output keep it whole;
-        # RoPE's q, k are new tensors
-        unsplit_inputs = (q + kv + qkv) if rope else qkv
+        # RoPE's (and the qk norms') q, k are new tensors
+        new_qk = rope or m.qk_layernorm or m.qk_l2_norm
+        unsplit_inputs = (q + kv + qkv) if new_qk else qkv
         cos_sin = self._rope_bytes(l) if rope else 0.0
+        # the qk norms' and the output gate's own tensors, outside the kernel
+        around, pinned = self._qk_norm_and_gate_bytes()
         if split_kernel and self.kv_layout == "chunked":
             # q copy, LSE, output once; the chunked kernel is not checkpointed by
             # selective recomputation (it keeps no scores to drop)
-            return tokens * (q + lse + q) + cos_sin
+            return tokens * (q + lse + q + around + pinned) + cos_sin
         if self.recompute.granularity == "selective":
             if split_kernel:
                 # the checkpoint wraps the kernel after the cache write
                 # (megatron/seqsplit/recompute.py): it keeps the query (RoPE's, or a copy
                 # of the view of QKV: kv_cache.query_alone) and aliases of the K/V buffer;
                 # the output once
-                return tokens * (q + q) + cos_sin
-            return tokens * (unsplit_inputs + q) + cos_sin  # the checkpoint keeps q, k, v
+                return tokens * (q + q + around + pinned) + cos_sin
+            # the checkpoint keeps q, k, v
+            return tokens * (unsplit_inputs + q + around) + cos_sin
         if self._math_kernel():
             keys = l + (self.offsets[split] if self.num_splits > 1 else 0)
             heads = b * m.num_attention_heads / t
@@ -282,15 +286,45 @@ class CostModel:
             out += 3 * heads * l * keys * e  # scores, dropout mask, probabilities
             if m.num_query_groups < m.num_attention_heads:
                 out += heads * m.head_dim * keys * e  # v expanded to every head
+                out += tokens * pinned
             elif not split_kernel:  # split kernels read v from the K/V buffer
                 out += tokens * qkv  # v: a view of the fused QKV output
-            return out + tokens * q + cos_sin
+            else:
+                out += tokens * pinned
+            return out + tokens * (q + around) + cos_sin
         if not split_kernel:
-            return tokens * (unsplit_inputs + lse + q) + cos_sin
+            return tokens * (unsplit_inputs + lse + q + around) + cos_sin
         # K/V live in the buffer; q is RoPE's or a copy of the view of QKV
         # (kv_cache.query_alone), and one output, which the output projection's saved
         # input shares (CPU and GPU kernels alike)
-        return tokens * (q + lse + q) + cos_sin
+        return tokens * (q + lse + q + around + pinned) + cos_sin
+
+    def _qk_norm_and_gate_bytes(self) -> tuple[float, float]:
+        """Per token, outside the attention kernel: (what the qk norms and the output gate
+        keep themselves, the fused QKV output when only a norm's saved input keeps it).
+
+        A norm's input is a view of the QKV output, so keeping it keeps all of QKV;
+        LayerNorm adds mean and rstd per head row, RMSNorm rstd and ``x * rstd``, the L2
+        norm its rsqrt (and with half inputs, its fp32 copy of q and k instead of the
+        view). The gate keeps its sigmoid, and the output projection then keeps the gated
+        product besides the kernel's output (probe: +2 q-sized tensors per token)."""
+        m, t, e = self.model, self.par.tp, self.act_bytes
+        q = m.num_attention_heads * m.head_dim / t * e
+        rows = (m.num_attention_heads + m.num_query_groups) / t  # q and k head rows
+        qkv = q + 2 * m.num_query_groups * m.head_dim / t * e
+        around = 2 * q if m.attention_output_gate else 0.0
+        if m.multi_latent_attention or not (m.qk_l2_norm or m.qk_layernorm):
+            return around, 0.0
+        if m.qk_l2_norm:
+            around += rows * FP32
+            if e < FP32:  # x.float() is a copy, not the view
+                return around + rows * m.head_dim * FP32, 0.0
+            return around, qkv
+        if m.normalization == "LayerNorm":
+            around += 2 * rows * FP32
+        else:
+            around += rows * FP32 + rows * m.head_dim * e
+        return around, qkv
 
     def _latent_bytes(self, rank: int, stored: int) -> float:
         """Per token: one MLA latent of width ``rank`` on its way to its up-projection.
@@ -502,6 +536,25 @@ class CostModel:
             return self.par.micro_batch_size * l * l * self.act_bytes
         return self.sdpa_document_bias_bytes(split)
 
+    def window_mask_bytes(self, split: int, rank: int, chunk: int) -> float:
+        """Sliding windows on CPU: SDPA's banded mask over the keys from the earliest
+        query's window, ``l x min(offset + l, l + W)`` (bool; with attention sinks in the
+        activation dtype), kept by the kernels of the chunk's windowed layers. The kernels
+        share one mask per split shape, across layers and microbatches, so one per unit in
+        flight is an upper bound (probe: +1.6% of a stage at the window_sinks_s2 shape).
+        None with the chunked cache's kernel (it masks block by block) or a recomputed
+        kernel; on GPU flash-attn and FlexAttention keep none."""
+        m = self.model
+        if not (m.window_layers and self.on_cpu) or self.recompute.granularity:
+            return 0.0
+        if self.num_splits > 1 and self.kv_layout == "chunked":
+            return 0.0
+        if not any(m.window_layers[i] for i in self.layer_indices(rank, chunk)):
+            return 0.0
+        l, offset = self.split_lengths[split], self.offsets[split]
+        element = self.act_bytes if m.attention_sinks else 1
+        return l * min(offset + l, l + m.window) * element
+
     def sdpa_document_bias_bytes(self, split: int) -> float:
         """SDPA's additive document mask of one split at its largest (one document over
         the prefix and the split): ``b x l x (offset + l)`` in the activation dtype."""
@@ -512,6 +565,7 @@ class CostModel:
         """Bytes a forward unit stores for its backward."""
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
         mask = self.document_mask_bytes(unit.split) if self.chunk_layers(rank, unit.chunk) else 0.0
+        mask += self.window_mask_bytes(unit.split, rank, unit.chunk)
         return (self.stored_layer_bytes(unit.split, rank, unit.chunk)
                 + self.edge_bytes(rank, unit.chunk, tokens) + mask)
 

@@ -96,10 +96,11 @@ def _swap_torch_norms(submodules):
 
 def _split_aware_layer_spec(normalization, attention_backend, kv_cache, qk_layernorm,
                             residual_post_layernorm=False, multi_latent_attention=False,
-                            num_experts=None, moe_grouped_gemm=False):
+                            num_experts=None, moe_grouped_gemm=False, *, qk_l2_norm=False):
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                     normalization=normalization, qk_layernorm=qk_layernorm,
-                                    multi_latent_attention=multi_latent_attention)
+                                    multi_latent_attention=multi_latent_attention,
+                                    qk_l2_norm=qk_l2_norm)
     if residual_post_layernorm:
         if num_experts is not None:  # both replace the layer class; no combined one yet
             raise ValueError("--apply-residual-connection-post-layernorm is not supported with "
@@ -163,12 +164,15 @@ def split_aware_local_spec(config, normalization: str = "LayerNorm",
     split's own tokens before RoPE and the KV cache (a norm is per token).
     `residual_post_layernorm` (--apply-residual-connection-post-layernorm): residuals taken
     after the norms (post_norm_residual).
+    ``config.qk_l2_norm`` (--qk-l2-norm, Llama-4): megatron-core's weightless L2Norm on
+    queries and keys in place of the qk norms, per token like them.
     With ``config.num_moe_experts`` the layers ``config.moe_layer_freq`` marks are
     mixture-of-experts layers whose router is split-exact (``megatron.seqsplit.moe``).
     With ``config.multi_latent_attention`` the attention is MLA (``megatron.seqsplit.mla``)."""
     build = functools.partial(_split_aware_layer_spec, normalization, attention_backend,
                               kv_cache, qk_layernorm, residual_post_layernorm,
-                              getattr(config, "multi_latent_attention", False))
+                              getattr(config, "multi_latent_attention", False),
+                              qk_l2_norm=getattr(config, "qk_l2_norm", False))
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     if config.num_moe_experts is None:
         return TransformerBlockSubmodules(layer_specs=[build()] * count,

@@ -1,5 +1,6 @@
-"""Sliding-window attention and attention sinks: Megatron-LM 0.19's flags, types and
-meanings (gpt-oss uses both; Gemma and Mistral the windows).
+"""Attention variants with Megatron-LM 0.19's flags, types and meanings: sliding windows
+and attention sinks (gpt-oss uses both; Gemma and Mistral the windows), Llama-4's query/key
+L2 norm and Qwen3-Next's gated attention.
 
 ``--window-size LEFT,RIGHT`` is megatron-core's ``window_size``: each query sees the
 LEFT keys before it and itself (RIGHT keys after it, which causal attention here
@@ -14,7 +15,11 @@ logit per head joins every query's softmax, with no value) or ``learnable`` (tha
 parameter per head, gpt-oss's attention sinks). The sinks run in the CPU kernels
 (``megatron.seqsplit.cpu_split_attention``) and in the chunked KV cache's kernel
 (``lse_attention``, any device); flash-attn 2, SDPA and FlexAttention have none, so a CUDA
-run with splits and sinks needs ``--seq1f1b-kv-cache chunked``."""
+run with splits and sinks needs ``--seq1f1b-kv-cache chunked``.
+
+``--qk-l2-norm`` and ``--attention-output-gate`` act on each token's own projections
+(megatron-core's L2Norm and its SelfAttention's gate), so a split computes them as the
+whole sequence does."""
 
 from megatron.trainer.moe_arguments import layer_pattern
 
@@ -36,6 +41,13 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 def add_attention_arguments(group):
     """Into the model group, beside the attention flags."""
+    group.add_argument("--qk-l2-norm", action="store_true",
+                       help="Llama-4's query/key L2 normalisation (megatron-core's weightless "
+                            "L2Norm where --qk-layernorm's norms would be)")
+    group.add_argument("--attention-output-gate", action="store_true",
+                       help="gated attention (Qwen3-Next): the QKV projection also makes a "
+                            "gate per head channel, and attention's output is multiplied by "
+                            "its sigmoid")
     group.add_argument("--softmax-type", choices=SOFTMAX_TYPES, default="vanilla",
                        help="attention softmax: vanilla; off-by-one (a zero logit per head in "
                             "every softmax, no value); learnable (that logit learnt per head: "
@@ -53,7 +65,22 @@ def add_attention_arguments(group):
 def check_attention_args(args):
     """The combinations that cannot run exactly here stop before any work, one line each;
     returns the problems."""
-    return _window_problems(args) + _sink_problems(args)
+    return _window_problems(args) + _sink_problems(args) + _projection_problems(args)
+
+
+def _projection_problems(args):
+    """--qk-l2-norm and --attention-output-gate: megatron-core has them for standard
+    attention only; --qk-layernorm is moot beside --qk-l2-norm (the L2 norms replace its
+    norms, as in megatron-core's spec)."""
+    problems = [f"{flag} is not supported with --multi-latent-attention (megatron-core has "
+                "it for standard attention only): drop one of them"
+                for flag, given in (("--qk-l2-norm", args.qk_l2_norm),
+                                    ("--attention-output-gate", args.attention_output_gate))
+                if given and args.multi_latent_attention]
+    if args.qk_l2_norm and args.qk_layernorm and not args.multi_latent_attention:
+        args.flag_notes.append("note: --qk-layernorm has no effect with --qk-l2-norm (the "
+                               "L2 norms take the query/key norms' place, as in megatron-core)")
+    return problems
 
 
 def _sink_problems(args):
@@ -113,6 +140,8 @@ def _window_problems(args):
 
 
 def attention_config_fields(args) -> dict:
-    """TransformerConfig's window_size, window_attn_skip_freq and softmax_type."""
+    """TransformerConfig's window_size, window_attn_skip_freq, softmax_type, qk_l2_norm and
+    attention_output_gate."""
     return {"window_size": args.window_size, "window_attn_skip_freq": args.window_attn_skip_freq,
-            "softmax_type": args.softmax_type}
+            "softmax_type": args.softmax_type, "qk_l2_norm": args.qk_l2_norm,
+            "attention_output_gate": args.attention_output_gate}

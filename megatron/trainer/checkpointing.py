@@ -86,7 +86,8 @@ MODEL_SHAPE_FLAGS = (
     "rope_scaling_factor", "apply_residual_connection_post_layernorm",
     "num_experts", "multi_latent_attention", "rotary_seq_len_interpolation_factor",
     "no_rope_freq", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
-    "softmax_type", "window_size", "window_attn_skip_freq",
+    "softmax_type", "window_size", "window_attn_skip_freq", "qk_l2_norm",
+    "attention_output_gate",
 )
 # YaRN's settings of standard attention (rope_arguments), saved with
 # --position-embedding-type yarn

@@ -261,7 +261,6 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
                "--openai-gelu "
-               "--qk-l2-norm --attention-output-gate "
                "--no-pad-vocab-size "
                "--disable-pad-vocab-size --init-method-xavier-uniform "
                "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
