@@ -143,7 +143,8 @@ def layer_spec(args, config, vp_stage=None):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm,
+                                                          qk_l2_norm=config.qk_l2_norm)
     return split_aware_local_spec(config, normalization=args.normalization,
                                   attention_backend=args.attention_backend, vp_stage=vp_stage,
                                   kv_cache=args.seq1f1b_kv_cache,
