@@ -6,9 +6,7 @@ unsplit embedding's slice, and the combinations Megatron-LM would silently ignor
 In-process; the trained runs (split against unsplit, and YaRN against plain RoPE) are in
 tests/test_model_flags_exactness.py."""
 
-import argparse
 import types
-import typing
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 
 from megatron.trainer import model as trainer_model
 from megatron.trainer.arguments import ArgumentErrors, parse_args
+from megatron_lm_parser import megatron_lm_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--train-iters", "1", "--mock-data", "--vocab-size", "128",
@@ -36,18 +35,13 @@ def args_of(*flags):
 def megatron_lm_yarn_attributes(flags):
     """What Megatron-LM 0.19's own code sets on the config for these flags, or None where
     this megatron-core ships no megatron/training (0.16.1)."""
-    if not hasattr(typing, "override"):  # megatron/training uses it; Python 3.12+
-        typing.override = lambda function: function
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("NO_VCS_VERSION", "1")  # else its package_info starts git on import
-            from megatron.training.argument_utils import _apply_yarn_config_from_args
-            from megatron.training.arguments import add_megatron_arguments
-    except ImportError:
+    parsed = megatron_lm_args(flags)  # imports megatron/training where it exists
+    if parsed is None:
         return None
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    from megatron.training.argument_utils import _apply_yarn_config_from_args
+
     config = types.SimpleNamespace()
-    _apply_yarn_config_from_args(config, parser.parse_args(flags))
+    _apply_yarn_config_from_args(config, parsed)
     return vars(config)
 
 
