@@ -265,7 +265,7 @@ class CostModel:
         unsplit_inputs = (q + kv + qkv) if new_qk else qkv
         cos_sin = self._rope_bytes(l) if rope else 0.0
         # the qk norms' and the output gate's own tensors, outside the kernel
-        around, pinned = self._qk_norm_and_gate_bytes()
+        around, pinned = self._qk_norm_and_gate_bytes(q, qkv)
         if split_kernel and self.kv_layout == "chunked":
             # q copy, LSE, output once; the chunked kernel is not checkpointed by
             # selective recomputation (it keeps no scores to drop)
@@ -299,7 +299,7 @@ class CostModel:
         # input shares (CPU and GPU kernels alike)
         return tokens * (q + lse + q + around + pinned) + cos_sin
 
-    def _qk_norm_and_gate_bytes(self) -> tuple[float, float]:
+    def _qk_norm_and_gate_bytes(self, q: float, qkv: float) -> tuple[float, float]:
         """Per token, outside the attention kernel: (what the qk norms and the output gate
         keep themselves, the fused QKV output when only a norm's saved input keeps it).
 
@@ -309,9 +309,7 @@ class CostModel:
         view). The gate keeps its sigmoid, and the output projection then keeps the gated
         product besides the kernel's output (probe: +2 q-sized tensors per token)."""
         m, t, e = self.model, self.par.tp, self.act_bytes
-        q = m.num_attention_heads * m.head_dim / t * e
         rows = (m.num_attention_heads + m.num_query_groups) / t  # q and k head rows
-        qkv = q + 2 * m.num_query_groups * m.head_dim / t * e
         around = 2 * q if m.attention_output_gate else 0.0
         if m.multi_latent_attention or not (m.qk_l2_norm or m.qk_layernorm):
             return around, 0.0

@@ -152,6 +152,13 @@ class AttentionBackend:
         return f"{type(self).__name__}()"
 
 
+def variant_kwargs(window=None, sink=None) -> dict:
+    """The ``window`` and ``sink`` keywords of a backend call, only those set: any
+    attention callable serves plain causal attention without them."""
+    return {name: value for name, value in (("window", window), ("sink", sink))
+            if value is not None}
+
+
 def _refuse_sink(sink, where):
     if sink is not None:
         raise ValueError(f"attention sinks (--softmax-type) are not supported {where} yet: "

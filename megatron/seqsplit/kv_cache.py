@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from megatron.seqsplit.attention_backends import AttentionCall
+from megatron.seqsplit.attention_backends import AttentionCall, variant_kwargs
 from megatron.seqsplit.attention_exchange import UnitExchange
 from megatron.seqsplit.cpu_split_attention import (
     own_and_prefix_backward,
@@ -370,11 +370,9 @@ def split_causal_attention(
         # added to V give zero output columns and the same other columns, so the output
         # is cut back to v_dim; only this call's V copy is padded, not the cache
         v_all = torch.nn.functional.pad(v_all, (0, key.shape[-1] - v_dim))
-    # only what is set: any attention callable serves plain causal attention
-    extra = {name: value for name, value in (("window", window), ("sink", sink))
-             if value is not None}
     out = backend(
         _to_bhld(query), _to_bhld(k_all), _to_bhld(v_all),
-        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents, **extra,
+        softmax_scale=softmax_scale, dropout_p=dropout_p, document_ids=documents,
+        **variant_kwargs(window, sink),
     )
     return _from_bhld(out[..., :v_dim]).contiguous()

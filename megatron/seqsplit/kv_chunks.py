@@ -254,7 +254,7 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
         raise ValueError("sliding windows and attention sinks in the chunked KV cache: not "
                          "with packed documents or SlimPipe's attention exchange yet")
     tracked = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value, *([sink] if sink is not None else [])))
+        t.requires_grad for t in (query, key, value))
     if tracked:
         release = partial(store.release, entry_id)
         out = _ChunkedSplitAttention.apply(

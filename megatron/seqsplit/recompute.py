@@ -24,6 +24,8 @@ cache is written once per split, by the first forward).
 from megatron.core import tensor_parallel
 from megatron.core.transformer.attention import SelfAttention
 
+from megatron.seqsplit.attention_backends import variant_kwargs
+
 
 class RecomputedAttentionKernel:
     """An attention backend whose call is checkpointed (megatron-core's reentrant
@@ -42,13 +44,9 @@ class RecomputedAttentionKernel:
 
     def __call__(self, q, k, v, *, softmax_scale, dropout_p=0.0, document_ids=None,
                  window=None, sink=None):
-        extra = {"window": window} if window is not None else {}
-
         def kernel(q_, k_, v_, document_ids_, sink_):
-            if sink_ is not None:
-                extra["sink"] = sink_
             return self.backend(q_, k_, v_, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                                document_ids=document_ids_, **extra)
+                                document_ids=document_ids_, **variant_kwargs(window, sink_))
 
         if not any(t.requires_grad for t in (q, k, v)):  # evaluation: nothing to save
             return kernel(q, k, v, document_ids, sink)
