@@ -98,6 +98,7 @@ CUDA_CALL_SITES = {
                                                  "synchronize before the fork",
     "dist_checkpointing.exchange_utils": "shard exchange buffers",
     "tensor_parallel.mappings": "sequence-parallel gathers",
+    "transformer.multi_token_prediction": "the MTP loss tracker's values on current_device()",
     "tensor_parallel.layers": "weight init device",
     "rerun_state_machine": "--rerun-mode: its all-reduces on device=\"cuda\", the CUDA RNG state "
                            "around a rerun, current_device in its lines",
@@ -117,6 +118,7 @@ def cuda_call_site(module: str) -> Entry:
 _SCHEDULES = "pipeline_parallel.schedules:"
 _MOE_UTILS = "transformer.moe.moe_utils:"
 _MOE_LOGGING = "transformer.moe.moe_logging:"
+_MTP = "transformer.multi_token_prediction:"
 _P2P = "pipeline_parallel.p2p_communication:P2PCommunicator."
 _RANDOM = "tensor_parallel.random:"
 
@@ -269,6 +271,20 @@ TABLE = (
     _mcore(_MOE_LOGGING + "MoEMetricsTracker.metrics",
            "name -> MetricEntry(values: per-layer tensor, ...), the live dict: read, "
            "zeroed and emptied by mcore_compat", checked="megatron-core 0.19.2"),
+    # --- multi-token prediction (megatron/seqsplit/mtp.py, megatron/trainer/mtp_metrics.py)
+    _mcore(_MTP + "roll_tensor",
+           "MTP's shift along the sequence, replaced by seqsplit.mtp.install_split_roll in "
+           "this module (the MTP layers; 0.17+ also process_mtp_loss) so that a split reads "
+           "past its end", "tensor", "shifts", "dims", "cp_group", "packed_seq_params"),
+    _mcore("models.gpt.gpt_model:roll_tensor",
+           "0.16.1's GPTModel._postprocess shifts the MTP labels and loss mask with its own "
+           "import of roll_tensor (replaced as the row above)", checked="megatron-core 0.16.1"),
+    _mcore(_MTP + "MTPLossLoggingHelper.tracker",
+           "the MTP losses of an iteration: 'values' (0.16.1) or 'loss_values' (0.19.2), a "
+           "per-depth tensor read and zeroed by mcore_compat.mtp_loss_values"),
+    _mcore(_MTP + "MTPLossAutoScaler.set_loss_scale",
+           "the executor sets the MTP loss gradient's scale, as megatron-core's forward_step",
+           "scale"),
     # --- pipeline schedules (megatron/schedules, megatron/benchmarks/stage.py) ---------
     _mcore(_SCHEDULES + "backward_step",
            "the executor's backward of one unit; 0.16.1 takes an unused model_type before "
@@ -577,3 +593,25 @@ def reset_moe_losses() -> None:
         get(_MOE_LOGGING + "get_moe_metrics_tracker")().metrics.clear()
     else:
         get(_MOE_UTILS + "get_moe_layer_wise_logging_tracker")().clear()
+
+
+def mtp_loss_values():
+    """The MTP loss tracker's per-depth tensor of this iteration (each microbatch's mean
+    loss added per depth), or None where no MTP layer ran on this rank: the key is
+    'values' on 0.16.1 and 'loss_values' (beside acceptance counts) since 0.17."""
+    tracker = get(_MTP + "MTPLossLoggingHelper.tracker")
+    return tracker.get("loss_values", tracker.get("values"))
+
+
+def clear_mtp_losses() -> None:
+    """Zero the MTP tracker's tensors (Megatron-LM clears them after each report)."""
+    tracker = get(_MTP + "MTPLossLoggingHelper.tracker")
+    for key in ("values", "loss_values", "correct_values", "total_values"):
+        if key in tracker:
+            tracker[key].zero_()
+
+
+def reset_mtp_losses() -> None:
+    """Drop the MTP tracker's entries: a new training run may have another depth count or
+    device than they were made for."""
+    get(_MTP + "MTPLossLoggingHelper.tracker").clear()

@@ -191,6 +191,7 @@ def main(spec_path, out_path):
                  "forward_units": units, "reports": reports,
                  "params_norms": result.params_norms, "num_zeros": result.num_zeros,
                  "moe_losses": result.moe_losses,
+                 "mtp_losses": result.mtp_losses,
                  "pipeline_ranks": captured.get("pipeline_ranks")}
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"

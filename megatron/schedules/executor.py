@@ -44,6 +44,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.mcore_compat import backward_step
@@ -151,6 +152,7 @@ class MicrobatchSlicer:
         batch = self.batches[split.microbatch_id]
         if split.is_last:
             del self.batches[split.microbatch_id]
+        split.microbatch = batch
         return slice_batch(batch, split.offset, split.length, split.seq_length)
 
 
@@ -302,7 +304,7 @@ class PipelineExecutor:
 
     def run(self) -> list:
         """Run the program; returns one loss report per microbatch (last stage)."""
-        self._set_moe_loss_scale()
+        self._set_auxiliary_loss_scales()
         try:
             for index, action in enumerate(self.program):
                 try:
@@ -323,17 +325,22 @@ class PipelineExecutor:
         self.routing_stats.clear()
         return merge_split_reports(self.reports)
 
-    def _set_moe_loss_scale(self) -> None:
-        """The scale of the MoE auxiliary losses' gradient, as megatron-core's
-        forward_step sets it on every stage: the main loss's (1 / microbatches, times the
-        fp16 loss scale)."""
-        if getattr(self.config, "num_moe_experts", None) is None:
+    def _set_auxiliary_loss_scales(self) -> None:
+        """The scale of the MoE auxiliary losses' and the multi-token prediction losses'
+        gradient, as megatron-core's forward_step sets it on every stage: the main
+        loss's (1 / microbatches, times the fp16 loss scale)."""
+        scalers = [scaler for scaler, used in (
+            (MoEAuxLossAutoScaler, getattr(self.config, "num_moe_experts", None) is not None),
+            (MTPLossAutoScaler, getattr(self.config, "mtp_num_layers", None) is not None))
+            if used]
+        if not scalers:
             return
         one = torch.ones(1, device=self.device)
         scale = self.config.grad_scale_func(one) if self.config.grad_scale_func else one
         if not self.config.calculate_per_token_loss:
             scale = scale / self.num_microbatches
-        MoEAuxLossAutoScaler.set_loss_scale(scale)
+        for scaler in scalers:
+            scaler.set_loss_scale(scale)
 
     def run_unit(self, unit: Unit) -> None:
         for observer in self.observers:

@@ -14,10 +14,14 @@ rather than the whole core attention (``megatron.seqsplit.recompute``).
 """
 
 import functools
+import inspect
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -28,6 +32,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron.seqsplit.core_attention import SplitCausalAttention
 from megatron.seqsplit.mla import SplitMLASelfAttention
+from megatron.seqsplit.mtp import begin_split_rolls, end_split_rolls, install_split_roll
 from megatron.seqsplit.moe import (
     SplitMoELayer,
     SplitRouter,
@@ -185,11 +190,46 @@ def split_aware_local_spec(config, normalization: str = "LayerNorm",
                                       layer_norm=SequenceParallelTorchNorm)
 
 
+def split_aware_mtp_block_spec(config, decoder_spec, use_transformer_engine=False,
+                               vp_stage=None):
+    """megatron-core's multi-token prediction block spec (None on stages without MTP):
+    each MTP layer's transformer layer is the decoder's last layer spec, so its attention
+    is the split-aware one with its own K/V cache (its layer number follows the
+    decoder's); its norms are the sequence-parallel torch norms where megatron-core would
+    take its torch wrapper. Under splits its shifts read past the split (``mtp.py``)."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = get_gpt_mtp_block_spec(config, decoder_spec,
+                                  use_transformer_engine=use_transformer_engine,
+                                  vp_stage=vp_stage)
+    if spec is not None:
+        install_split_roll()
+        for layer_spec in spec.layer_specs:
+            for name in ("enorm", "hnorm", "layer_norm"):
+                if getattr(layer_spec.submodules, name, None) is WrappedTorchNorm:
+                    setattr(layer_spec.submodules, name, SequenceParallelTorchNorm)
+    return spec
+
+
 class SeqSplitGPTModel(GPTModel):
-    """``GPTModel`` whose rotary embedding follows a split's offset.
+    """``GPTModel`` whose rotary embedding follows a split's offset, and whose
+    multi-token prediction reads past a split's end.
 
     ``_preprocess`` is private megatron-core API (no public RoPE offset up to 0.19):
     its signature is a row of ``megatron.mcore_compat.TABLE``."""
+
+    def forward(self, *args, **kwargs):
+        split = kwargs.get("packed_seq_params")
+        if not (getattr(self, "mtp_process", False) and isinstance(split, SplitContext)):
+            return super().forward(*args, **kwargs)
+        given = inspect.signature(GPTModel.forward).bind(self, *args, **kwargs).arguments
+        begin_split_rolls(split, tokens=given.get("input_ids"),
+                          position_ids=given.get("position_ids"), labels=given.get("labels"),
+                          loss_mask=given.get("loss_mask"))
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            end_split_rolls(split)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None, **kwargs):

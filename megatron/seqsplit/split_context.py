@@ -41,6 +41,10 @@ class SplitContext(PackedSeqParams):
     # [b, >= offset + length] document index of every token up to this split's end
     # (--reset-attention-mask); None means one causal sequence per row
     document_ids: Optional[torch.Tensor] = None
+    # the whole microbatch this split is cut from (the executor's MicrobatchSlicer sets
+    # it): multi-token prediction reads the tokens and labels past the split's end
+    microbatch: Optional[dict] = None
+    rolls: Optional[Any] = None  # megatron.seqsplit.mtp.SplitRolls during an MTP forward
     # which split-aware parts ran on this split during its forward (CONSUMERS): a
     # model that never saw the split attends within it only, and trains on wrong
     # gradients, so the executor refuses a forward that leaves one out

@@ -14,6 +14,7 @@ from megatron.pipeline_layers import UnevenSplitError, stage_layer_counts
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
+from megatron.trainer.mtp_arguments import add_mtp_arguments, check_mtp_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
@@ -570,6 +571,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
     add_moe_arguments(parser)
     add_mla_arguments(parser)
+    add_mtp_arguments(parser)
     add_no_op_flags(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
@@ -606,6 +608,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _validate_seq1f1b(args),
         lambda: problems.extend(check_moe_args(args, cuda_available)),
         lambda: problems.extend(check_mla_args(args)),
+        lambda: problems.extend(check_mtp_args(args)),
         lambda: problems.extend(check_rope_scaling_args(args)),
         lambda: problems.extend(check_attention_args(args)),
         lambda: _validate_slimpipe(args),

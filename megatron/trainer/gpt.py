@@ -107,6 +107,7 @@ def forward_step(data_iterator, model, args=None):
         batch.get("position_ids"),
         None,  # causal attention: the kernel applies the mask
         labels=batch.get("labels"),
+        loss_mask=batch.get("loss_mask"),  # multi-token prediction's loss reads it
         packed_seq_params=split,
     )
     loss_mask = batch.get("loss_mask")

@@ -276,8 +276,10 @@ for _reason, _flags in (
            "--overlap-dispatch-backward-with-experts-wgrad --ep-overlap-early-attn-memory-release "
            "--use-fused-weighted-squared-relu --high-priority-a2a-comm-stream "
            "--use-grouped-gemm-for-shared-expert --expert-tensor-parallel-num-weight-shards"),
-    ("multi-token prediction is not built here (it adds layers and a loss); drop it or "
-     "use Megatron-LM", "--mtp-"),
+    ("MTP in a standalone pipeline stage comes from --pipeline-model-parallel-layout, "
+     "which is not supported here: drop it (MTP runs on the last stage)", "--mtp-standalone"),
+    ("hybrid (Mamba) models are not built here; use Megatron-LM",
+     "--mtp-hybrid-override-pattern"),
     ("this attention or layer variant is not built here (standard softmax attention "
      "only); use Megatron-LM", "--experimental-attention-variant --dsa- --no-dsa- "
      "--disable-dsa- --linear- --use-kitchen-attention --kitchen-attention-backend "

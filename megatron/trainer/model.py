@@ -12,9 +12,14 @@ from megatron.model_shape import pad_vocab_size
 from megatron.trainer import device
 from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
+from megatron.trainer.mtp_arguments import mtp_config_fields
 from megatron.trainer.rope_arguments import yarn_config_attributes
 from megatron.trainer.attention_arguments import attention_config_fields
-from megatron.seqsplit.model import SeqSplitGPTModel, split_aware_local_spec
+from megatron.seqsplit.model import (
+    SeqSplitGPTModel,
+    split_aware_local_spec,
+    split_aware_mtp_block_spec,
+)
 
 
 def params_dtype(args):
@@ -129,6 +134,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         timers=None,
         expert_tensor_parallel_size=args.tensor_model_parallel_size,  # Megatron-LM's default
         **moe_config_fields(args),
+        **mtp_config_fields(args),
         **mla,
     )
     # YaRN of standard attention: attributes the config class does not declare, which
@@ -155,10 +161,16 @@ def layer_spec(args, config, vp_stage=None):
 
 
 def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """The GPT model of this pipeline stage."""
+    """The GPT model of this pipeline stage (with --mtp-num-layers, the last stage also
+    holds the MTP layers, each built from the decoder's last layer spec, as Megatron-LM)."""
+    decoder_spec = layer_spec(args, config, vp_stage)
     return SeqSplitGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, config, vp_stage),
+        transformer_layer_spec=decoder_spec,
+        mtp_block_spec=split_aware_mtp_block_spec(
+            config, decoder_spec,
+            use_transformer_engine=args.transformer_impl == "transformer_engine",
+            vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -51,6 +51,7 @@ from megatron.trainer.metrics import (
 )
 from megatron.trainer.model import transformer_config_from_args, vocab_size_of_model
 from megatron.trainer.moe_metrics import MoELossLog
+from megatron.trainer.mtp_metrics import MTPLossLog
 from megatron.trainer.param_gather import ParamGatherHooks
 
 
@@ -281,6 +282,7 @@ class TrainingResult:
     num_zeros: list = field(default_factory=list)
     # MoE models: per iteration, Megatron-LM's logged aux losses (name -> value)
     moe_losses: list = field(default_factory=list)
+    mtp_losses: list = field(default_factory=list)  # per iteration, 'mtp_k loss' -> value
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -544,6 +546,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         chunk.train()
     param_gather = ParamGatherHooks(model)  # --overlap-param-gather: on after a good step
     moe_losses = MoELossLog(args, next(model[0].parameters()).device)
+    mtp_losses = MTPLossLog(args)
     batch_sizes = GlobalBatchSizes(args)
 
     def before_pass():
@@ -552,6 +555,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         for observer in observers:
             observer.reset()
         moe_losses.clear()
+        mtp_losses.clear()
 
     while iteration < args.train_iters:
         if args.async_save:  # as Megatron-LM: publish the background saves that are done
@@ -607,13 +611,16 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
         # collective on every rank, as Megatron-LM's MoE report (empty for a dense model)
         history.moe_losses.append(moe_losses.report(args.num_microbatches, monitor.writers,
                                                     iteration))
+        history.mtp_losses.append(mtp_losses.report(args.num_microbatches, monitor.writers,
+                                                    iteration))
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window_start) / window_iters
             peaks = stage_peaks_gb(observers)
             samples_per_iteration = window_samples / window_iters
             tokens_per_second = samples_per_iteration * args.seq_length / elapsed
             tflops = flops_per_sample * samples_per_iteration / elapsed / world / 1e12
-            moe_means = moe_losses.interval_means()  # the interval's, as lm loss
+            # the interval's, as lm loss
+            moe_means = {**moe_losses.interval_means(), **mtp_losses.interval_means()}
             if parallel_state.is_pipeline_last_stage():
                 mean_loss = window_loss / max(window_count, 1)
                 print_last_rank(format_iteration_line(
@@ -634,6 +641,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
                              monitor)
             param_gather.resume()
             moe_losses.clear()  # as Megatron-LM, after an evaluation
+            mtp_losses.clear()
             if "lm loss" in valid:
                 ppl = monitor.log_validation(valid["lm loss"], iteration, consumed_samples)
                 print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
