@@ -87,7 +87,7 @@ MODEL_SHAPE_FLAGS = (
     "num_experts", "multi_latent_attention", "rotary_seq_len_interpolation_factor",
     "no_rope_freq", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
     "softmax_type", "window_size", "window_attn_skip_freq", "qk_l2_norm",
-    "attention_output_gate",
+    "attention_output_gate", "mtp_num_layers",
 )
 # YaRN's settings of standard attention (rope_arguments), saved with
 # --position-embedding-type yarn
@@ -107,6 +107,7 @@ GATED_SHAPE_FLAGS = {
                     "moe_layer_freq", "moe_router_topk", "moe_router_score_function"),
     "multi_latent_attention": ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                "qk_pos_emb_head_dim", "v_head_dim"),
+    "mtp_num_layers": ("mtp_use_repeated_layer",),
 }
 
 
@@ -446,7 +447,10 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
     checkpoint has: earlier saves of chained optimizers carry the prefix)."""
     # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual stages (their
     # tensors carry global layer numbers, so a checkpoint reshards across layouts)
-    model_sd = {_model_key(model, i): unwrap_model(chunk).sharded_state_dict()
+    # metadata as a dict that megatron-core fills with its data-parallel group: 0.16's
+    # GPTModel reads that group from the dict it passed down (MTP's embedding copy), which
+    # stays None when none is given
+    model_sd = {_model_key(model, i): unwrap_model(chunk).sharded_state_dict(metadata={})
                 for i, chunk in enumerate(model)}
     state = {
         **model_sd,

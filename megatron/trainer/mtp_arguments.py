@@ -7,6 +7,8 @@ import dataclasses
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.seqsplit.model import moe_layer_pattern
+
 # the MTP flags implemented here; the others (--mtp-standalone, set by a pipeline layout,
 # and --mtp-hybrid-override-pattern, for hybrid models) stay refused with their reason
 MTP_FLAGS = ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-use-repeated-layer",
@@ -61,11 +63,29 @@ def check_mtp_args(args):
         problems.append(f"--mtp-num-layers is not supported with --position-embedding-type "
                         f"{args.position_embedding_type} (Megatron-LM allows "
                         f"{', '.join(MTP_POSITION_EMBEDDINGS)})")
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        problems.append("--mtp-num-layers with pipeline parallelism needs "
+                        "--untie-embeddings-and-output-weights (as DeepSeek-V3): with tied "
+                        "ones megatron-core's checkpoint of the MTP stage fails its own check")
+    if (args.pipeline_model_parallel_size > 1
+            and args.position_embedding_type == "learned_absolute"):
+        problems.append("--mtp-num-layers with pipeline parallelism and learned absolute "
+                        "position embeddings is not supported: megatron-core gives the MTP "
+                        "stage its own copy of them, untied from the first stage's (its "
+                        "checkpoint fails its own check); use --position-embedding-type rope")
     splits = (args.seq1f1b_splits or 1) > 1 or args.slimpipe_slices is not None
+    if splits and args.mtp_use_repeated_layer:
+        problems.append("--mtp-use-repeated-layer is not supported under sequence splits yet "
+                        "(its one attention layer runs at every depth, and its K/V cache "
+                        "keeps one prefix per layer): drop it or run with --seq1f1b-splits 1")
     if splits and args.calculate_per_token_loss:
         problems.append("--mtp-num-layers with --calculate-per-token-loss is not supported "
                         "under sequence splits yet (megatron-core weighs MTP by the split's "
                         "own token count there): drop one of them")
+    if args.num_experts is not None and moe_layer_pattern(args)[-1]:
+        problems.append("--mtp-num-layers with an MoE last layer (the MTP layers copy it) is "
+                        "not supported yet: the MoE loss bookkeeping of MTP layers is not "
+                        "done; make the last layer dense (--moe-layer-freq) or drop MTP")
     for flag, given in (("--slimpipe-attention-balance", args.slimpipe_attention_balance),
                         ("--window-size", args.window_size is not None)):
         if given:

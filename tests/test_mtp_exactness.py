@@ -1,0 +1,134 @@
+"""Multi-token prediction (DeepSeek-V3's MTP, Megatron-LM's --mtp-num-layers) is exact
+under Seq1F1B: pp=2 with sequence splits reproduces pp=2 unsplit and a single process
+(loss, grad norm and every MTP depth's logged loss per iteration, validation loss, every
+parameter after the steps, relative 1e-5, fp32, dropout 0), every microbatch run in
+splits that tile the sequence. Each split's MTP layers embed the tokens 1..D places past
+each position and their losses read the labels and loss mask as far ahead, which for a
+split's last positions lie in the next splits (``megatron.seqsplit.mtp``); the MTP
+layers' attention runs over the split's K/V cache like the decoder's.
+
+* T: 2 MTP depths on the tiny MHA model with RoPE, LayerNorm and GeLU, init std 0.25
+  so that positions matter; also with TP=2 and sequence parallelism.
+* U (DeepSeek-V3's dense attention): 1 MTP depth of multi-latent attention with query
+  compression and its norms, RoPE, SwiGLU, RMSNorm, loss weight 0.3; the chunked KV cache.
+
+Both untie the output layer from the embeddings, as DeepSeek-V3 does (with them tied and
+pp > 1 megatron-core's own checkpoint code refuses the MTP stage: refused before work).
+The last stage's copy of the embedding (the MTP layers embed the shifted tokens) is tied
+to the first stage's: its gradient joins the first stage's each step.
+
+Breaking the read past the split (the shifted windows cut at the split's end) moves
+T's first MTP losses from 6.64 / 6.58 to 6.23 / 5.71: the comparison sees it.
+"""
+
+import pytest
+
+from distributed import (
+    TINY_MODEL,
+    Plan,
+    assert_close_series,
+    assert_params_close,
+    init_run,
+)
+from split_checks import check_split_units
+
+pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
+
+MODELS = {
+    "T": TINY_MODEL + ["--mtp-num-layers", "2", "--init-method-std", "0.25",
+                       "--untie-embeddings-and-output-weights",
+                       "--position-embedding-type", "rope"],
+    "U": TINY_MODEL + ["--position-embedding-type", "rope", "--swiglu", "--normalization",
+                       "RMSNorm", "--untie-embeddings-and-output-weights",
+                       "--disable-bias-linear", "--multi-latent-attention",
+                       "--kv-lora-rank", "12", "--qk-head-dim", "8",
+                       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+                       "--q-lora-rank", "16", "--qk-layernorm", "--rope-type", "rope",
+                       "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"],
+}
+DEPTHS = {"T": 2, "U": 1}
+ITERATIONS, MICROBATCHES = 2, 4
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+         "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+# name -> (model, split count, extra flags of the split run, world size)
+CASES = {
+    "T_pp2_s3": ("T", 3, [], 2),
+    "T_pp2_tp2_sp_s2": ("T", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                        4),
+    "U_pp2_s4_chunked": ("U", 4, ["--seq1f1b-kv-cache", "chunked"], 2),
+}
+
+
+def _splits(n):
+    return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", "average"]
+
+
+def plan(tmp, corpus):
+    """The split runs, their s = 1 runs on the same layout and the single-process
+    references, from one iteration-0 checkpoint per model."""
+    inits, starts = [], {}
+    for model, flags in MODELS.items():
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}", flags + BATCH)
+        inits.append(run)
+    runs = {1: [], 2: [], 4: []}
+    for model in MODELS:
+        base = MODELS[model] + BATCH + starts[model]
+        runs[2].append({"name": f"mtp_{model}_pp2_s1", "argv": base + PP2 + _splits(1),
+                        "params": True})
+        runs[1].append({"name": f"mtp_ref_{model}", "argv": base, "params": True})
+    for name, (model, n, extra, world) in CASES.items():
+        base = MODELS[model] + BATCH + starts[model]
+        runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra,
+                            "params": True})
+    return Plan(inits, runs)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_split_run_equals_unsplit_runs(results, name):
+    model, n, _, world = CASES[name]
+    run = results[name]
+    assert len(run["losses"]) == ITERATIONS
+    check_split_units(name, run["forward_units"], splits=n, method="average", seq_length=48,
+                      calls=ITERATIONS + 1,
+                      microbatches=MICROBATCHES if world == 4 else MICROBATCHES * 2 // world)
+    depths = [f"mtp_{k + 1} loss" for k in range(DEPTHS[model])]
+    for other, what in ((f"mtp_ref_{model}", "pp=1 single process"),
+                        (f"mtp_{model}_pp2_s1", "same layout, s=1")):
+        expected = results[other]
+        assert not expected["forward_units"], f"{other} ran splits"
+        assert_close_series(run["losses"], expected["losses"], 1e-5, f"{name} loss vs {what}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"], 1e-5,
+                            f"{name} grad norm vs {what}")
+        for losses in (run["mtp_losses"], expected["mtp_losses"]):
+            assert [sorted(step) for step in losses] == [depths] * ITERATIONS, (name, other)
+        for depth in depths:
+            assert_close_series([step[depth] for step in run["mtp_losses"]],
+                                [step[depth] for step in expected["mtp_losses"]], 1e-5,
+                                f"{name} {depth} vs {what}")
+        assert_close_series([run["final_validation_loss"]], [expected["final_validation_loss"]],
+                            1e-5, f"{name} validation loss vs {what}")
+        assert_params_close(run["params"], expected["params"])
+
+
+def test_the_mtp_layers_were_built_and_trained(results):
+    """T holds 2 MTP layers, U one of MLA; each has its projection of [token embedding,
+    hidden state] and its own transformer layer, and their MTP losses are real
+    cross-entropies (near ln 200 at the start)."""
+    import torch
+
+    for model, depth in DEPTHS.items():
+        names = torch.load(results[f"mtp_ref_{model}"]["params"])
+        projections = sorted(n for n in names if n.endswith("eh_proj.weight"))
+        assert [n.split("mtp.layers.")[1].split(".")[0] for n in projections] == [
+            str(k) for k in range(depth)], (model, projections)
+        assert names[projections[0]].shape == (32, 64), model
+        if model == "U":
+            assert any("mtp.layers.0." in n and "linear_kv_down_proj" in n for n in names)
+        for step in results[f"mtp_ref_{model}"]["mtp_losses"]:
+            assert all(4.5 < value < 8 for value in step.values()), step
