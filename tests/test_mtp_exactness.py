@@ -45,8 +45,25 @@ MODELS = {
                        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
                        "--q-lora-rank", "16", "--qk-layernorm", "--rope-type", "rope",
                        "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"],
+    # DeepSeek-V3: U's attention, MoE from the second layer on with a shared expert and
+    # the sigmoid router's expert bias and seq_aux_loss, so the MTP layer (a copy of the
+    # last) is an MoE layer whose routing statistics are its own microbatch's
+    "V": TINY_MODEL + ["--position-embedding-type", "rope", "--swiglu", "--normalization",
+                       "RMSNorm", "--untie-embeddings-and-output-weights",
+                       "--disable-bias-linear", "--multi-latent-attention",
+                       "--kv-lora-rank", "12", "--qk-head-dim", "8",
+                       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+                       "--q-lora-rank", "16", "--qk-layernorm", "--rope-type", "rope",
+                       "--num-experts", "8", "--moe-router-topk", "2",
+                       "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]*1+[1]*3",
+                       "--moe-shared-expert-intermediate-size", "24",
+                       "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+                       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+                       "0.002", "--moe-router-load-balancing-type", "seq_aux_loss",
+                       "--moe-aux-loss-coeff", "1", "--moe-token-dispatcher-type", "alltoall",
+                       "--mtp-num-layers", "2"],
 }
-DEPTHS = {"T": 2, "U": 1}
+DEPTHS = {"T": 2, "U": 1, "V": 2}
 ITERATIONS, MICROBATCHES = 2, 4
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0"]
@@ -57,6 +74,12 @@ CASES = {
     "T_pp2_tp2_sp_s2": ("T", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                         4),
     "U_pp2_s4_chunked": ("U", 4, ["--seq1f1b-kv-cache", "chunked"], 2),
+    # the last stage holds decoder layers 2-4: megatron-core >= 0.17 numbers the MTP
+    # layers 1, 2 (their own count), so their K/V caches must not be the decoder's 2's
+    "T_pp2_last3_s4": ("T", 4, ["--decoder-last-pipeline-num-layers", "3"], 2),
+    # decoder MoE layers 2-4 on the last stage: the MTP routers (numbered 1, 2 by
+    # megatron-core >= 0.17) keep their own statistics
+    "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3"], 2),
 }
 
 
@@ -111,6 +134,11 @@ def test_split_run_equals_unsplit_runs(results, name):
             assert_close_series([step[depth] for step in run["mtp_losses"]],
                                 [step[depth] for step in expected["mtp_losses"]], 1e-5,
                                 f"{name} {depth} vs {what}")
+        if model == "V":  # the MoE loss over the decoder's and the MTP layers' routers
+            assert_close_series([step["seq_load_balancing_loss"] for step in run["moe_losses"]],
+                                [step["seq_load_balancing_loss"]
+                                 for step in expected["moe_losses"]], 1e-5,
+                                f"{name} seq_load_balancing_loss vs {what}")
         assert_close_series([run["final_validation_loss"]], [expected["final_validation_loss"]],
                             1e-5, f"{name} validation loss vs {what}")
         assert_params_close(run["params"], expected["params"])

@@ -49,6 +49,7 @@ class SplitCausalAttention(MegatronModule):
         kv_cache: str = "buffer",
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
+        mtp_layer: bool = False,
     ):
         super().__init__(config=config)
         if attention_type != "self" or attn_mask_type != AttnMaskType.causal:
@@ -56,6 +57,9 @@ class SplitCausalAttention(MegatronModule):
         if config.context_parallel_size > 1:
             raise ValueError("context parallelism is not supported by the local split attention")
         self.layer_number = layer_number
+        # the K/V caches are keyed by layer: an MTP layer's own (megatron-core >= 0.17
+        # numbers MTP layers from 1, as decoder layers that may sit on the same stage)
+        self.cache_key = ("mtp", layer_number) if mtp_layer else layer_number
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
@@ -135,7 +139,7 @@ class SplitCausalAttention(MegatronModule):
         kwargs = dict(
             split=split,
             store=split.kv_store if split is not None else None,
-            layer_key=self.layer_number,
+            layer_key=self.cache_key,
             backend=self.backend,
             softmax_scale=self.softmax_scale,
             dropout_p=dropout_p,

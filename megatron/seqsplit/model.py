@@ -13,6 +13,7 @@ selective recomputation checkpoints the attention kernel after the KV-cache writ
 rather than the whole core attention (``megatron.seqsplit.recompute``).
 """
 
+import copy
 import functools
 import inspect
 
@@ -202,12 +203,23 @@ def split_aware_mtp_block_spec(config, decoder_spec, use_transformer_engine=Fals
     spec = get_gpt_mtp_block_spec(config, decoder_spec,
                                   use_transformer_engine=use_transformer_engine,
                                   vp_stage=vp_stage)
-    if spec is not None:
-        install_split_roll()
-        for layer_spec in spec.layer_specs:
-            for name in ("enorm", "hnorm", "layer_norm"):
-                if getattr(layer_spec.submodules, name, None) is WrappedTorchNorm:
-                    setattr(layer_spec.submodules, name, SequenceParallelTorchNorm)
+    if spec is None:
+        return None
+    install_split_roll()
+    for layer_spec in spec.layer_specs:
+        submodules = layer_spec.submodules
+        for name in ("enorm", "hnorm", "layer_norm"):
+            if getattr(submodules, name, None) is WrappedTorchNorm:
+                setattr(submodules, name, SequenceParallelTorchNorm)
+        # the decoder's layer spec, copied: its attention keeps MTP's own K/V caches
+        # (the spec object is shared with the decoder's layers)
+        name = ("mtp_model_layer" if hasattr(submodules, "mtp_model_layer")
+                else "transformer_layer")  # megatron-core >= 0.17 / 0.16
+        transformer_layer = copy.deepcopy(getattr(submodules, name))
+        core_attention = transformer_layer.submodules.self_attention.submodules.core_attention
+        if getattr(core_attention, "module", None) is SplitCausalAttention:
+            core_attention.params = dict(core_attention.params, mtp_layer=True)
+        setattr(submodules, name, transformer_layer)
     return spec
 
 

@@ -139,7 +139,7 @@ class SplitRouter(TopKRouter):
             if self.get_aux_loss_coeff("global_aux_loss") > 0:
                 record.counts["global"] = self._all_reduce(per_expert, self.tp_dp_cp_group)
                 record.counts["global_tokens"] = routing_map.shape[0] * self.tp_dp_cp_group.size()
-        stats.record(self.layer_number, split.microbatch_id, split.split_index, record)
+        stats.record(self._layer_key(), split.microbatch_id, split.split_index, record)
 
     @staticmethod
     def _all_reduce(tensor, group):
@@ -149,7 +149,21 @@ class SplitRouter(TopKRouter):
         return tensor
 
     def _stats(self):
-        return self.split.routing_stats, self.layer_number, self.split.microbatch_id
+        return self.split.routing_stats, self._layer_key(), self.split.microbatch_id
+
+    def _is_mtp_layer(self):
+        return getattr(self, "is_mtp_layer", False)  # megatron-core >= 0.17 sets it
+
+    def _layer_key(self):
+        """The statistics' key of this router: megatron-core >= 0.17 numbers MTP layers
+        from 1, as decoder layers that may sit on the same stage."""
+        return ("mtp", self.layer_number) if self._is_mtp_layer() else self.layer_number
+
+    def _tracker_layer(self):
+        """(layer number, layer count) under which megatron-core's router logs: MTP
+        layers after the decoder's (0.16 numbers them so already, 0.17+ adds num_layers)."""
+        number = self.layer_number + (self.config.num_layers if self._is_mtp_layer() else 0)
+        return number, self.config.num_layers + (self.config.mtp_num_layers or 0)
 
     # --- the router's loss hooks (megatron-core names, rows of mcore_compat) -------------
     def routing(self, logits, padding_mask=None):
@@ -178,8 +192,7 @@ class SplitRouter(TopKRouter):
             # this split's share of the microbatch's loss value (megatron-core logs the
             # loss divided by its coefficient); the splits' shares add up to it
             share = (part.detach().float() * w.float()).sum() / coeff
-            mcore_compat.record_moe_loss(name, share, self.layer_number,
-                                         self.config.num_layers, **groups)
+            mcore_compat.record_moe_loss(name, share, *self._tracker_layer(), **groups)
             return w
 
         return _DeferredAuxLoss.apply(probs, partial, weights_and_log)

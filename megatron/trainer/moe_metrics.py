@@ -71,8 +71,11 @@ class MoELossLog:
 
     def __init__(self, args, device):
         self.names = tracked_names(args)
-        self.num_layers = args.num_layers
-        self.num_moe_layers = sum(moe_layer_pattern(args)) if self.names else 0
+        # MTP layers are counted after the decoder's, as Megatron-LM 0.19 counts them (its
+        # MoE layer count adds them, MoE or not)
+        mtp = getattr(args, "mtp_num_layers", None) or 0
+        self.num_layers = args.num_layers + mtp
+        self.num_moe_layers = sum(moe_layer_pattern(args)) + mtp if self.names else 0
         self.device = device
         self.per_layer = bool(getattr(args, "moe_per_layer_logging", False))
         self.window = {}

@@ -7,8 +7,6 @@ import dataclasses
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.seqsplit.model import moe_layer_pattern
-
 # the MTP flags implemented here; the others (--mtp-standalone, set by a pipeline layout,
 # and --mtp-hybrid-override-pattern, for hybrid models) stay refused with their reason
 MTP_FLAGS = ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-use-repeated-layer",
@@ -82,10 +80,6 @@ def check_mtp_args(args):
         problems.append("--mtp-num-layers with --calculate-per-token-loss is not supported "
                         "under sequence splits yet (megatron-core weighs MTP by the split's "
                         "own token count there): drop one of them")
-    if args.num_experts is not None and moe_layer_pattern(args)[-1]:
-        problems.append("--mtp-num-layers with an MoE last layer (the MTP layers copy it) is "
-                        "not supported yet: the MoE loss bookkeeping of MTP layers is not "
-                        "done; make the last layer dense (--moe-layer-freq) or drop MTP")
     for flag, given in (("--slimpipe-attention-balance", args.slimpipe_attention_balance),
                         ("--window-size", args.window_size is not None)):
         if given:

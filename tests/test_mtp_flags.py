@@ -1,0 +1,143 @@
+"""Multi-token prediction's pieces without processes: the split's shifts against
+megatron-core's unsplit ``roll_tensor``, Megatron-LM 0.19's flags, the refusals, the
+checkpoint's model shape and the planner's stop. The training runs (exact against one
+process) are tests/test_mtp_exactness.py."""
+
+import pytest
+import torch
+from megatron.core.transformer import multi_token_prediction
+
+from megatron_lm_parser import megatron_lm_args
+from megatron.seqsplit.mtp import begin_split_rolls, end_split_rolls, split_aware_roll_tensor
+from megatron.seqsplit.split_context import SplitContext, slice_batch
+from megatron.trainer.arguments import ArgumentErrors, parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "1",
+        "--mock-data", "--vocab-size", "128", "--micro-batch-size", "1",
+        "--global-batch-size", "1", "--position-embedding-type", "rope"]
+MTP = ["--mtp-num-layers", "2"]
+PP2_SPLITS = ["--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "2",
+              "--untie-embeddings-and-output-weights"]
+
+
+def args_of(*flags, world_size=1):
+    return parse_args(BASE + list(flags), world_size=world_size, cuda_available=False,
+                      check_files=False)
+
+
+def _microbatch(length=13, batch=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 100, (batch, length + 1), generator=generator)
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "loss_mask": (torch.rand(batch, length, generator=generator) > 0.2).float(),
+            "position_ids": torch.arange(length).repeat(batch, 1)}
+
+
+@pytest.mark.parametrize("lengths", [(13,), (5, 8), (4, 4, 5), (1, 3, 9), (6, 6, 1)])
+def test_split_shifts_equal_the_unsplit_shift_cut_to_the_split(lengths):
+    """Every split's k-th shift of each tensor (and of the labels' copy, as megatron-core
+    clones them) is the unsplit k-th shift's window, zeros past the sequence's end; the
+    loss mask's sum is the whole microbatch's, as megatron-core's count of the row."""
+    microbatch, depths = _microbatch(), 3
+    whole = {name: [tensor] for name, tensor in microbatch.items()}
+    sums = []
+    for _ in range(depths):
+        for name, shifted in whole.items():
+            rolled, total = multi_token_prediction.roll_tensor(shifted[-1], shifts=-1, dims=-1)
+            shifted.append(rolled)
+            if name == "loss_mask":
+                sums.append(total)
+    offset = 0
+    for index, length in enumerate(lengths):
+        split = SplitContext(split_index=index, num_splits=len(lengths), offset=offset,
+                             length=length, seq_length=13, microbatch=microbatch)
+        own = slice_batch(microbatch, offset, length, 13)
+        begin_split_rolls(split, **own)
+        current = dict(own, labels=own["labels"].clone())  # megatron-core's copy
+        for depth in range(depths):
+            for name in current:
+                rolled, total = split_aware_roll_tensor(current[name], packed_seq_params=split)
+                expected = whole[name][depth + 1][:, offset:offset + length]
+                assert torch.equal(rolled, expected), (lengths, index, name, depth)
+                if name == "loss_mask":
+                    assert torch.equal(total, sums[depth]), (lengths, index, depth)
+                current[name] = rolled
+        end_split_rolls(split)
+        offset += length
+
+
+def test_an_unknown_tensor_stops_with_the_reason():
+    microbatch = _microbatch()
+    split = SplitContext(num_splits=2, offset=0, length=6, seq_length=13,
+                         microbatch=microbatch)
+    begin_split_rolls(split, **slice_batch(microbatch, 0, 6, 13))
+    with pytest.raises(RuntimeError, match="not the split's tokens, position ids, labels"):
+        split_aware_roll_tensor(torch.ones(2, 6, dtype=torch.long), packed_seq_params=split)
+
+
+def test_unsplit_calls_stay_megatron_cores():
+    tensor = torch.arange(6).view(1, 6)
+    assert torch.equal(split_aware_roll_tensor(tensor)[0],
+                       torch.tensor([[1, 2, 3, 4, 5, 0]]))
+
+
+def test_flags_have_megatron_lms_names_defaults_and_config():
+    from megatron.trainer.model import transformer_config_from_args
+
+    args = args_of(*MTP, "--mtp-loss-scaling-factor", "0.3")
+    config = transformer_config_from_args(args)
+    assert (config.mtp_num_layers, config.mtp_loss_scaling_factor) == (2, 0.3)
+    plain = transformer_config_from_args(args_of())
+    assert (plain.mtp_num_layers, plain.mtp_loss_scaling_factor) == (None, 0.1)
+    megatron_lm = megatron_lm_args(MTP)
+    if megatron_lm is not None:
+        assert (megatron_lm.mtp_num_layers, megatron_lm.mtp_loss_scaling_factor) == (2, 0.1)
+        assert args_of(*MTP).mtp_loss_scaling_factor == megatron_lm.mtp_loss_scaling_factor
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--position-embedding-type", "yarn"], "not supported with --position-embedding-type"),
+    (["--pipeline-model-parallel-size", "2"], "needs --untie-embeddings-and-output-weights"),
+    (["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights",
+      "--position-embedding-type", "learned_absolute"], "learned absolute position"),
+    (PP2_SPLITS + ["--calculate-per-token-loss"], "--calculate-per-token-loss is not supported"),
+    (PP2_SPLITS + ["--window-size", "4,0"], "not supported with --window-size"),
+])
+def test_what_cannot_run_stops_before_work(flags, reason):
+    world = 2 if "--pipeline-model-parallel-size" in flags else 1
+    with pytest.raises(ArgumentErrors) as error:
+        args_of(*MTP, *flags, world_size=world)
+    assert reason in str(error.value)
+
+
+@pytest.mark.parametrize("moe_layers", ["[1,0]", "[0,1]"])
+def test_mtp_under_splits_runs_after_a_dense_or_an_moe_last_layer(moe_layers):
+    args = args_of(*MTP, *PP2_SPLITS, "--num-experts", "4", "--moe-router-topk", "2",
+                   "--disable-bias-linear", "--moe-layer-freq", moe_layers, world_size=2)
+    assert args.mtp_num_layers == 2
+
+
+def test_repeated_layer_is_refused_under_splits_only():
+    """One MTP layer at every depth would share its K/V cache between the depths."""
+    flags = [*MTP, "--mtp-use-repeated-layer"]
+    with pytest.raises(ArgumentErrors) as error:
+        args_of(*flags, *PP2_SPLITS, world_size=2)
+    text = str(error.value)
+    assert "--mtp-use-repeated-layer is not supported under sequence splits" in text or (
+        "needs megatron-core >= 0.17" in text)
+
+
+def test_the_depth_count_is_part_of_the_checkpoints_model_shape():
+    from megatron.trainer.checkpointing import model_shape
+
+    assert model_shape(args_of(*MTP))["mtp_num_layers"] == 2
+    assert model_shape(args_of())["mtp_num_layers"] is None
+
+
+def test_the_planner_says_it_does_not_count_mtp():
+    from megatron.planner.cli import model_from_args, parse
+    from megatron.planner.predict import PlanError
+
+    with pytest.raises(PlanError, match="does not count multi-token prediction"):
+        model_from_args(parse(BASE + MTP + ["--gpu", "cpu"]))
