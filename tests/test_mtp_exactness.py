@@ -80,6 +80,13 @@ CASES = {
     # decoder MoE layers 2-4 on the last stage: the MTP routers (numbered 1, 2 by
     # megatron-core >= 0.17) keep their own statistics
     "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3"], 2),
+    # megatron-core checkpoints each MTP layer under full recomputation: its attention
+    # recomputed in backward over the split's cached prefix
+    "T_pp2_s3_recompute": ("T", 3, ["--recompute-granularity", "full", "--recompute-method",
+                                    "uniform", "--recompute-num-layers", "1"], 2),
+    # SlimPipe's slices read past their ends the same way
+    "U_pp2_slimpipe_n4": ("U", 4, ["--pipeline-schedule", "slimpipe", "--slimpipe-slices",
+                                   "4"], 2),
 }
 
 
@@ -102,7 +109,8 @@ def plan(tmp, corpus):
         runs[1].append({"name": f"mtp_ref_{model}", "argv": base, "params": True})
     for name, (model, n, extra, world) in CASES.items():
         base = MODELS[model] + BATCH + starts[model]
-        runs[world].append({"name": name, "argv": base + PP2 + _splits(n) + extra,
+        splits = [] if "slimpipe" in name else _splits(n)  # SlimPipe: its slices
+        runs[world].append({"name": name, "argv": base + PP2 + splits + extra,
                             "params": True})
     return Plan(inits, runs)
 
