@@ -139,6 +139,10 @@ class ModelShape:
     # (megatron-core's local and TE specs build them only with it; without, the latents
     # go to the up-projections as they are)
     qk_layernorm: bool = False
+    # --mtp-num-layers: DeepSeek-V3's multi-token prediction depths on the last stage, each
+    # a copy of the last layer plus two norms, a 2h -> h projection, a final norm and a
+    # pass through the output head
+    mtp_num_layers: int = 0
 
     @classmethod
     def from_args(cls, args, *, vocab_size: int | None = None, name: str = "custom"):
@@ -181,6 +185,7 @@ class ModelShape:
             vocab_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
             padded_vocab=getattr(args, "padded_vocab_size", None),
             max_position_embeddings=getattr(args, "max_position_embeddings", None),
+            mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,
         )
         return cls(**{**fields, **_moe_fields(args), **_mla_fields(args)})
 
@@ -267,7 +272,17 @@ class ModelShape:
                      + 2 * norm + mla_norms for i in range(self.num_layers))
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
         embeddings += self.position_embedding_params()
-        return layers + embeddings + norm
+        mtp = self.mtp_num_layers * (
+            self.attention_linear_params() + self.mlp_linear_params(self.num_layers - 1, active)
+            + 2 * norm + mla_norms + self.mtp_extra_params())
+        return layers + embeddings + norm + mtp
+
+    def mtp_extra_params(self) -> int:
+        """Weights an MTP depth adds to its copy of the last layer: the embedding's and
+        the hidden state's norms, the final norm, and the projection of the two (2h -> h,
+        no bias)."""
+        h = self.hidden_size
+        return 3 * (2 * h if self.normalization == "LayerNorm" else h) + 2 * h * h
 
     def position_embedding_params(self) -> int:
         """Learned absolute position embeddings (RoPE has no weights)."""
@@ -345,14 +360,22 @@ class ModelShape:
     def lm_head_flops_per_token(self) -> float:
         return 2 * self.hidden_size * self.vocab_size
 
+    def mtp_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the MTP depths' linear layers: each its copy of the
+        last layer, its 2h -> h projection and the output head (as Megatron-LM counts)."""
+        per_depth = (self.layer_flops_per_token(self.num_layers - 1)
+                     + 2 * 2 * self.hidden_size ** 2 + self.lm_head_flops_per_token())
+        return self.mtp_num_layers * per_depth
+
     def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token that do not depend on the position: all layers + LM head."""
+        """Forward FLOPs per token that do not depend on the position: all layers + LM head
+        (+ the MTP depths)."""
         return (sum(map(self.layer_flops_per_token, range(self.num_layers)))
-                + self.lm_head_flops_per_token())
+                + self.lm_head_flops_per_token() + self.mtp_flops_per_token())
 
     def attention_flops_per_pair(self) -> float:
-        """Forward FLOPs per causal (query, key) pair over all layers."""
-        return self.num_layers * self.layer_flops_per_pair()
+        """Forward FLOPs per causal (query, key) pair over all layers (+ the MTP depths)."""
+        return (self.num_layers + self.mtp_num_layers) * self.layer_flops_per_pair()
 
     def forward_flops_parts(self, length: int, offset: int = 0, *, layers: int | None = None,
                             lm_head: bool = True, first_layer: int = 0) -> tuple[float, float]:
@@ -362,20 +385,28 @@ class ModelShape:
         n = self.num_layers if layers is None else layers
         linear = sum(map(self.layer_flops_per_token, range(first_layer, first_layer + n)))
         linear *= length
-        if lm_head:
-            linear += self.lm_head_flops_per_token() * length
-        return linear, self.attention_flops(length, offset, layers=n, first_layer=first_layer)
+        attention = self.attention_flops(length, offset, layers=n, first_layer=first_layer)
+        if lm_head:  # the last stage: the output head, and the MTP depths with it
+            linear += (self.lm_head_flops_per_token() + self.mtp_flops_per_token()) * length
+            attention += self.mtp_attention_flops(length, offset)
+        return linear, attention
+
+    def mtp_attention_flops(self, length: int, offset: int = 0) -> float:
+        """Forward attention FLOPs of the MTP depths (causal over the whole sequence)."""
+        return self.mtp_num_layers * self.layer_flops_per_pair() * self.causal_pairs(length,
+                                                                                      offset)
 
     def forward_flops(self, length: int, offset: int = 0) -> float:
         """Forward FLOPs of ``length`` tokens after ``offset`` earlier ones, whole model."""
-        return self.linear_flops_per_token() * length + self.attention_flops(length, offset)
+        return (self.linear_flops_per_token() * length + self.attention_flops(length, offset)
+                + self.mtp_attention_flops(length, offset))
 
     def iteration_flops(self, seq_length: int, num_sequences: int = 1,
                         causal: bool = True) -> float:
         """Forward + backward (3x forward) FLOPs of ``num_sequences`` sequences.
         ``causal=False`` counts ``S^2`` pairs (Narayanan et al. 2021), not ``S (S + 1) / 2``."""
-        attention = (self.attention_flops(seq_length) if causal
-                     else self.attention_flops_per_pair() * seq_length**2)
+        attention = (self.attention_flops(seq_length) + self.mtp_attention_flops(seq_length)
+                     if causal else self.attention_flops_per_pair() * seq_length**2)
         per_sequence = self.linear_flops_per_token() * seq_length + attention
         return 3 * num_sequences * per_sequence
 

@@ -90,6 +90,16 @@ CASES = {
 }
 
 
+# cases that need megatron-core >= 0.17 (refused before work on 0.16)
+NEEDS_MCORE_17 = {"T_pp2_s3_recompute"}
+
+
+def _runs_here(name):
+    from megatron.trainer.mtp_arguments import recompute_runs_under_splits
+
+    return name not in NEEDS_MCORE_17 or recompute_runs_under_splits()
+
+
 def _splits(n):
     return ["--seq1f1b-splits", str(n), "--seq1f1b-balance-method", "average"]
 
@@ -108,6 +118,8 @@ def plan(tmp, corpus):
                         "params": True})
         runs[1].append({"name": f"mtp_ref_{model}", "argv": base, "params": True})
     for name, (model, n, extra, world) in CASES.items():
+        if not _runs_here(name):
+            continue
         base = MODELS[model] + BATCH + starts[model]
         splits = [] if "slimpipe" in name else _splits(n)  # SlimPipe: its slices
         runs[world].append({"name": name, "argv": base + PP2 + splits + extra,
@@ -122,6 +134,8 @@ def results(exactness_runs):
 
 @pytest.mark.parametrize("name", CASES)
 def test_split_run_equals_unsplit_runs(results, name):
+    if not _runs_here(name):
+        pytest.skip("MTP with full recomputation under splits needs megatron-core >= 0.17")
     model, n, _, world = CASES[name]
     run = results[name]
     assert len(run["losses"]) == ITERATIONS

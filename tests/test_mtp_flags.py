@@ -128,6 +128,18 @@ def test_repeated_layer_is_refused_under_splits_only():
         "needs megatron-core >= 0.17" in text)
 
 
+def test_full_recomputation_under_splits_needs_megatron_core_0_17():
+    from megatron.trainer.mtp_arguments import recompute_runs_under_splits
+
+    flags = [*MTP, *PP2_SPLITS, "--recompute-granularity", "full", "--recompute-method",
+             "uniform", "--recompute-num-layers", "1"]
+    if recompute_runs_under_splits():
+        assert args_of(*flags, world_size=2).mtp_num_layers == 2
+    else:
+        with pytest.raises(ArgumentErrors, match="needs megatron-core >= 0.17"):
+            args_of(*flags, world_size=2)
+
+
 def test_the_depth_count_is_part_of_the_checkpoints_model_shape():
     from megatron.trainer.checkpointing import model_shape
 
@@ -135,9 +147,22 @@ def test_the_depth_count_is_part_of_the_checkpoints_model_shape():
     assert model_shape(args_of())["mtp_num_layers"] is None
 
 
-def test_the_planner_says_it_does_not_count_mtp():
-    from megatron.planner.cli import model_from_args, parse
-    from megatron.planner.predict import PlanError
+def test_the_model_shape_counts_the_mtp_depths_as_megatron_lm():
+    """Each depth: a copy of the last layer, the 2h -> h projection and the output head
+    (Megatron-LM's FLOPs formula counts them so), and causal attention over the sequence;
+    its parameters: the layer's, three norms and the projection. The planner's memory
+    terms are checked against the probe (tests/test_planner_memory_probe.py)."""
+    from dataclasses import replace
 
-    with pytest.raises(PlanError, match="does not count multi-token prediction"):
-        model_from_args(parse(BASE + MTP + ["--gpu", "cpu"]))
+    from megatron.model_shape import ModelShape
+
+    with_mtp = ModelShape.from_args(args_of(*MTP), vocab_size=128)
+    plain = replace(with_mtp, mtp_num_layers=0)
+    h = 32
+    per_depth = plain.layer_flops_per_token(1) + 4 * h * h + 2 * h * 128
+    assert with_mtp.linear_flops_per_token() == plain.linear_flops_per_token() + 2 * per_depth
+    assert with_mtp.forward_flops(16) - plain.forward_flops(16) == pytest.approx(
+        2 * (per_depth * 16 + plain.layer_flops_per_pair() * 16 * 17 / 2))
+    layer = plain.attention_linear_params() + plain.mlp_linear_params(1) + 2 * 2 * h
+    assert with_mtp.parameter_count() - plain.parameter_count() == 2 * (
+        layer + 3 * 2 * h + 2 * h * h)

@@ -22,6 +22,10 @@ layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
 Attention variants (in the 2-process launch): query/key LayerNorms and L2 norms, the
 output gate, and sliding windows with attention sinks, each planned within 2%.
 
+Multi-token prediction (in the 2-process launch): 2 dense MTP depths, and one MoE + MLA
+depth after an MoE + MLA model, on the last stage (within 0.1% when measured; not
+counting them, the last stage was planned at 0.39x / 0.59x of the probe).
+
 Multi-latent attention (in the 2-process launch): an MoE + MLA model (query and kv
 latents, query-key head 16 + 8 rotary, value head 12, shared expert, first layer dense,
 s = 2, selective recomputation) and a dense one (LayerNorm latent norms of
@@ -151,9 +155,20 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--sequence-parallel", "--seq1f1b-splits", "2", "--moe-layer-freq", "[0]*1+[1]*3",
         "--moe-shared-expert-intermediate-size", "64", "--qk-layernorm",
         "--recompute-granularity", "selective"] + NO_DROPOUT),
+    # DeepSeek-V3's multi-token prediction on the last stage: 2 dense depths, and one
+    # MoE + MLA depth (each a copy of the last layer, with its norms, projection, output
+    # head and loss, and its K/V cache)
+    "mtp_s2": (2, PP2 + ROPE + ["--untie-embeddings-and-output-weights", "--mtp-num-layers",
+                                "2", "--seq1f1b-splits", "2"] + NO_DROPOUT),
+    "mtp_moe_mla_s2_selective": (2, PP2 + MOE + MLA + [
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+        "--mtp-num-layers", "1", "--seq1f1b-splits", "2", "--moe-layer-freq", "[0]*1+[1]*3",
+        "--moe-shared-expert-intermediate-size", "64", "--recompute-granularity",
+        "selective"] + NO_DROPOUT),
 }
 # runs whose final parameters come back
-PARAMS = {"moe_allgather_s2_zloss", "moe_mla_s2_selective", "mla_qk_layernorm_s3"}
+PARAMS = {"moe_allgather_s2_zloss", "moe_mla_s2_selective", "mla_qk_layernorm_s3",
+          "mtp_moe_mla_s2_selective"}
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +224,12 @@ def test_planner_counts_the_moe_models_parameters(measured):
     assert moe_layers * 4 * shape.expert_params() == experts
 
 
-@pytest.mark.parametrize("name", ["moe_mla_s2_selective", "mla_qk_layernorm_s3"])
+@pytest.mark.parametrize("name", ["moe_mla_s2_selective", "mla_qk_layernorm_s3",
+                                  "mtp_moe_mla_s2_selective"])
 def test_planner_counts_the_mla_models_parameters(measured, name):
     """MLA's projections, and its latent norms only with --qk-layernorm (megatron-core's
-    local spec builds IdentityOp without it), as trained."""
+    local spec builds IdentityOp without it), as trained; with an MTP depth, its copy of
+    the last layer, norms and projection too."""
     import torch
 
     params = torch.load(measured[f"{name}.params"])

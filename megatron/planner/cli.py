@@ -194,11 +194,6 @@ def _training_args(args) -> argparse.Namespace:
 def model_from_args(args, t=None) -> ModelShape:
     """The model of a (validated) training command line."""
     t = t or _training_args(args)
-    if getattr(t, "mtp_num_layers", None):
-        raise PlanError("--mtp-num-layers: the planner does not count multi-token "
-                        "prediction's layers and losses on the last stage yet; plan without "
-                        "it and leave room on the last stage for one more transformer layer "
-                        "and one more output head per MTP depth")
     vocab = t.vocab_size
     if t.tokenizer_type == "NullTokenizer" and ({"vocab_size", "tokenizer_type", "mock_data"}
                                                  & t.given):

@@ -174,6 +174,14 @@ class CostModel:
             if self.model.untie_embeddings or self.par.pp > 1:
                 dense += self.vocab * h / self.par.tp
             dense += 2 * h if self.model.normalization == "LayerNorm" else h
+            depths = self.model.mtp_num_layers
+            if depths:  # MTP: copies of the last layer, and the embedding (tied) again
+                last = self.layer_params(self.model.num_layers - 1)
+                dense += depths * (last["linear"] + last["other"]
+                                   + self.model.mtp_extra_params() / self.par.tp)
+                experts += depths * last["experts"]
+                if self.par.pp > 1:
+                    dense += self.vocab * h / self.par.tp
         return {"dense": dense, "experts": experts}
 
     def chunk_layers(self, rank: int, chunk: int = 0) -> int:
@@ -511,9 +519,7 @@ class CostModel:
             if self.model.hidden_dropout:
                 extra += tokens * h * self.mask_bytes() / self.par.tp_sp
         if self.is_last(rank, chunk):
-            extra += self.norm_bytes(tokens)  # final norm (output: the LM head's input)
-            extra += tokens * FP32 * self.vocab / self.par.tp  # fp32 softmax of the logits
-            extra += tokens * (1 + 8 + FP32)  # target mask, masked targets, loss mask
+            extra += self.loss_bytes(tokens)
         return extra
 
     def document_mask_bytes(self, split: int) -> float:
@@ -564,8 +570,39 @@ class CostModel:
         tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
         mask = self.document_mask_bytes(unit.split) if self.chunk_layers(rank, unit.chunk) else 0.0
         mask += self.window_mask_bytes(unit.split, rank, unit.chunk)
+        mtp = self.mtp_bytes(unit.split) if self.is_last(rank, unit.chunk) else 0.0
         return (self.stored_layer_bytes(unit.split, rank, unit.chunk)
-                + self.edge_bytes(rank, unit.chunk, tokens) + mask)
+                + self.edge_bytes(rank, unit.chunk, tokens) + mask + mtp)
+
+    def loss_bytes(self, tokens: float) -> float:
+        """The output head's and the loss's saved tensors: the final norm (its output is
+        the head's input), the fp32 softmax of the logits, the target mask, the masked
+        targets and the loss mask."""
+        return (self.norm_bytes(tokens) + tokens * FP32 * self.vocab / self.par.tp
+                + tokens * (1 + 8 + FP32))
+
+    def mtp_bytes(self, split: int) -> float:
+        """What the MTP depths (last stage) keep for split ``split``: per depth the shifted
+        token ids of the embedding, the embedding's and the hidden state's norms (their
+        outputs joined: the projection's saved input), the copy of the last layer, the
+        final norm, the output head and the loss, and the loss mask product's fp32
+        operands. Under full recomputation megatron-core checkpoints the projection, the
+        layer and the final norm: their two inputs and the head's input stay."""
+        depths = self.model.mtp_num_layers
+        if not depths:
+            return 0.0
+        tokens = self.par.micro_batch_size * self.split_lengths[split]
+        ids = tokens * 8 + (tokens if self.par.tp > 1 else 0.0)
+        if self.model.hidden_dropout:  # the embedding's dropout mask
+            ids += tokens * self.model.hidden_size * self.mask_bytes() / self.par.tp_sp
+        if self.recompute.granularity == "full":
+            body = 3 * self.layer_input_bytes(tokens) + self.loss_bytes(tokens) - (
+                self.norm_bytes(tokens))
+        else:
+            body = (2 * self.norm_bytes(tokens)
+                    + self.layer_bytes(split, self.model.num_layers - 1)
+                    + self.loss_bytes(tokens))
+        return depths * (ids + body + tokens * 2 * FP32)
 
     # -------------------------------------------------------------------- KV cache
     def kv_bytes_per_token(self) -> float:
@@ -579,6 +616,8 @@ class CostModel:
         s, j = self.num_splits, unit.split
         act = self.activation_bytes(rank, unit)
         n = self.chunk_layers(rank, unit.chunk)
+        if self.is_last(rank, unit.chunk):  # the MTP depths' layers cache K/V too
+            n += self.model.mtp_num_layers
         kv_tok = self.kv_bytes_per_token() * n
         at_start: Dict[str, float] = {}
         at_end: Dict[str, float] = {}

@@ -39,6 +39,14 @@ def _config_has(field):
     return field in {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
+def recompute_runs_under_splits() -> bool:
+    """Whether megatron-core's MTP layer can be recomputed (full recomputation) with a
+    split: up to 0.16 it hands every argument, the split too, to the checkpoint's
+    save_for_backward, which takes tensors only; 0.17 (whose config has
+    mtp_use_repeated_layer) passes the non-tensors by closure."""
+    return _config_has("mtp_use_repeated_layer")
+
+
 def check_mtp_args(args):
     """The combinations that cannot run here stop before any work, one line each;
     returns the problems."""
@@ -76,6 +84,11 @@ def check_mtp_args(args):
         problems.append("--mtp-use-repeated-layer is not supported under sequence splits yet "
                         "(its one attention layer runs at every depth, and its K/V cache "
                         "keeps one prefix per layer): drop it or run with --seq1f1b-splits 1")
+    if splits and args.recompute_granularity == "full" and not recompute_runs_under_splits():
+        problems.append("--mtp-num-layers with --recompute-granularity full under sequence "
+                        "splits needs megatron-core >= 0.17 (0.16's MTP recomputation saves "
+                        "the split with the tensors and fails): upgrade megatron-core, or "
+                        "use --recompute-granularity selective")
     if splits and args.calculate_per_token_loss:
         problems.append("--mtp-num-layers with --calculate-per-token-loss is not supported "
                         "under sequence splits yet (megatron-core weighs MTP by the split's "
