@@ -35,7 +35,7 @@ def _microbatch(length=13, batch=2, seed=0):
 
 
 @pytest.mark.parametrize("lengths", [(13,), (5, 8), (4, 4, 5), (1, 3, 9), (6, 6, 1)])
-def test_split_shifts_equal_the_unsplit_shift_cut_to_the_split(lengths):
+def test_split_shifts_equal_the_unsplit_shift_cut_to_the_split(lengths, device="cpu"):
     """Every split's k-th shift of each tensor (and of the labels' copy, as megatron-core
     clones them) is the unsplit k-th shift's window, zeros past the sequence's end; the
     loss mask's sum is the whole microbatch's, as megatron-core's count of the row."""
@@ -52,19 +52,29 @@ def test_split_shifts_equal_the_unsplit_shift_cut_to_the_split(lengths):
     for index, length in enumerate(lengths):
         split = SplitContext(split_index=index, num_splits=len(lengths), offset=offset,
                              length=length, seq_length=13, microbatch=microbatch)
-        own = slice_batch(microbatch, offset, length, 13)
+        # the split's tensors on the device, the kept microbatch on the host (as training)
+        own = {name: tensor.to(device)
+               for name, tensor in slice_batch(microbatch, offset, length, 13).items()}
         begin_split_rolls(split, **own)
         current = dict(own, labels=own["labels"].clone())  # megatron-core's copy
         for depth in range(depths):
             for name in current:
                 rolled, total = split_aware_roll_tensor(current[name], packed_seq_params=split)
                 expected = whole[name][depth + 1][:, offset:offset + length]
-                assert torch.equal(rolled, expected), (lengths, index, name, depth)
+                assert rolled.device == own[name].device, (name, rolled.device)
+                assert torch.equal(rolled.cpu(), expected), (lengths, index, name, depth)
                 if name == "loss_mask":
-                    assert torch.equal(total, sums[depth]), (lengths, index, depth)
+                    assert torch.equal(total.cpu(), sums[depth]), (lengths, index, depth)
                 current[name] = rolled
         end_split_rolls(split)
         offset += length
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_shifts_on_cuda():
+    """The shifted windows come from the host's microbatch to the split's CUDA device
+    (tools/gpu_checks.sh tests)."""
+    test_split_shifts_equal_the_unsplit_shift_cut_to_the_split((4, 4, 5), device="cuda")
 
 
 def test_an_unknown_tensor_stops_with_the_reason():

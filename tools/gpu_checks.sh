@@ -256,6 +256,7 @@ phase_tests() {
         "tests/test_document_attention.py::test_flash_varlen_kernel_matches_sdpa_bf16" \
         "tests/test_sliding_window.py::test_split_window_attention_cuda_bf16" \
         "tests/test_attention_sinks.py::test_sinks_on_cuda_bf16" \
+        "tests/test_mtp_flags.py::test_split_shifts_on_cuda" \
         tests/test_gpu_readiness_cuda.py tests/test_gpu_readiness_suite.py
 }
 
