@@ -14,7 +14,9 @@
 # expert and shared-expert FFN 256 (DeepSeek-V3: 61 layers, hidden 7168, 128 heads,
 # FFN 18432, experts 2048). DeepSeek-V3's YaRN on the rotary part (base 10000, scaling
 # factor 40 over 4096 original positions, mscale and mscale_all_dim 1: Megatron-LM's
-# --rope-type yarn, the default with MLA). Selective recomputation of core attention.
+# --rope-type yarn, the default with MLA). One multi-token prediction depth with loss
+# weight 0.1, as DeepSeek-V3 (--mtp-num-layers 1; an MoE + MLA layer on the last stage).
+# Selective recomputation of core attention.
 #
 #   TOKENIZER_MODEL=/path/to/DeepSeek-V3 DATA_PATH=/data/corpus_text_document \
 #       bash examples/train_deepseek_v3_style_seq1f1b.sh     # 8 GPUs on this node
@@ -25,9 +27,10 @@
 # GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, CHECKPOINT_PATH,
 # TENSORBOARD_DIR, TRAIN_ITERS, TP (2, with sequence parallelism; 1 without), EP (DP:
 # expert parallelism over the data-parallel ranks, 1 at TP=2 on 8 GPUs, 2 at TP=1),
-# GLOBAL_BATCH_SIZE (16). TP=2 is the port's layout (PP=4 x TP=2, tools/plan.py: 28 GB
-# allocated at the peak, 29 GB reserved, on an 80 GB H100); TP=1 is PP=4 x DP=2 with EP=2
-# (38 GB, 40 GB reserved). MLA under TP is exact
+# GLOBAL_BATCH_SIZE (16). TP=2 is the port's layout (PP=4 x TP=2, tools/plan.py: 41 GB
+# allocated at the peak, 42 GB reserved, on an 80 GB H100, on the last stage, which
+# also holds the MTP depth and its output head; 28 GB without MTP); TP=1 is PP=4 x DP=2
+# with EP=2 (57 GB, 60 GB reserved). MLA under TP is exact
 # (megatron/seqsplit/mla.py sums the shared rotary key's gradient over TP ranks, which
 # megatron-core's local MLA spec does not: docs/megatron_lm.md#multi-latent-attention).
 set -euo pipefail
@@ -69,6 +72,8 @@ MODEL_ARGS=(
     --tokenizer-model ${TOKENIZER_MODEL:-deepseek-ai/DeepSeek-V3}
     --vocab-size 129280
     --make-vocab-size-divisible-by 128
+    --mtp-num-layers 1
+    --mtp-loss-scaling-factor 0.1
 )
 MOE_ARGS=(
     --num-experts 256
