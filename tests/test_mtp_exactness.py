@@ -8,7 +8,8 @@ split's last positions lie in the next splits (``megatron.seqsplit.mtp``); the M
 layers' attention runs over the split's K/V cache like the decoder's.
 
 * T: 2 MTP depths on the tiny MHA model with RoPE, LayerNorm and GeLU, init std 0.25
-  so that positions matter; also with TP=2 and sequence parallelism.
+  so that positions matter; also with TP=2 and sequence parallelism, and on packed
+  documents (--reset-attention-mask: the MTP layers attend within each document).
 * U (DeepSeek-V3's dense attention): 1 MTP depth of multi-latent attention with query
   compression and its norms, RoPE, SwiGLU, RMSNorm, loss weight 0.3; the chunked KV cache.
 
@@ -30,6 +31,8 @@ from distributed import (
     assert_params_close,
     init_run,
 )
+from packed_documents import CASES as DOCUMENT_CASES
+from packed_documents import DOCUMENT_FLAGS, document_cases, with_corpus
 from split_checks import check_split_units
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
@@ -63,7 +66,12 @@ MODELS = {
                        "--moe-aux-loss-coeff", "1", "--moe-token-dispatcher-type", "alltoall",
                        "--mtp-num-layers", "2"],
 }
-DEPTHS = {"T": 2, "U": 1, "V": 2}
+DEPTHS = {"T": 2, "U": 1, "V": 2, "Td": 2}
+# T trained on packed documents (the corpus whose rows hold every split case): the MTP
+# layers attend within documents; their shifts run across document ends, as megatron-core's
+# (without packed-sequence parameters) do
+DOCUMENT_MODELS = {"Td": "T"}
+DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
 ITERATIONS, MICROBATCHES = 2, 4
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0"]
@@ -80,6 +88,7 @@ CASES = {
     # decoder MoE layers 2-4 on the last stage: the MTP routers (numbered 1, 2 by
     # megatron-core >= 0.17) keep their own statistics
     "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3"], 2),
+    "Td_pp2_s3": ("Td", 3, [], 2),
     # megatron-core checkpoints each MTP layer under full recomputation: its attention
     # recomputed in backward over the split's cached prefix
     "T_pp2_s3_recompute": ("T", 3, ["--recompute-granularity", "full", "--recompute-method",
@@ -112,15 +121,17 @@ def plan(tmp, corpus):
         run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}", flags + BATCH)
         inits.append(run)
     runs = {1: [], 2: [], 4: []}
-    for model in MODELS:
-        base = MODELS[model] + BATCH + starts[model]
+    bases = {model: MODELS[model] + BATCH + starts[model] for model in MODELS}
+    for model, same in DOCUMENT_MODELS.items():  # DOCS last: its --split wins over BATCH's
+        bases[model] = with_corpus(bases[same] + DOCS, corpus)
+    for model, base in bases.items():
         runs[2].append({"name": f"mtp_{model}_pp2_s1", "argv": base + PP2 + _splits(1),
                         "params": True})
         runs[1].append({"name": f"mtp_ref_{model}", "argv": base, "params": True})
     for name, (model, n, extra, world) in CASES.items():
         if not _runs_here(name):
             continue
-        base = MODELS[model] + BATCH + starts[model]
+        base = bases[model]
         splits = [] if "slimpipe" in name else _splits(n)  # SlimPipe: its slices
         runs[world].append({"name": name, "argv": base + PP2 + splits + extra,
                             "params": True})
@@ -164,6 +175,8 @@ def test_split_run_equals_unsplit_runs(results, name):
         assert_close_series([run["final_validation_loss"]], [expected["final_validation_loss"]],
                             1e-5, f"{name} validation loss vs {what}")
         assert_params_close(run["params"], expected["params"])
+    if model in DOCUMENT_MODELS:
+        assert document_cases(run["forward_units"]) == set(DOCUMENT_CASES), name
 
 
 def test_the_mtp_layers_were_built_and_trained(results):
