@@ -194,10 +194,11 @@ def split_aware_local_spec(config, normalization: str = "LayerNorm",
 def split_aware_mtp_block_spec(config, decoder_spec, use_transformer_engine=False,
                                vp_stage=None):
     """megatron-core's multi-token prediction block spec (None on stages without MTP):
-    each MTP layer's transformer layer is the decoder's last layer spec, so its attention
-    is the split-aware one with its own K/V cache (its layer number follows the
-    decoder's); its norms are the sequence-parallel torch norms where megatron-core would
-    take its torch wrapper. Under splits its shifts read past the split (``mtp.py``)."""
+    each MTP layer's transformer layer is a copy of the decoder's last layer spec, so its
+    attention is the split-aware one, with K/V caches of its own (``mtp_layer``:
+    megatron-core >= 0.17 numbers MTP layers from 1, like decoder layers); its norms are
+    the sequence-parallel torch norms where megatron-core would take its torch wrapper.
+    Under splits its shifts read past the split (``mtp.py``)."""
     if not getattr(config, "mtp_num_layers", None):
         return None
     spec = get_gpt_mtp_block_spec(config, decoder_spec,
