@@ -5,8 +5,6 @@ stage; under sequence splits its shifts read past each split (``megatron.seqspli
 
 import dataclasses
 
-from megatron.core.transformer.transformer_config import TransformerConfig
-
 # the MTP flags implemented here; the others (--mtp-standalone, set by a pipeline layout,
 # and --mtp-hybrid-override-pattern, for hybrid models) stay refused with their reason
 MTP_FLAGS = ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-use-repeated-layer",
@@ -36,6 +34,10 @@ def add_mtp_arguments(parser):
 
 
 def _config_has(field):
+    """Whether the installed megatron-core's TransformerConfig has ``field`` (imported
+    here, not at the top: flag errors are reported before torch loads)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     return field in {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
