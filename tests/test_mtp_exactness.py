@@ -37,34 +37,30 @@ from split_checks import check_split_units
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
+# DeepSeek-V3's dense attention, scaled down: MLA with query compression and its norms,
+# RoPE, SwiGLU, RMSNorm, no biases, untied embeddings
+DEEPSEEK_ATTENTION = [
+    "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--q-lora-rank", "16",
+    "--qk-layernorm", "--rope-type", "rope"]
 MODELS = {
     "T": TINY_MODEL + ["--mtp-num-layers", "2", "--init-method-std", "0.25",
                        "--untie-embeddings-and-output-weights",
                        "--position-embedding-type", "rope"],
-    "U": TINY_MODEL + ["--position-embedding-type", "rope", "--swiglu", "--normalization",
-                       "RMSNorm", "--untie-embeddings-and-output-weights",
-                       "--disable-bias-linear", "--multi-latent-attention",
-                       "--kv-lora-rank", "12", "--qk-head-dim", "8",
-                       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
-                       "--q-lora-rank", "16", "--qk-layernorm", "--rope-type", "rope",
-                       "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"],
+    "U": TINY_MODEL + DEEPSEEK_ATTENTION + ["--mtp-num-layers", "1",
+                                            "--mtp-loss-scaling-factor", "0.3"],
     # DeepSeek-V3: U's attention, MoE from the second layer on with a shared expert and
     # the sigmoid router's expert bias and seq_aux_loss, so the MTP layer (a copy of the
     # last) is an MoE layer whose routing statistics are its own microbatch's
-    "V": TINY_MODEL + ["--position-embedding-type", "rope", "--swiglu", "--normalization",
-                       "RMSNorm", "--untie-embeddings-and-output-weights",
-                       "--disable-bias-linear", "--multi-latent-attention",
-                       "--kv-lora-rank", "12", "--qk-head-dim", "8",
-                       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
-                       "--q-lora-rank", "16", "--qk-layernorm", "--rope-type", "rope",
-                       "--num-experts", "8", "--moe-router-topk", "2",
-                       "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0]*1+[1]*3",
-                       "--moe-shared-expert-intermediate-size", "24",
-                       "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
-                       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
-                       "0.002", "--moe-router-load-balancing-type", "seq_aux_loss",
-                       "--moe-aux-loss-coeff", "1", "--moe-token-dispatcher-type", "alltoall",
-                       "--mtp-num-layers", "2"],
+    "V": TINY_MODEL + DEEPSEEK_ATTENTION + [
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+        "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "24",
+        "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.002",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1",
+        "--moe-token-dispatcher-type", "alltoall", "--mtp-num-layers", "2"],
 }
 DEPTHS = {"T": 2, "U": 1, "V": 2, "Td": 2}
 # T trained on packed documents (the corpus whose rows hold every split case): the MTP
