@@ -26,6 +26,7 @@ import pytest
 
 from distributed import (
     TINY_MODEL,
+    TRACKER,
     Plan,
     assert_close_series,
     assert_params_close,
@@ -83,7 +84,8 @@ CASES = {
     "T_pp2_last3_s4": ("T", 4, ["--decoder-last-pipeline-num-layers", "3"], 2),
     # decoder MoE layers 2-4 on the last stage: the MTP routers (numbered 1, 2 by
     # megatron-core >= 0.17) keep their own statistics
-    "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3"], 2),
+    "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3",
+                                "--use-distributed-optimizer"], 2),
     "Td_pp2_s3": ("Td", 3, [], 2),
     # megatron-core checkpoints each MTP layer under full recomputation: its attention
     # recomputed in backward over the split's cached prefix
@@ -95,6 +97,11 @@ CASES = {
 }
 
 
+# a checkpoint of the MTP stage saved and resumed: this case saves every iteration
+# (distributed optimizer), and its iteration-1 checkpoint is resumed with decoder layers 2-4
+# on the last stage (the MTP layers' and the embedding copy's tensors resharded); the
+# resumed iteration 2 must equal the uninterrupted one
+SAVING_CASE, RESUMED_CASE = "V_pp2_last3_s3", "V_resumed_pp2_s2"
 # cases that need megatron-core >= 0.17 (refused before work on 0.16)
 NEEDS_MCORE_17 = {"T_pp2_s3_recompute"}
 
@@ -129,8 +136,15 @@ def plan(tmp, corpus):
             continue
         base = bases[model]
         splits = [] if "slimpipe" in name else _splits(n)  # SlimPipe: its slices
-        runs[world].append({"name": name, "argv": base + PP2 + splits + extra,
+        save = (["--save", str(tmp / name), "--save-interval", "1"]
+                if name == SAVING_CASE else [])
+        runs[world].append({"name": name, "argv": base + PP2 + splits + extra + save,
                             "params": True})
+    runs[2].append({"name": RESUMED_CASE, "params": True,
+                    "after": [str(tmp / SAVING_CASE / TRACKER)],
+                    "argv": MODELS["V"] + BATCH + PP2 + _splits(2) + [
+                        "--use-distributed-optimizer", "--load", str(tmp / SAVING_CASE),
+                        "--ckpt-step", "1"]})
     return Plan(inits, runs)
 
 
@@ -191,3 +205,26 @@ def test_the_mtp_layers_were_built_and_trained(results):
             assert any("mtp.layers.0." in n and "linear_kv_down_proj" in n for n in names)
         for step in results[f"mtp_ref_{model}"]["mtp_losses"]:
             assert all(4.5 < value < 8 for value in step.values()), step
+
+
+def test_the_mtp_stage_resumes_from_its_checkpoint(results):
+    """Iteration 1's checkpoint (distributed optimizer, MoE + MLA MTP depths, decoder
+    layers 2-4 and the MTP layers on the last stage) resumed at pp=2 with even stages and
+    s = 2: iteration 2's loss, grad norm, MTP and aux losses, the validation loss and every
+    parameter equal the uninterrupted runs'."""
+    run = results[RESUMED_CASE]
+    for other in (SAVING_CASE, "mtp_ref_V"):
+        expected = results[other]
+        assert_close_series(run["losses"], expected["losses"][1:], 1e-5, f"loss vs {other}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"][1:], 1e-5,
+                            f"grad norm vs {other}")
+        for depth in ("mtp_1 loss", "mtp_2 loss"):
+            assert_close_series([step[depth] for step in run["mtp_losses"]],
+                                [step[depth] for step in expected["mtp_losses"][1:]], 1e-5,
+                                f"{depth} vs {other}")
+        assert_close_series([step["seq_load_balancing_loss"] for step in run["moe_losses"]],
+                            [step["seq_load_balancing_loss"]
+                             for step in expected["moe_losses"][1:]], 1e-5, other)
+        assert_close_series([run["final_validation_loss"]],
+                            [expected["final_validation_loss"]], 1e-5, other)
+        assert_params_close(run["params"], expected["params"])
