@@ -160,6 +160,19 @@ def test_windows_and_sinks_are_part_of_the_model_shape():
     assert _load_problem(_args(), _args(window_attn_skip_freq=2)) is None  # moot unwindowed
 
 
+def test_the_mtp_depths_are_part_of_the_model_shape():
+    """--mtp-num-layers adds layers (and --mtp-use-repeated-layer decides how many): a
+    resume with another depth count stops naming it; a dense model's unused repeated-layer
+    flag does not."""
+    mtp = _args(mtp_num_layers=2, mtp_use_repeated_layer=False)
+    assert model_shape(mtp)["mtp_use_repeated_layer"] is False
+    assert "--mtp-num-layers saved 2, now 1" in _load_problem(mtp, _args(mtp_num_layers=1))
+    assert "--mtp-num-layers saved 2, now None" in _load_problem(mtp, _args())
+    assert "--mtp-use-repeated-layer saved False, now True" in _load_problem(
+        mtp, _args(mtp_num_layers=2, mtp_use_repeated_layer=True))
+    assert "mtp_use_repeated_layer" not in model_shape(_args(mtp_use_repeated_layer=True))
+
+
 def test_optimizer_state_across_an_expert_parallel_change():
     """A distributed-optimizer checkpoint saved without megatron-core's chain prefix
     loads into another number of chained optimizers (EP change; trained in
