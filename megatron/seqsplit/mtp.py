@@ -69,8 +69,10 @@ class SplitRolls:
         raise RuntimeError(
             "multi-token prediction under sequence splits: megatron-core shifted a tensor "
             "that is not the split's tokens, position ids, labels or loss mask, so its "
-            "window past the split cannot be read; this megatron-core version's MTP is not "
-            "supported with --seq1f1b-splits > 1")
+            "window past the split cannot be read. Pass the batch's loss_mask to the model "
+            "(model(..., labels=..., loss_mask=...), as pretrain_gpt.py's forward_step "
+            "does); otherwise this megatron-core version's MTP is not supported with "
+            "--seq1f1b-splits > 1")
 
     def _known_by_name(self, name):
         for tensor, known_name, shift in self._known.values():
