@@ -266,23 +266,27 @@ class ModelShape:
         """Weights of the whole model (embeddings, norms; biases left out), all experts
         or (``active``) those one token uses."""
         h = self.hidden_size
-        norm = 2 * h if self.normalization == "LayerNorm" else h
-        mla_norms = self.mla_norm_params()
-        layers = sum(self.attention_linear_params() + self.mlp_linear_params(i, active)
-                     + 2 * norm + mla_norms for i in range(self.num_layers))
+        layers = sum(self._layer_params(i, active) for i in range(self.num_layers))
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings else 1)
         embeddings += self.position_embedding_params()
-        mtp = self.mtp_num_layers * (
-            self.attention_linear_params() + self.mlp_linear_params(self.num_layers - 1, active)
-            + 2 * norm + mla_norms + self.mtp_extra_params())
-        return layers + embeddings + norm + mtp
+        mtp = self.mtp_num_layers * (self._layer_params(self.num_layers - 1, active)
+                                     + self.mtp_norm_params() + 2 * h * h)
+        return layers + embeddings + self._norm_params() + mtp
 
-    def mtp_extra_params(self) -> int:
-        """Weights an MTP depth adds to its copy of the last layer: the embedding's and
-        the hidden state's norms, the final norm, and the projection of the two (2h -> h,
-        no bias)."""
-        h = self.hidden_size
-        return 3 * (2 * h if self.normalization == "LayerNorm" else h) + 2 * h * h
+    def _norm_params(self) -> int:
+        return 2 * self.hidden_size if self.normalization == "LayerNorm" else self.hidden_size
+
+    def _layer_params(self, layer: int, active: bool = False) -> int:
+        """Weights of layer ``layer`` (no biases): projections, MLP or experts, its two
+        norms and MLA's latent norms."""
+        return (self.attention_linear_params() + self.mlp_linear_params(layer, active)
+                + 2 * self._norm_params() + self.mla_norm_params())
+
+    def mtp_norm_params(self) -> int:
+        """Norm weights an MTP depth adds to its copy of the last layer: the embedding's,
+        the hidden state's and the final norm (its projection of the two, 2h -> h without
+        bias, is the other addition)."""
+        return 3 * self._norm_params()
 
     def position_embedding_params(self) -> int:
         """Learned absolute position embeddings (RoPE has no weights)."""

@@ -177,8 +177,8 @@ class CostModel:
             depths = self.model.mtp_num_layers
             if depths:  # MTP: copies of the last layer, and the embedding (tied) again
                 last = self.layer_params(self.model.num_layers - 1)
-                dense += depths * (last["linear"] + last["other"]
-                                   + self.model.mtp_extra_params() / self.par.tp)
+                dense += depths * (last["linear"] + last["other"] + self.model.mtp_norm_params()
+                                   + 2 * h * h / self.par.tp)
                 experts += depths * last["experts"]
                 if self.par.pp > 1:
                     dense += self.vocab * h / self.par.tp
@@ -575,11 +575,13 @@ class CostModel:
                 + self.edge_bytes(rank, unit.chunk, tokens) + mask + mtp)
 
     def loss_bytes(self, tokens: float) -> float:
-        """The output head's and the loss's saved tensors: the final norm (its output is
-        the head's input), the fp32 softmax of the logits, the target mask, the masked
-        targets and the loss mask."""
-        return (self.norm_bytes(tokens) + tokens * FP32 * self.vocab / self.par.tp
-                + tokens * (1 + 8 + FP32))
+        """The final norm's (its output is the head's input) and ``head_bytes``."""
+        return self.norm_bytes(tokens) + self.head_bytes(tokens)
+
+    def head_bytes(self, tokens: float) -> float:
+        """The output head's and the loss's saved tensors: the fp32 softmax of the logits,
+        the target mask, the masked targets and the loss mask."""
+        return tokens * FP32 * self.vocab / self.par.tp + tokens * (1 + 8 + FP32)
 
     def mtp_bytes(self, split: int) -> float:
         """What the MTP depths (last stage) keep for split ``split``: per depth the shifted
@@ -595,9 +597,8 @@ class CostModel:
         ids = tokens * 8 + (tokens if self.par.tp > 1 else 0.0)
         if self.model.hidden_dropout:  # the embedding's dropout mask
             ids += tokens * self.model.hidden_size * self.mask_bytes() / self.par.tp_sp
-        if self.recompute.granularity == "full":
-            body = 3 * self.layer_input_bytes(tokens) + self.loss_bytes(tokens) - (
-                self.norm_bytes(tokens))
+        if self.recompute.granularity == "full":  # two checkpoint inputs, the head's input
+            body = 3 * self.layer_input_bytes(tokens) + self.head_bytes(tokens)
         else:
             body = (2 * self.norm_bytes(tokens)
                     + self.layer_bytes(split, self.model.num_layers - 1)

@@ -224,6 +224,9 @@ def split_aware_mtp_block_spec(config, decoder_spec, use_transformer_engine=Fals
     return spec
 
 
+_GPT_FORWARD = inspect.signature(GPTModel.forward)
+
+
 class SeqSplitGPTModel(GPTModel):
     """``GPTModel`` whose rotary embedding follows a split's offset, and whose
     multi-token prediction reads past a split's end.
@@ -235,7 +238,7 @@ class SeqSplitGPTModel(GPTModel):
         split = kwargs.get("packed_seq_params")
         if not (getattr(self, "mtp_process", False) and isinstance(split, SplitContext)):
             return super().forward(*args, **kwargs)
-        given = inspect.signature(GPTModel.forward).bind(self, *args, **kwargs).arguments
+        given = _GPT_FORWARD.bind(self, *args, **kwargs).arguments
         begin_split_rolls(split, tokens=given.get("input_ids"),
                           position_ids=given.get("position_ids"), labels=given.get("labels"),
                           loss_mask=given.get("loss_mask"))

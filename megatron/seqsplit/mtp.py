@@ -35,10 +35,12 @@ class SplitRolls:
     def __init__(self, split: SplitContext, microbatch: dict):
         self.split = split
         self.microbatch = microbatch
+        self._inputs = {}  # name -> the split's own tensor given to the model
         self._known = {}  # id -> (tensor, name, shift): the tensor is kept so ids stay unique
 
     def register(self, name: str, tensor) -> None:
         if tensor is not None:
+            self._inputs[name] = tensor
             self._known[id(tensor)] = (tensor, name, 0)
 
     def roll(self, tensor):
@@ -63,7 +65,7 @@ class SplitRolls:
             return entry[1], entry[2]
         # megatron-core clones the labels before shifting them (GPTModel's loss): a copy
         # equal to the split's labels is them
-        labels = self._known_by_name("labels")
+        labels = self._inputs.get("labels")
         if labels is not None and tensor.shape == labels.shape and torch.equal(tensor, labels):
             return "labels", 0
         raise RuntimeError(
@@ -73,12 +75,6 @@ class SplitRolls:
             "(model(..., labels=..., loss_mask=...), as pretrain_gpt.py's forward_step "
             "does); otherwise this megatron-core version's MTP is not supported with "
             "--seq1f1b-splits > 1")
-
-    def _known_by_name(self, name):
-        for tensor, known_name, shift in self._known.values():
-            if known_name == name and shift == 0:
-                return tensor
-        return None
 
 
 def begin_split_rolls(split: SplitContext, **tensors) -> None:
@@ -119,9 +115,6 @@ def split_aware_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_se
         raise RuntimeError(f"multi-token prediction under sequence splits shifts one position "
                            f"along the sequence; megatron-core asked for shifts={shifts}, "
                            f"dims={dims}")
-    if cp_group is not None and cp_group.size() > 1:
-        raise RuntimeError("multi-token prediction under sequence splits with context "
-                           "parallelism is not supported")
     return rolls.roll(tensor)
 
 

@@ -65,6 +65,24 @@ def _reduce(name, values):
         _mean(values, parallel_state.get_data_parallel_group(with_context_parallel=False))
 
 
+class IntervalMeans:
+    """Each logged loss summed over the iterations since the last ``means()`` (the
+    iteration line's interval, as Megatron-LM's total_loss_dict)."""
+
+    def __init__(self):
+        self.totals, self.iterations = {}, 0
+
+    def add(self, losses: dict) -> None:
+        for name, value in losses.items():
+            self.totals[name] = self.totals.get(name, 0.0) + value
+        self.iterations += 1
+
+    def means(self) -> dict:
+        means = {name: total / max(self.iterations, 1) for name, total in self.totals.items()}
+        self.totals, self.iterations = {}, 0
+        return means
+
+
 class MoELossLog:
     """One training run's MoE losses: ``report`` after each step (collective), the
     interval means for the iteration line, ``clear`` after an evaluation."""
@@ -78,8 +96,7 @@ class MoELossLog:
         self.num_moe_layers = sum(moe_layer_pattern(args)) + mtp if self.names else 0
         self.device = device
         self.per_layer = bool(getattr(args, "moe_per_layer_logging", False))
-        self.window = {}
-        self.window_iterations = 0
+        self.window = IntervalMeans()
         if self.names:  # entries of an earlier run in this process (other layers, groups)
             mcore_compat.reset_moe_losses()
 
@@ -103,18 +120,14 @@ class MoELossLog:
             if self.per_layer:  # every layer, a dense one's 0 too (Megatron-LM's tags)
                 for layer, value in enumerate((values / num_microbatches).tolist()):
                     writers.add(f"moe/{name}_layer_{layer}", value, iteration)
-            self.window[name] = self.window.get(name, 0.0) + losses[name]
-        self.window_iterations += 1
+        self.window.add(losses)
         mcore_compat.clear_moe_losses()
         return losses
 
     def interval_means(self):
         """The losses averaged over the iterations since the last call (the iteration
         line's interval, as Megatron-LM's total_loss_dict)."""
-        means = {name: total / max(self.window_iterations, 1)
-                 for name, total in self.window.items()}
-        self.window, self.window_iterations = {}, 0
-        return means
+        return self.window.means()
 
     def clear(self):
         """Megatron-LM clears the tracker after an evaluation; the trainer also clears it

@@ -11,6 +11,7 @@ import torch
 
 from megatron import mcore_compat
 from megatron.core import parallel_state
+from megatron.trainer.moe_metrics import IntervalMeans
 
 
 class MTPLossLog:
@@ -20,8 +21,7 @@ class MTPLossLog:
 
     def __init__(self, args):
         self.depths = args.mtp_num_layers or 0
-        self.window = {}
-        self.window_iterations = 0
+        self.window = IntervalMeans()
         if self.depths:  # entries of an earlier run in this process (another depth count)
             mcore_compat.reset_mtp_losses()
 
@@ -40,16 +40,12 @@ class MTPLossLog:
                   for depth, value in enumerate(values.tolist())}
         for name, value in losses.items():
             writers.add(name, value, iteration)
-            self.window[name] = self.window.get(name, 0.0) + value
-        self.window_iterations += 1
+        self.window.add(losses)
         mcore_compat.clear_mtp_losses()
         return losses
 
     def interval_means(self):
-        means = {name: total / max(self.window_iterations, 1)
-                 for name, total in self.window.items()}
-        self.window, self.window_iterations = {}, 0
-        return means
+        return self.window.means()
 
     def clear(self):
         if self.depths:
