@@ -324,6 +324,14 @@ TABLE = (
     _mcore(_RANDOM + "checkpoint",
            "reentrant checkpoint of the attention kernel (same RNG handling as "
            "megatron's selective recomputation)", "function", "distribute_saved_activations"),
+    # --- --recompute-modules layernorm / mla_up_proj (seqsplit/recompute.py) -----------
+    _mcore(_RANDOM + "CheckpointWithoutOutput.__init__",
+           "its fp8 attribute cleared after __init__ where Transformer Engine is missing "
+           "(fp8 is not None holds for its default False)", "fp8"),
+    _mcore(_RANDOM + "HAVE_TE", "whether Transformer Engine imported (the patch above)"),
+    _mcore(_RANDOM + "_get_share_storage",
+           "the C++ extension its recomputation builds at first use, built at the model "
+           "build instead", checked="megatron-core 0.19.2"),
     # --- distributed-optimizer checkpoints (megatron/trainer/checkpointing.py) ---------
     _mcore("optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict",
            "saved with metadata {'distrib_optim_sharding_type': 'fully_reshardable', "

@@ -239,11 +239,18 @@ class ModelShape:
             d, g = self.head_dim, self.num_query_groups
             gate = a * d if self.attention_output_gate else 0  # QKV's extra gate rows
             return h * (a * d + 2 * g * d + gate) + a * d * h
-        qk = self.qk_head_dim + self.qk_pos_emb_head_dim
-        q = (h * self.q_lora_rank + self.q_lora_rank * a * qk) if self.q_lora_rank else h * a * qk
+        q_down = h * self.q_lora_rank if self.q_lora_rank else 0
         kv_down = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
-        kv_up = self.kv_lora_rank * a * (self.qk_head_dim + self.v_head_dim)
-        return q + kv_down + kv_up + a * self.v_head_dim * h
+        return q_down + kv_down + self.mla_up_projection_params() + a * self.v_head_dim * h
+
+    def mla_up_projection_params(self) -> int:
+        """Weights of MLA's up-projections (the query's, from its latent or, without one,
+        from the hidden state; the keys' and values' from the kv latent): what
+        --recompute-modules mla_up_proj runs again in the backward."""
+        h, a = self.hidden_size, self.num_attention_heads
+        qk = self.qk_head_dim + self.qk_pos_emb_head_dim
+        q_up = (self.q_lora_rank or h) * a * qk
+        return q_up + self.kv_lora_rank * a * (self.qk_head_dim + self.v_head_dim)
 
     def router_params(self) -> int:
         return self.hidden_size * self.num_experts if self.num_experts else 0

@@ -591,12 +591,23 @@ def test_deterministic_mode_checks_and_sets_the_environment(monkeypatch):
 def test_recompute_modules_and_logging_values():
     args = parse("--recompute-activations", "--recompute-modules", "core_attn")
     assert (args.recompute_granularity, args.recompute_modules) == ("selective", ["core_attn"])
-    with pytest.raises(ArgumentErrors) as error:
-        parse("--recompute-activations", "--recompute-modules", "core_attn", "mlp")
-    assert error.value.problems == [
-        "--recompute-modules mlp is refused: selective recomputation here recomputes core "
-        "attention and MoE layers only; use --recompute-modules core_attn moe or "
-        "--recompute-granularity full"]
+    args = parse("--recompute-activations", "--recompute-modules", "core_attn", "layernorm",
+                 "mlp")
+    assert args.recompute_modules == ["core_attn", "layernorm", "mlp"]
+    for modules, problem in (
+            (["moe_act"], "--recompute-modules moe_act is refused: megatron-core recomputes "
+                          "the expert activation only inside its grouped-GEMM experts"),
+            (["attn"], "--recompute-modules attn is refused: not a module Megatron-LM "
+                       "recomputes; choose from core_attn, layernorm, mla_up_proj, mlp, moe, "
+                       "moe_act, shared_experts"),
+            (["mla_up_proj"], "--recompute-modules mla_up_proj needs --multi-latent-attention "
+                              "(as in Megatron-LM)")):
+        with pytest.raises(ArgumentErrors) as error:
+            parse("--recompute-activations", "--recompute-modules", *modules)
+        assert len(error.value.problems) == 1
+        assert error.value.problems[0].startswith(problem), error.value.problems
+    # without selective recomputation the modules are unused, as in Megatron-LM
+    assert parse("--recompute-modules", "mla_up_proj").recompute_granularity is None
     with pytest.raises(ArgumentErrors) as error:
         parse("--tensorboard-queue-size", "0", "--log-memory-interval", "0")
     assert len(error.value.problems) == 1 and "--tensorboard-queue-size" in str(error.value)

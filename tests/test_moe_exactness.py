@@ -115,6 +115,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"]
 SLIMPIPE_4 = ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", "4"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]  # + modules
 # name -> (model, split count, extra flags of the split run, world size, model chunks)
 CASES = {
     "N_pp2_s2": ("N", 2, [], 2, 1),
@@ -131,8 +132,8 @@ CASES = {
                                   "--use-distributed-optimizer"], 4, 1),
     # experts split over TP (Megatron-LM's default --expert-tensor-parallel-size), each TP
     # rank routing its sequence-parallel share of the split
-    "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                        4, 1),
+    "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+                        + SELECTIVE + ["layernorm", "moe"], 4, 1),
     # selective recomputation: MLA's attention kernel checkpointed after the cache write,
     # and each MoE layer recomputed (DeepSeek's Megatron-LM flags) with its split
     "D_pp2_s3_selective": ("D", 3, ["--recompute-activations", "--moe-layer-recompute"],
@@ -142,6 +143,15 @@ CASES = {
     "X_pp2_s3_moe_recompute": ("X", 3, ["--recompute-granularity", "selective",
                                         "--recompute-modules", "moe"], 2, 1),
     "D_pp2_s4_recompute": ("D", 4, RECOMPUTE, 2, 1),
+    # megatron-core's module checkpoints (DeepSeek-V3's and Qwen3's Megatron-LM flags):
+    # the norms (freed in the forward, rerun in the backward), the dense first layer's
+    # MLP, the shared expert and MLA's up-projections (their query and key freed after
+    # core attention, whose kernel runs unrecomputed here), and with the chunked cache,
+    # whose chunks must not share the freed key's storage
+    "D_pp2_s3_modules": ("D", 3, SELECTIVE + ["layernorm", "mlp", "shared_experts",
+                                              "mla_up_proj"], 2, 1),
+    "D_pp2_s4_chunked_modules": ("D", 4, ["--seq1f1b-kv-cache", "chunked"] + SELECTIVE + [
+        "core_attn", "layernorm", "mla_up_proj"], 2, 1),
     # X on packed documents (the corpus whose rows hold every split case)
     "Xd_pp2_s3": ("Xd", 3, [], 2, 1),
     # D (MLA) on packed documents: attention stays in each document across split edges;

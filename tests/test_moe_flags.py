@@ -165,8 +165,12 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
      "--moe-layer-recompute does not go with --recompute-granularity full (as in "
      "Megatron-LM)"),
     (["--num-experts", "8", "--recompute-granularity", "selective", "--recompute-modules",
-      "moe", "mlp"], "--recompute-modules mlp is refused: selective recomputation here "
-                     "recomputes core attention and MoE layers only"),
+      "moe", "moe_act"], "--recompute-modules moe_act is refused: megatron-core recomputes "
+                         "the expert activation only inside its grouped-GEMM experts"),
+    (["--num-experts", "8", "--moe-shared-expert-intermediate-size", "16",
+      "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-overlap",
+      "--recompute-granularity", "selective", "--recompute-modules", "shared_experts"],
+     "--recompute-modules shared_experts does not go with --moe-shared-expert-overlap"),
     (["--num-experts", "6", "--expert-model-parallel-size", "4"],
      "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between"),

@@ -26,6 +26,13 @@ Multi-token prediction (in the 2-process launch): 2 dense MTP depths, and one Mo
 depth after an MoE + MLA model, on the last stage (within 0.1% when measured; not
 counting them, the last stage was planned at 0.39x / 0.59x of the probe).
 
+Recomputed modules (--recompute-modules layernorm, mlp, shared_experts, mla_up_proj:
+megatron-core's checkpoints, which free their outputs in place; the probe counts a
+storage at its size when sampled): on the MoE + MLA model, with the chunked cache, and
+under TP = 2 with SP; within 0.4% when measured (the MoE + MLA model was planned 1.14x,
+1.30x and 1.06x of the probe with `layernorm`, `mlp shared_experts`, `mla_up_proj` when
+they were not counted).
+
 Multi-latent attention (in the 2-process launch): an MoE + MLA model (query and kv
 latents, query-key head 16 + 8 rotary, value head 12, shared expert, first layer dense,
 s = 2, selective recomputation) and a dense one (LayerNorm latent norms of
@@ -165,6 +172,23 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--mtp-num-layers", "1", "--seq1f1b-splits", "2", "--moe-layer-freq", "[0]*1+[1]*3",
         "--moe-shared-expert-intermediate-size", "64", "--recompute-granularity",
         "selective"] + NO_DROPOUT),
+    # megatron-core's module checkpoints (--recompute-modules): the norms, the dense
+    # first layer's MLP, the shared expert and MLA's up-projections without core
+    # attention's; the up-projections with the chunked cache; the norms and the MLP
+    # under TP with SP, with dropout (CPU: SDPA's math kernel)
+    "moe_mla_s2_modules": (2, PP2 + MOE + MLA + [
+        "--seq1f1b-splits", "2", "--moe-layer-freq", "[0]*1+[1]*3",
+        "--moe-shared-expert-intermediate-size", "64", "--recompute-granularity", "selective",
+        "--recompute-modules", "layernorm", "mlp", "shared_experts", "mla_up_proj"]
+                           + NO_DROPOUT),
+    "mla_s3_chunked_up_proj": (2, PP2 + MLA + [
+        "--disable-bias-linear", "--seq1f1b-splits", "3", "--seq1f1b-kv-cache", "chunked",
+        "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+        "mla_up_proj"] + NO_DROPOUT),
+    "tp2_sp_layernorm_mlp_dropout_s2": (4, TP2PP2 + [
+        "--sequence-parallel", "--global-batch-size", "4", "--seq1f1b-splits", "2",
+        "--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"]
+                                        + ROPE + LLAMA),
 }
 # runs whose final parameters come back
 PARAMS = {"moe_allgather_s2_zloss", "moe_mla_s2_selective", "mla_qk_layernorm_s3",

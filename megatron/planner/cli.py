@@ -308,7 +308,7 @@ def config_from_args(args) -> PlanConfig:
         split_alignment=t.seq1f1b_alignment,
         recompute=Recompute(t.recompute_granularity, t.recompute_method or "uniform",
                             t.recompute_num_layers or 1,
-                            moe_layers="moe" in (t.recompute_modules or [])),
+                            modules=tuple(t.recompute_modules or ("core_attn",))),
         gpu=args.gpu,
         kv_layout=t.kv_cache_layout,
         microbatch_group_size=args.microbatch_group_size_per_virtual_pipeline_stage,
@@ -369,7 +369,7 @@ def _packed_documents_note(pred: Prediction) -> Optional[str]:
     c, cost = pred.config, pred.cost
     # (the chunked cache has no dropout; a recomputed kernel keeps no mask)
     if (not c.packed_documents or cost.on_cpu or not c.model.attention_dropout
-            or c.recompute.granularity):
+            or c.recompute.attention_kernel):
         return None
     largest = max(cost.sdpa_document_bias_bytes(j) for j in range(pred.splits)) / GIB
     return ("packed documents (--reset-attention-mask) with attention dropout: the table "
@@ -398,7 +398,8 @@ def report(pred: Prediction) -> str:
         f"global batch {p.global_batch_size} ({p.num_microbatches} microbatches); "
         f"SP {'on' if p.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if p.distributed_optimizer else 'off'}; recompute {c.recompute.granularity or 'none'}"
-        f"{' (+ MoE layers)' if c.recompute.moe_layers and c.recompute.granularity else ''}"
+        + (f" ({' '.join(c.recompute.modules)})" if c.recompute.granularity == "selective"
+           else "")
     )
     sched = c.schedule
     if c.schedule == "seq1f1b":

@@ -83,14 +83,31 @@ class Parallel:
 
 @dataclass(frozen=True)
 class Recompute:
-    """Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers."""
+    """Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers
+    and, for selective recomputation, --recompute-modules."""
 
     granularity: Optional[str] = None  # None, "selective", "full"
     method: str = "uniform"  # "uniform" or "block" (full only)
     num_layers: int = 1
-    # selective with --recompute-modules moe (--moe-layer-recompute): each MoE layer
-    # keeps only its input (the norm's output, counted with the norm)
-    moe_layers: bool = False
+    # selective: the modules recomputed (megatron-core's default: core attention alone);
+    # "moe" (--moe-layer-recompute): each MoE layer keeps only its input (the norm's
+    # output, counted with the norm); "layernorm", "mlp", "shared_experts",
+    # "mla_up_proj": megatron-core's checkpoints of those modules
+    modules: Tuple[str, ...] = ("core_attn",)
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation recomputes ``module``."""
+        return self.granularity == "selective" and module in self.modules
+
+    @property
+    def moe_layers(self) -> bool:
+        return self.recomputes("moe")
+
+    @property
+    def attention_kernel(self) -> bool:
+        """Whether core attention's kernel runs again in the backward (selective with
+        core_attn, or full), so that the first forward's kernel keeps nothing."""
+        return self.granularity == "full" or self.recomputes("core_attn")
 
 
 class CostModel:
@@ -239,6 +256,15 @@ class CostModel:
             per = 3 * h * e + FP32  # input, x * rstd, output; rstd
         return tokens * per / self.par.tp_sp
 
+    def layer_norm_bytes(self, tokens: float) -> float:
+        """One of a layer's two norms (before attention, before the MLP): ``norm_bytes``,
+        or with ``--recompute-modules layernorm`` only its input (megatron-core's
+        ``CheckpointWithoutOutput`` runs the norm without saving anything and frees its
+        output, which the next linear layer had saved, until the backward reruns it)."""
+        if self.recompute.recomputes("layernorm"):
+            return tokens * self.model.hidden_size * self.act_bytes / self.par.tp_sp
+        return self.norm_bytes(tokens)
+
     def _rope_bytes(self, length: float) -> float:
         """RoPE's cos and sin for q and for k: four ``[l, 1, 1, d]`` tensors, not
         divided by TP nor multiplied by the micro-batch size."""
@@ -278,7 +304,7 @@ class CostModel:
             # q copy, LSE, output once; the chunked kernel is not checkpointed by
             # selective recomputation (it keeps no scores to drop)
             return tokens * (q + lse + q + around + pinned) + cos_sin
-        if self.recompute.granularity == "selective":
+        if self.recompute.recomputes("core_attn"):
             if split_kernel:
                 # the checkpoint wraps the kernel after the cache write
                 # (megatron/seqsplit/recompute.py): it keeps the query (RoPE's, or a copy
@@ -372,16 +398,26 @@ class CostModel:
         if m.q_lora_rank:
             latents += self._latent_bytes(m.q_lora_rank, m.q_lora_rank)
         # 4 [l, 1, 1, dpe] tensors, as _rope_bytes; MLA ropes whatever the position type
-        fixed = tokens * latents + 4 * l * m.qk_pos_emb_head_dim * e
+        up_recomputed = self.recompute.recomputes("mla_up_proj")
+        # RoPE's cos and sin, kept by the rotation unless the up-projection is recomputed
+        # (it then runs without saving anything, and its checkpoint keeps the fp32
+        # [l, 1, 1, dpe] frequencies it was given)
+        rope = (l * m.qk_pos_emb_head_dim * FP32 if up_recomputed
+                else 4 * l * m.qk_pos_emb_head_dim * e)
+        fixed = tokens * latents + rope
+        # the query (and unsplit a fresh key) the up-projection made: megatron-core's
+        # up-projection checkpoint frees them after core attention until the backward
+        # reruns it (what core attention made of them, a padded V, copies, stays)
+        own = 0 if up_recomputed else tokens * q
         split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
         if split_kernel and self.kv_layout == "chunked":
-            # a q copy, the output (at dv: the chunks merge unpadded) and the LSE
-            return fixed + tokens * (q + out + lse)
+            # the query, the output (at dv: the chunks merge unpadded) and the LSE
+            return fixed + own + tokens * (out + lse)
         # the split kernel's K lives in the buffer (counted as K/V cache) and its padded
         # V spans the prefix; unsplit, a fresh K and a padded V of the split alone
         keys = b * (l + self.offsets[split]) if split_kernel else tokens
-        inputs = tokens * q + keys * q + (0 if split_kernel else tokens * q)
-        if self.recompute.granularity == "selective":  # the checkpoint keeps q, k, v
+        inputs = own + keys * q + (0 if split_kernel else own)
+        if self.recompute.recomputes("core_attn"):  # the checkpoint keeps q, k, v
             return fixed + inputs + tokens * out
         if self._math_kernel():
             # scaled q and k, the padded V, then scores, dropout mask and probabilities
@@ -431,8 +467,16 @@ class CostModel:
         per_act = m.mlp_saved_widths
         dispatched = k * tokens * (h * e + FP32)
         experts = k * tokens * m.expert_ffn / t * e * (per_act + 1)
-        shared = tokens * m.moe_shared_ffn_hidden_size / t * e * per_act
+        # a recomputed shared expert keeps its input: the norm's output
+        shared = (0.0 if self.recompute.recomputes("shared_experts")
+                  else self.shared_expert_bytes(tokens))
         return self.router_bytes(tokens) + dispatched + experts + shared
+
+    def shared_expert_bytes(self, tokens: float) -> float:
+        """The shared expert's MLP (a dense MLP of the shared FFN size, split over TP)."""
+        m = self.model
+        width = m.moe_shared_ffn_hidden_size / self.par.tp
+        return tokens * width * self.act_bytes * m.mlp_saved_widths
 
     def dropout_bytes(self, tokens: float) -> float:
         """The two hidden-dropout masks of a layer."""
@@ -445,9 +489,9 @@ class CostModel:
         tokens = self.par.micro_batch_size * self.split_lengths[split]
         if self.model.is_moe_layer(layer):
             mlp = 0.0 if self._moe_recomputed() else self.moe_bytes(tokens)
-        else:
-            mlp = self.mlp_bytes(tokens)
-        return (2 * self.norm_bytes(tokens) + self.attention_bytes(split, layer)
+        else:  # a recomputed MLP keeps its input: the norm's output
+            mlp = 0.0 if self.recompute.recomputes("mlp") else self.mlp_bytes(tokens)
+        return (2 * self.layer_norm_bytes(tokens) + self.attention_bytes(split, layer)
                 + mlp + self.dropout_bytes(tokens))
 
     def chunk_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> List[float]:
@@ -492,16 +536,41 @@ class CostModel:
         return sum(per_layer)
 
     def _moe_recomputed(self) -> bool:
-        return self.recompute.granularity == "selective" and self.recompute.moe_layers
+        return self.recompute.recomputes("moe")
+
+    def recomputed_flops_per_token(self, layer: int) -> float:
+        """Linear-layer FLOPs per token that selective recomputation runs again in the
+        backward of layer ``layer``: a recomputed MoE layer (router, active experts,
+        shared expert), dense MLP, shared expert, MLA up-projections."""
+        m, rc = self.model, self.recompute
+        params = 0
+        if m.is_moe_layer(layer):
+            if rc.moe_layers:
+                params += m.mlp_linear_params(layer, active=True)
+            elif rc.recomputes("shared_experts"):
+                params += m.mlp_matrices * m.hidden_size * m.moe_shared_ffn_hidden_size
+        elif rc.recomputes("mlp"):
+            params += m.mlp_linear_params(layer)
+        if m.multi_latent_attention and rc.recomputes("mla_up_proj"):
+            params += m.mla_up_projection_params()
+        return 2 * params
 
     def recompute_transient_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
-        """Activations rebuilt during a backward with full recomputation, or one MoE
-        layer's with recomputed MoE layers."""
+        """Activations rebuilt during a backward with full recomputation; with selective
+        recomputation the largest module rebuilt at a time (an MoE layer, a dense MLP, a
+        shared expert; the up-projection's query and key and the norms' outputs are
+        smaller)."""
         rc, n = self.recompute, self.chunk_layers(rank, chunk)
-        if self._moe_recomputed():
+        if rc.granularity == "selective":
             tokens = self.par.micro_batch_size * self.split_lengths[split]
             layers = self.layer_indices(rank, chunk)
-            return self.moe_bytes(tokens) if any(map(self.model.is_moe_layer, layers)) else 0.0
+            moe = any(map(self.model.is_moe_layer, layers))
+            dense = not all(map(self.model.is_moe_layer, layers))
+            rebuilt = [self.moe_bytes(tokens) if moe and rc.moe_layers else 0.0,
+                       self.mlp_bytes(tokens) if dense and rc.recomputes("mlp") else 0.0,
+                       self.shared_expert_bytes(tokens)
+                       if moe and rc.recomputes("shared_experts") else 0.0]
+            return max(rebuilt)
         if rc.granularity != "full":
             return 0.0
         k = min(rc.num_layers, n)
@@ -531,7 +600,7 @@ class CostModel:
         (unsplit: all of them, exactly). A recomputed kernel (selective or full) keeps
         none. Not counted on GPU, where flash-attn's varlen path and FlexAttention keep no
         dense mask (SDPA's fallback, with dropout and without flash-attn, would)."""
-        if not (self.packed_documents and self.on_cpu) or self.recompute.granularity:
+        if not (self.packed_documents and self.on_cpu) or self.recompute.attention_kernel:
             return 0.0
         if self.num_splits > 1 and self.kv_layout == "chunked":
             return 0.0  # the chunked kernel saves the document ids, not a mask
@@ -549,7 +618,7 @@ class CostModel:
         None with the chunked cache's kernel (it masks block by block) or a recomputed
         kernel; on GPU flash-attn and FlexAttention keep none."""
         m = self.model
-        if not (m.window_layers and self.on_cpu) or self.recompute.granularity:
+        if not (m.window_layers and self.on_cpu) or self.recompute.attention_kernel:
             return 0.0
         if self.num_splits > 1 and self.kv_layout == "chunked":
             return 0.0
@@ -753,7 +822,12 @@ class CostModel:
         )
         rc = self.recompute
         if rc.granularity == "selective":
-            backward += f["attention"]
+            if rc.recomputes("core_attn"):
+                backward += f["attention"]
+            flops = (self.par.micro_batch_size * self.split_lengths[unit.split] / self.par.tp
+                     * sum(map(self.recomputed_flops_per_token,
+                               self.layer_indices(rank, unit.chunk))))
+            backward += flops / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
         elif rc.granularity == "full":
             n = self.chunk_layers(rank, unit.chunk)
             k = min(rc.num_layers, n)

@@ -134,6 +134,8 @@ class Prediction:
                 "granularity": c.recompute.granularity,
                 "method": c.recompute.method,
                 "num_layers": c.recompute.num_layers,
+                "modules": (list(c.recompute.modules)
+                            if c.recompute.granularity == "selective" else None),
             },
             "kv_cache_layout": c.kv_layout,
             "activation_dtype_bytes": c.act_bytes,

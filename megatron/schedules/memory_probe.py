@@ -30,15 +30,18 @@ from megatron.seqsplit.kv_cache import storage_id
 
 
 class _Registry:
-    def __init__(self):
-        self.refs = {}  # storage_id -> [count, nbytes]
-        self.live_bytes = 0
+    """The storages saved tensors keep, each counted once, at its size *now*: megatron-
+    core's ``CheckpointWithoutOutput`` (``--recompute-modules layernorm``, ``mla_up_proj``)
+    frees an output's storage in place after the forward (resized to 0) while autograd
+    still holds the tensor, and refills it when the backward recomputes it."""
 
-    def add(self, key, nbytes):
+    def __init__(self):
+        self.refs = {}  # storage_id -> [count, a saved tensor on that storage]
+
+    def add(self, key, tensor):
         entry = self.refs.get(key)
         if entry is None:
-            self.refs[key] = [1, nbytes]
-            self.live_bytes += nbytes
+            self.refs[key] = [1, tensor]
         else:
             entry[0] += 1
 
@@ -46,8 +49,11 @@ class _Registry:
         entry = self.refs[key]
         entry[0] -= 1
         if entry[0] == 0:
-            self.live_bytes -= entry[1]
             del self.refs[key]
+
+    def live_bytes(self, skip=frozenset()):
+        return sum(tensor.untyped_storage().nbytes()
+                   for key, (_, tensor) in self.refs.items() if key not in skip)
 
 
 class _Saved:
@@ -85,7 +91,7 @@ class ActivationMemoryProbe:
         key = storage_id(tensor)
         if key in self.excluded or storage.nbytes() == 0:
             return tensor
-        self.registry.add(key, storage.nbytes())
+        self.registry.add(key, tensor)
         holder = _Saved(tensor)
         weakref.finalize(holder, self.registry.drop, key)
         return holder
@@ -100,10 +106,9 @@ class ActivationMemoryProbe:
 
     def _live_bytes(self):
         if self.kv_store is None:
-            return self.registry.live_bytes
-        kv = self.kv_store.storage_ids()
-        saved = sum(nbytes for key, (_, nbytes) in self.registry.refs.items() if key not in kv)
-        return saved + self.kv_store.cached_bytes()
+            return self.registry.live_bytes()
+        return (self.registry.live_bytes(skip=self.kv_store.storage_ids())
+                + self.kv_store.cached_bytes())
 
     def _sample(self, label):
         live = self._live_bytes()

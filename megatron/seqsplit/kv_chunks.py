@@ -81,12 +81,22 @@ def _entry(store, entry_id, split) -> _ChunkEntry:
     return entry
 
 
+def _own_copy(tensor):
+    """``tensor`` [l, b, g, d] as a new [b, g, l, d] tensor. With b = g = 1 the permuted
+    view is already contiguous and ``contiguous()`` would return it: the chunk would share
+    the caller's storage, which megatron-core's MLA up-projection recomputation
+    (--recompute-modules mla_up_proj) frees after core attention, before the next split
+    reads the chunk."""
+    chunk = tensor.detach().permute(1, 2, 0, 3).contiguous()
+    return chunk.clone() if chunk.data_ptr() == tensor.data_ptr() else chunk
+
+
 def _store_own(entry: _ChunkEntry, split_index: int, key, value):
     """Keep this split's K/V as chunk `split_index`; return chunks 0..split_index."""
     # [l, b, g, d] -> [b, g, l, d]: one compact copy of the split's own K/V (it also stops
     # the chunk from pinning the fused QKV projection output it may be a view of)
-    entry.keys[split_index] = key.detach().permute(1, 2, 0, 3).contiguous()
-    entry.values[split_index] = value.detach().permute(1, 2, 0, 3).contiguous()
+    entry.keys[split_index] = _own_copy(key)
+    entry.values[split_index] = _own_copy(value)
     chunks = range(split_index + 1)
     return [entry.keys[c] for c in chunks], [entry.values[c] for c in chunks]
 

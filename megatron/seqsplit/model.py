@@ -41,7 +41,10 @@ from megatron.seqsplit.moe import (
     allow_router_without_transformer_engine,
 )
 from megatron.seqsplit.post_norm_residual import PostNormResidualLayer
-from megatron.seqsplit.recompute import SplitSelfAttention
+from megatron.seqsplit.recompute import (
+    SplitSelfAttention,
+    prepare_output_discarding_checkpoints,
+)
 from megatron.seqsplit.split_context import SplitContext
 
 
@@ -233,6 +236,10 @@ class SeqSplitGPTModel(GPTModel):
 
     ``_preprocess`` is private megatron-core API (no public RoPE offset up to 0.19):
     its signature is a row of ``megatron.mcore_compat.TABLE``."""
+
+    def __init__(self, config, *args, **kwargs):
+        prepare_output_discarding_checkpoints(config)  # --recompute-modules layernorm, ...
+        super().__init__(config, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         split = kwargs.get("packed_seq_params")

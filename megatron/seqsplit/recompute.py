@@ -19,9 +19,18 @@ attention kernel only, so it saves the query (never a view of the fused QKV outp
 ``kv_cache.query_alone``) plus aliases of the cache buffers (no new memory), and its
 recomputation reruns the kernel without touching the KV cache (the
 cache is written once per split, by the first forward).
+
+The other modules of ``--recompute-modules`` are megatron-core's own checkpoints, which
+read no split state and so rerun exactly the split they saved;
+``prepare_output_discarding_checkpoints`` makes the output-freeing one
+(``CheckpointWithoutOutput``: layernorm, mla_up_proj) run where Transformer Engine is
+missing and builds what megatron-core 0.19 compiles for it before training starts.
 """
 
+import functools
+
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron.seqsplit.attention_backends import variant_kwargs
@@ -76,3 +85,56 @@ class SplitSelfAttention(SelfAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         checkpoint_kernel_not_core_attention(self)
+
+
+# --recompute-modules that megatron-core runs through CheckpointWithoutOutput
+OUTPUT_DISCARDING_MODULES = ("layernorm", "mla_up_proj")
+
+
+def prepare_output_discarding_checkpoints(config) -> None:
+    """Before a model with ``OUTPUT_DISCARDING_MODULES`` recomputed is built: make
+    megatron-core's ``CheckpointWithoutOutput`` run without Transformer Engine, and build
+    the C++ extension megatron-core >= 0.19 compiles at its first recomputation
+    (``_get_share_storage``, with ninja and a C++ compiler: 24 s on this CPU, cached in
+    ``~/.cache/torch_extensions``) now, so that a machine without a compiler stops before
+    training instead of at its first backward."""
+    modules = config.recompute_modules or ()
+    if config.recompute_granularity != "selective" or not (
+            set(modules) & set(OUTPUT_DISCARDING_MODULES)):
+        return
+    checkpoint_without_output_runs_without_te()
+    build = getattr(mcore_random, "_get_share_storage", None)
+    if build is None:  # megatron-core 0.16: the recomputation copies into the storage
+        return
+    try:
+        build()
+    except Exception as error:  # what torch's extension builder raises varies
+        chosen = " ".join(m for m in OUTPUT_DISCARDING_MODULES if m in modules)
+        raise RuntimeError(
+            f"--recompute-modules {chosen}: megatron-core builds a C++ extension "
+            f"(share_storage, torch.utils.cpp_extension.load_inline) for this recomputation, "
+            f"and the build failed: {error}. Install ninja and a C++ compiler, or drop "
+            f"{chosen} from --recompute-modules") from error
+
+
+def checkpoint_without_output_runs_without_te() -> None:
+    """Make megatron-core's ``CheckpointWithoutOutput`` (``--recompute-modules layernorm``;
+    MLA's ``mla_up_proj`` when fp8 is None) run where Transformer Engine is not installed.
+
+    Its ``__init__`` sets ``self.fp8 = fp8 is not None``, so its default ``fp8=False``
+    takes the FP8 path, which asks Transformer Engine's ``FP8GlobalStateManager``
+    (0.16.1 and 0.19.2): without TE every such checkpoint stops with a NameError. Without
+    TE there is no FP8, so the flag is cleared after megatron-core's ``__init__``; with TE
+    nothing changes."""
+    cls = mcore_random.CheckpointWithoutOutput
+    if getattr(mcore_random, "HAVE_TE", True) or getattr(cls, "_fp8_off_without_te", False):
+        return
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)  # megatron-core's signature (mcore_compat reads it)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    cls._fp8_off_without_te = True

@@ -267,7 +267,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
                    help="with --recompute-granularity selective: core_attn (Megatron-LM's "
-                        "default) and moe (whole MoE layers), the modules recomputed here")
+                        "default), moe (whole MoE layers), layernorm, mlp, shared_experts, "
+                        "mla_up_proj (moe_act is refused)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recompute unit with --recompute-granularity full; "
                         "without a granularity it has no effect (as in Megatron-LM; noted)")
@@ -982,6 +983,25 @@ def _check_model_shape(args):
                                "because tensor model parallelism is disabled")
 
 
+# --recompute-modules recomputed here under sequence splits: megatron-core's own
+# checkpoints of per-token modules (layernorm, mlp, shared_experts, mla_up_proj), each
+# rerunning the split it saved; core attention's kernel (seqsplit/recompute.py) and
+# whole MoE layers (seqsplit/moe.py) with the whole microbatch's routing statistics
+RECOMPUTE_MODULES = {"core_attn", "moe", "layernorm", "mlp", "shared_experts", "mla_up_proj"}
+
+
+def _recompute_module_refusal(modules):
+    if "moe_act" in modules:
+        return ("megatron-core recomputes the expert activation only inside its grouped-GEMM "
+                "experts (Transformer Engine's), which are not built here (the experts run "
+                "as megatron-core's SequentialMLP); use --recompute-modules moe to recompute "
+                "whole MoE layers")
+    if "gdn_norm_out" in modules:
+        return "gated delta-net attention is not built here"
+    return ("not a module Megatron-LM recomputes; choose from "
+            + ", ".join(sorted(RECOMPUTE_MODULES | {"moe_act"})))
+
+
 def _check_recompute(args):
     if args.recompute_activations:  # as Megatron-LM: it overrides --recompute-granularity
         args.recompute_granularity = "selective"
@@ -999,13 +1019,14 @@ def _check_recompute(args):
         modules = args.recompute_modules or ["core_attn"]
         args.recompute_modules = modules + ["moe"] if "moe" not in modules else modules
     if args.recompute_modules is not None:
-        # core attention (Megatron-LM's default) and whole MoE layers; other modules (mlp,
-        # layernorm, moe_act, ...) would change what is kept, and are not built here
-        others = sorted(set(args.recompute_modules) - {"core_attn", "moe"})
-        _require(not others, f"--recompute-modules {' '.join(others)} is refused: selective "
-                             "recomputation here recomputes core attention and MoE layers "
-                             "only; use --recompute-modules core_attn moe or "
-                             "--recompute-granularity full")
+        others = sorted(set(args.recompute_modules) - RECOMPUTE_MODULES)
+        _require(not others, f"--recompute-modules {' '.join(others)} is refused: "
+                             f"{_recompute_module_refusal(others)}")
+        selective = args.recompute_granularity == "selective"  # else unused (Megatron-LM)
+        _require(not selective or "mla_up_proj" not in args.recompute_modules
+                 or getattr(args, "multi_latent_attention", False),
+                 "--recompute-modules mla_up_proj needs --multi-latent-attention (as in "
+                 "Megatron-LM)")
         if ("moe" in args.recompute_modules and args.num_experts is None
                 and not args.moe_layer_recompute):  # (that one is noted with the MoE flags)
             args.flag_notes.append("note: --recompute-modules moe without --num-experts: "

@@ -147,6 +147,11 @@ def check_moe_args(args, cuda_available):
         problems.append("--calculate-per-token-loss with MoE auxiliary or z-losses is not "
                         "supported with --seq1f1b-splits > 1: drop one of them")
     overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
+    if overlap and args.recompute_granularity == "selective" and "shared_experts" in (
+            args.recompute_modules or ()):
+        problems.append("--recompute-modules shared_experts does not go with "
+                        "--moe-shared-expert-overlap (megatron-core's config refuses it, so "
+                        "Megatron-LM stops too)")
     if overlap and args.moe_token_dispatcher_type != "alltoall":
         # megatron-core's config refuses it there, so Megatron-LM stops too
         problems.append("--moe-shared-expert-overlap only works with "
