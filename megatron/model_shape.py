@@ -43,14 +43,24 @@ from dataclasses import dataclass
 __all__ = ["ModelShape", "pad_vocab_size"]
 
 
-def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128,
+def vocab_divisible_by(args) -> int | None:
+    """--make-vocab-size-divisible-by, or None with --no-pad-vocab-size."""
+    if not getattr(args, "pad_vocab_size", True):
+        return None
+    return getattr(args, "make_vocab_size_divisible_by", 128)
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int | None = 128,
                    given: int | None = None) -> int:
     """The embedding's and output layer's width as Megatron-LM builds them, the one rule
     the trainer and the planner share: ``given`` (--padded-vocab-size) as it is, else the
     tokenizer's ``vocab_size`` padded to a multiple of ``divisible_by * tp_size``
-    (--make-vocab-size-divisible-by: each TP rank's slice a multiple of it). A ``given``
-    below ``vocab_size`` raises ValueError: Megatron-LM does not check it, and its
-    embedding lookup then fails on the first token id past the table."""
+    (--make-vocab-size-divisible-by: each TP rank's slice a multiple of it), or with
+    ``divisible_by`` None (--no-pad-vocab-size) not padded. A ``given`` below
+    ``vocab_size`` raises ValueError: Megatron-LM does not check it, and its embedding
+    lookup then fails on the first token id past the table; so does an unpadded size that
+    does not divide over the TP ranks (megatron-core's vocab-parallel embedding would
+    stop on it at the model build)."""
     if given is not None:
         if given < vocab_size:
             raise ValueError(
@@ -58,6 +68,14 @@ def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128,
                 f"({vocab_size} tokens): token ids past it would index beyond the "
                 f"embedding; give at least {vocab_size} or drop the flag")
         return given
+    if divisible_by is None:
+        if vocab_size % tp_size:
+            raise ValueError(
+                f"--no-pad-vocab-size: the tokenizer's vocabulary ({vocab_size} tokens) does "
+                f"not divide over --tensor-model-parallel-size ({tp_size}), whose ranks each "
+                f"hold an equal slice of it; drop --no-pad-vocab-size or give "
+                f"--padded-vocab-size")
+        return vocab_size
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 
@@ -115,7 +133,8 @@ class ModelShape:
     # attention dropout > 0: no stored state with flash attention on GPU; on CPU it
     # sends SDPA to the math kernel, which saves the scores
     attention_dropout: bool = False
-    vocab_divisible_by: int = 128  # --make-vocab-size-divisible-by (x TP)
+    vocab_divisible_by: int | None = 128  # --make-vocab-size-divisible-by (x TP); None: not
+    # padded (--no-pad-vocab-size)
     padded_vocab: int | None = None  # --padded-vocab-size: the width as given, no padding
     max_position_embeddings: int | None = None  # rows of learned position embeddings
     # mixture of experts (Megatron-LM's --num-experts ... flags); None: dense
@@ -182,7 +201,7 @@ class ModelShape:
             untie_embeddings=bool(args.untie_embeddings_and_output_weights),
             position_embedding_type=args.position_embedding_type,
             attention_dropout=args.attention_dropout > 0,
-            vocab_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+            vocab_divisible_by=vocab_divisible_by(args),
             padded_vocab=getattr(args, "padded_vocab_size", None),
             max_position_embeddings=getattr(args, "max_position_embeddings", None),
             mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,

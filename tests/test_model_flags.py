@@ -107,6 +107,53 @@ def test_embedding_init_std_is_its_own():
     assert config_of("--init-method-std", "0.03").embedding_init_method_std == 0.03
 
 
+def test_xavier_uniform_init_as_megatron_lm_means_it():
+    """--init-method-xavier-uniform: every layer's weights (and the embedding's, which
+    megatron-core initialises with the layers' method) Xavier-uniform: inside
+    sqrt(6 / (fan_in + fan_out)) with a uniform's spread. (Megatron-LM 0.19 passes the
+    output layers' method as ``scaled_init_method``, which its TransformerConfig rejects.)"""
+    config = config_of("--init-method-xavier-uniform")
+    assert config.init_method is torch.nn.init.xavier_uniform_
+    assert config.output_layer_init_method is torch.nn.init.xavier_uniform_
+    for init in (config.init_method, config.output_layer_init_method,
+                 config.embedding_init_method):
+        weights = torch.empty(256, 64)
+        init(weights)
+        bound = (6 / (256 + 64)) ** 0.5
+        assert weights.abs().max() <= bound
+        assert abs(weights.std().item() - bound / 3 ** 0.5) < 0.05 * bound
+    normal = config_of()  # megatron-core's normal init of std 0.02 otherwise
+    weights = torch.empty(256, 64)
+    normal.init_method(weights)
+    assert 0.018 < weights.std().item() < 0.022
+    with pytest.raises(TypeError, match="scaled_init_method"):  # Megatron-LM 0.19's call
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                          init_method=torch.nn.init.xavier_uniform_,
+                          scaled_init_method=torch.nn.init.xavier_uniform_)
+
+
+def test_precision_flags_reach_the_config_and_model(monkeypatch):
+    """--fp16-lm-cross-entropy (GPTModel's fp16 loss; needs --fp16, as Megatron-LM
+    asserts) and --disable-bf16-reduced-precision-matmul (megatron-core's config field: it
+    sets torch's CUDA flag with --bf16); --openai-gelu changes nothing, as in Megatron-LM
+    0.19, which parses it and applies it nowhere."""
+    with pytest.raises(ArgumentErrors, match="--fp16-lm-cross-entropy needs --fp16"):
+        args_of("--fp16-lm-cross-entropy")
+    assert config_of("--disable-bf16-reduced-precision-matmul").disable_bf16_reduced_precision_matmul
+    assert not config_of().disable_bf16_reduced_precision_matmul
+    args = args_of()
+    args.fp16_lm_cross_entropy = True  # (--fp16 itself needs CUDA: its rule is above)
+    seen = {}
+    monkeypatch.setattr(trainer_model, "SeqSplitGPTModel", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(trainer_model, "layer_spec", lambda *a, **k: None)
+    args.padded_vocab_size = 128
+    trainer_model.gpt_model_provider(args, trainer_model.transformer_config_from_args(args))
+    assert seen["fp16_lm_cross_entropy"] is True
+    gelu = args_of("--openai-gelu")
+    assert config_of("--openai-gelu").activation_func is config_of().activation_func
+    assert any(flag == "--openai-gelu" for flag, _ in gelu.no_op_flags)
+
+
 # --- RoPE at a split's offset: split attention equals unsplit attention ------------------
 
 D, HQ, G, B = 8, 4, 2, 2

@@ -123,3 +123,30 @@ def test_planner_sizes_the_vocabulary_the_trainer_builds(monkeypatch):
             torch.distributed.destroy_process_group()
     assert widths == {"padded_by_tokenizer": 256, "padded_vocab_size": 203,
                       "divisible_by_64": 192}
+
+
+@pytest.mark.parametrize("spelling", ["--no-pad-vocab-size", "--disable-pad-vocab-size"])
+def test_no_padding_keeps_the_tokenizers_size(spelling):
+    """--no-pad-vocab-size (Megatron-LM 0.19's, and its --disable- spelling): the model's
+    vocabulary is the tokenizer's as it is, in the trainer and the planner; one that does
+    not divide over the TP ranks stops with one line (megatron-core's vocab-parallel
+    embedding would stop at the model build)."""
+    from megatron.planner.cli import config_from_args, parse
+    from megatron.planner.predict import PlanError
+
+    assert vocab_size_of_model(args_of(spelling), 129) == 129
+    assert vocab_size_of_model(args_of(spelling, "--padded-vocab-size", "130"), 129) == 130
+    tp2 = args_of(spelling, "--tensor-model-parallel-size", "2", world_size=2)
+    assert vocab_size_of_model(tp2, 130) == 130
+    with pytest.raises(SystemExit) as stop:
+        vocab_size_of_model(tp2, 129)
+    assert str(stop.value) == (
+        "error: --no-pad-vocab-size: the tokenizer's vocabulary (129 tokens) does not divide "
+        "over --tensor-model-parallel-size (2), whose ranks each hold an equal slice of it; "
+        "drop --no-pad-vocab-size or give --padded-vocab-size")
+    # the planner: NullTokenizer's --vocab-size 128 + end of document = 129, not padded
+    planned = config_from_args(parse(BASE + [spelling, "--gpu", "cpu"]))
+    assert planned.model.padded_vocab_size(1) == 129
+    with pytest.raises(PlanError, match="--no-pad-vocab-size: the tokenizer's vocabulary"):
+        config_from_args(parse(BASE + [spelling, "--tensor-model-parallel-size", "2",
+                                       "--world-size", "2", "--gpu", "cpu"]))

@@ -125,6 +125,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "none (with rope, nothing changes)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times the TP size")
+    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false",
+                   dest="pad_vocab_size",
+                   help="the model's vocabulary is the tokenizer's, not padded (it must "
+                        "divide over the TP ranks)")
     g.add_argument("--padded-vocab-size", type=int, default=None,
                    help="the embedding and output layer's vocabulary size, instead of the "
                         "tokenizer's padded by --make-vocab-size-divisible-by (at least the "
@@ -175,6 +179,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="Xavier-uniform initial weights for every linear layer (instead of "
+                        "normal ones of --init-method-std)")
     g.add_argument("--embedding-init-method-std", type=float, default=None,
                    help="standard deviation of the embedding's initial weights (default "
                         "--init-method-std)")
@@ -251,6 +258,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp16-lm-cross-entropy", action="store_true",
+                   help="with --fp16: the output layer's cross entropy in fp16")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="with --bf16 on CUDA: no reduced-precision reductions in bf16 "
+                        "matmuls (torch.backends.cuda.matmul)")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -924,6 +936,9 @@ def _check_rampup_layouts(args):
 
 def _check_model_shape(args):
     tp = args.tensor_model_parallel_size
+    # as Megatron-LM (its validate_args asserts it)
+    _require(not args.fp16_lm_cross_entropy or args.fp16,
+             "--fp16-lm-cross-entropy needs --fp16 (as in Megatron-LM)")
     if args.padded_vocab_size is not None:
         _require(args.padded_vocab_size > 0 and args.padded_vocab_size % tp == 0,
                  f"--padded-vocab-size ({args.padded_vocab_size}) must be a positive multiple "

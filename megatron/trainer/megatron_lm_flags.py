@@ -57,6 +57,9 @@ NO_OP_FLAGS = {
     "--auto-detect-ckpt-format": (False, "only torch_dist checkpoints exist here"),
     "--tiktoken-pattern": (True, "only for --tokenizer-type TikTokenizer, which is not "
                                  "supported here"),
+    "--openai-gelu": (False, "Megatron-LM 0.19 parses it and applies it nowhere: GeLU is "
+                             "megatron-core's (--swiglu, --squared-relu, --quick-geglu choose "
+                             "others)"),
 }
 
 
@@ -260,13 +263,11 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 # reads or saves, so it is refused rather than ignored
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
-               "--openai-gelu "
-               "--no-pad-vocab-size "
-               "--disable-pad-vocab-size --init-method-xavier-uniform "
-               "--data-parallel-random-init --te-rng-tracker --fp16-lm-cross-entropy "
+               "--data-parallel-random-init "
                "--embedding-weights-in-fp32 "
-               "--disable-bf16-reduced-precision-matmul "
                "--relative-attention-"),
+    ("Transformer Engine's RNG tracker (for CUDA graphs) is not used here; drop it",
+     "--te-rng-tracker"),
     (_MLA_INFERENCE, "--cache-mla-latents"),
     ("the fused MLA down-projection is a Transformer Engine kernel, not used here (the "
      "unfused projections compute the same model); drop it", "--mla-down-proj-fusion"),

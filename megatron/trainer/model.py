@@ -8,7 +8,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.model_shape import pad_vocab_size
+from megatron.model_shape import pad_vocab_size, vocab_divisible_by
 from megatron.trainer import device
 from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
@@ -60,6 +60,19 @@ def activation_func(args):
     return F.gelu
 
 
+def xavier_init_fields(args) -> dict:
+    """--init-method-xavier-uniform: megatron-core's config with Xavier-uniform initial
+    weights for the layers (and, unless --embedding-init-method-std differs, the embedding,
+    as megatron-core falls back to the layers' method). Megatron-LM 0.19 means this but
+    hands the output layers' method over as ``scaled_init_method``, which its
+    TransformerConfig does not take (a TypeError); here it is
+    ``output_layer_init_method``."""
+    if not getattr(args, "init_method_xavier_uniform", False):
+        return {}
+    return {"init_method": torch.nn.init.xavier_uniform_,
+            "output_layer_init_method": torch.nn.init.xavier_uniform_}
+
+
 def transformer_config_from_args(args) -> TransformerConfig:
     on_gpu = device.on_cuda(args)
     dtype = params_dtype(args)
@@ -94,6 +107,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
             args, "apply_residual_connection_post_layernorm", False),
         rotary_interleaved=getattr(args, "rotary_interleaved", False),
         init_method_std=args.init_method_std,
+        **xavier_init_fields(args),
         embedding_init_method_std=getattr(args, "embedding_init_method_std", None),
         no_rope_freq=getattr(args, "no_rope_freq", None),
         **attention_config_fields(args),
@@ -108,6 +122,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=args.bf16,
         fp16=args.fp16,
+        disable_bf16_reduced_precision_matmul=getattr(
+            args, "disable_bf16_reduced_precision_matmul", False),
         use_cpu_initialization=not on_gpu,
         # fused kernels need CUDA (and apex/TE); the unfused paths are exact everywhere
         bias_activation_fusion=False,
@@ -173,6 +189,7 @@ def gpt_model_provider(args, config, pre_process=True, post_process=True, vp_sta
             vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
+        fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -192,7 +209,7 @@ def vocab_size_of_model(args, tokenizer_vocab_size: int) -> int:
     tokenizer's is refused with one line (on rank 0)."""
     try:
         return pad_vocab_size(tokenizer_vocab_size, args.tensor_model_parallel_size,
-                              args.make_vocab_size_divisible_by, args.padded_vocab_size)
+                              vocab_divisible_by(args), args.padded_vocab_size)
     except ValueError as error:
         raise SystemExit(
             f"error: {error}"
