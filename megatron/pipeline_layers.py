@@ -5,7 +5,8 @@ Megatron-LM's uneven split: ``--decoder-first-pipeline-num-layers`` and
 remaining layers divide evenly among the middle stages (megatron-core's
 ``TransformerConfig`` checks and ``get_num_layers_to_build``);
 ``--account-for-embedding/loss-in-pipeline-split`` count the embedding / the loss as a
-layer of an even split instead (of the virtual stages too); without them every stage
+layer of an even split instead (of the virtual stages too); ``--pipeline-model-parallel-
+layout`` gives every stage's layers (and the virtual stages); without them every stage
 holds ``num_layers / pp``. The planner, the argument checks and the tests share this one
 rule, so the model megatron-core builds and what they assume cannot drift apart.
 """
@@ -119,3 +120,33 @@ def chunk_layer_counts(counts, vp=None, account_for_embedding=False, account_for
         per_chunk = (counts[0] + int(account_for_embedding)) // vp
         return _accounted_chunks(per_chunk, pp, vp, account_for_embedding, account_for_loss)
     return [counts[rank] // vp for _ in range(vp) for rank in range(pp)]
+
+
+def layout_chunk_layer_counts(layout: str, pp: int, num_layers: int,
+                              mtp_num_layers: int = 0) -> list:
+    """Transformer layers of each model chunk in pipeline order (chunk c of rank r at
+    ``c * pp + r``) of Megatron-LM's ``--pipeline-model-parallel-layout`` (e.g.
+    ``"Et*3|(tt|)*6,tL"``: ``E`` the embedding, ``t`` a transformer layer, ``m`` an MTP
+    layer, ``L`` the output layer and loss, ``|`` between stages; the number of stages is
+    ``pp`` times the virtual stages per rank). megatron-core parses and checks it (its
+    ``PipelineParallelLayerLayout``, which builds the stages from it too); its assertions
+    come back as ``UnevenSplitError`` naming the flag. MTP layers must sit with the loss
+    on the last stage here (megatron-core's standalone MTP stage is not supported)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    flag = f"--pipeline-model-parallel-layout {layout!r}"
+    try:
+        parsed = PipelineParallelLayerLayout(layout, pp)
+        standalone_mtp = parsed.validate_layer_layout(num_layers, mtp_num_layers or None)
+    except (AssertionError, ValueError, KeyError, NotImplementedError) as error:
+        raise UnevenSplitError(f"{flag}: {error or type(error).__name__}") from None
+    vp = parsed.virtual_pipeline_model_parallel_size
+    last = parsed.layout[pp - 1][vp - 1]
+    if standalone_mtp or (mtp_num_layers and LayerType.mtp not in last):
+        raise UnevenSplitError(f"{flag}: the MTP layers ('m') must be on the last stage, with "
+                               f"the loss ('L'); a standalone MTP stage is not supported here")
+    return [parsed.layout[rank][chunk].count(LayerType.decoder)
+            for chunk in range(vp) for rank in range(pp)]

@@ -61,9 +61,10 @@ def gather_full_parameters(args, model):
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pp_size, pp_rank = (args.pipeline_model_parallel_size,
                         parallel_state.get_pipeline_model_parallel_rank())
-    chunk_layers = chunk_layer_counts(args.stage_layer_counts, len(model),
-                                      args.account_for_embedding_in_pipeline_split,
-                                      args.account_for_loss_in_pipeline_split)
+    chunk_layers = (getattr(args, "chunk_layer_counts", None)  # a layout's own counts
+                    or chunk_layer_counts(args.stage_layer_counts, len(model),
+                                          args.account_for_embedding_in_pipeline_split,
+                                          args.account_for_loss_in_pipeline_split))
     local = {}
     for chunk_index, chunk in enumerate(model):
         # chunk c of rank r is global stage c * pp + r (stages may hold unequal layer counts)

@@ -139,7 +139,8 @@ def test_precision_flags_reach_the_config_and_model(monkeypatch):
     0.19, which parses it and applies it nowhere."""
     with pytest.raises(ArgumentErrors, match="--fp16-lm-cross-entropy needs --fp16"):
         args_of("--fp16-lm-cross-entropy")
-    assert config_of("--disable-bf16-reduced-precision-matmul").disable_bf16_reduced_precision_matmul
+    disabled = config_of("--disable-bf16-reduced-precision-matmul")
+    assert disabled.disable_bf16_reduced_precision_matmul
     assert not config_of().disable_bf16_reduced_precision_matmul
     args = args_of()
     args.fp16_lm_cross_entropy = True  # (--fp16 itself needs CUDA: its rule is above)

@@ -229,3 +229,50 @@ def test_flags_are_checked_up_front():
     with pytest.raises(ArgumentError, match="rank 0 holds 5 layers, not divisible by the 2"):
         parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
               "2", "--decoder-last-pipeline-num-layers", "1", world=2)
+
+
+def test_pipeline_layout_is_megatron_lms():
+    """--pipeline-model-parallel-layout: each chunk's transformer layers and the virtual
+    stages as Megatron-LM derives them from its string (megatron-core parses and checks
+    it); its errors name the flag; the other ways of shaping stages are refused beside it;
+    MTP only with the loss on the last stage. (Trained: tests/test_moe_exactness.py.)"""
+    from megatron.trainer.arguments import ArgumentError, parse_args
+
+    def parse(*flags, world=2):
+        return parse_args(MODEL + BATCH + ["--pipeline-model-parallel-size", "2"] + list(flags),
+                          world_size=world, cuda_available=False)
+
+    embedding_stage = parse("--pipeline-model-parallel-layout", "E|t*6L")
+    assert embedding_stage.chunk_layer_counts == [0, 6]
+    assert embedding_stage.stage_layer_counts == [0, 6]
+    assert embedding_stage.virtual_pipeline_model_parallel_size is None
+    interleaved = parse("--pipeline-model-parallel-layout", "Et|(tt|)*2,tL")
+    assert interleaved.chunk_layer_counts == [1, 2, 2, 1]
+    assert interleaved.stage_layer_counts == [3, 3]
+    assert interleaved.virtual_pipeline_model_parallel_size == 2
+    for flags, message in (
+            (["E|t*5L"], "Number of decoder layers 5must match num_layers 6"),
+            (["Et*6|L|tL"], "must be divisible by pipeline_model_parallel_size"),
+            (["t*3|Et*3L"], "The first layer must be embedding"),
+            (["Et*3|t*3Lx"], "Invalid layer character: x"),
+            (["Et*3|t*3L", "--decoder-first-pipeline-num-layers", "3"],
+             "drop --decoder-first-pipeline-num-layers (as Megatron-LM)"),
+            (["Et|tt|tt|tL", "--virtual-pipeline-model-parallel-size", "2"],
+             "drop --virtual-pipeline-model-parallel-size"),
+            (["Et*3|t*3L", "--account-for-loss-in-pipeline-split"],
+             "drop --account-for-loss-in-pipeline-split"),
+            (["Et*3|t*3L", "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights",
+              "--position-embedding-type", "rope"], "Number of mtp layers in layout must match"),
+            (["Et*3|mt*3L", "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights",
+              "--position-embedding-type", "rope"], "decoder layers must be placed before MTP"),
+            (["Et*3|t*3|m|L", "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights",
+              "--position-embedding-type", "rope", "--global-batch-size", "4"],
+             "the MTP layers ('m') must be on the last stage")):
+        with pytest.raises(ArgumentError) as error:
+            parse("--pipeline-model-parallel-layout", *flags)
+        assert "--pipeline-model-parallel-layout" in str(error.value), str(error.value)
+        assert message in str(error.value), str(error.value)
+    with_mtp = parse("--pipeline-model-parallel-layout", "Et*3|t*3mL", "--mtp-num-layers", "1",
+                     "--untie-embeddings-and-output-weights", "--position-embedding-type",
+                     "rope")
+    assert with_mtp.chunk_layer_counts == [3, 3]

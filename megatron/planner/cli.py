@@ -216,7 +216,10 @@ def config_from_args(args) -> PlanConfig:
     chunks, chunk_layers = 1, None
     accounted = (t.account_for_embedding_in_pipeline_split
                  or t.account_for_loss_in_pipeline_split)
-    if accounted and (t.virtual_pipeline_model_parallel_size or 1) > 1:
+    if getattr(t, "chunk_layer_counts", None) is not None:  # --pipeline-model-parallel-layout
+        chunks = t.virtual_pipeline_model_parallel_size or 1
+        chunk_layers = tuple(t.chunk_layer_counts) if chunks > 1 else None
+    elif accounted and (t.virtual_pipeline_model_parallel_size or 1) > 1:
         # the trainer counted the slots (--num-layers-per-virtual-pipeline-stage
         # included); the first / last chunk holds a layer fewer than its rank's others
         chunks = t.virtual_pipeline_model_parallel_size

@@ -528,7 +528,7 @@ class CostModel:
         """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
         n, rc = self.chunk_layers(rank, chunk), self.recompute
         per_layer = self.chunk_layer_bytes(split, rank, chunk)
-        if rc.granularity == "full":
+        if rc.granularity == "full" and n:  # (a layout's stage may hold no layer)
             k = min(rc.num_layers, n)
             if rc.method == "uniform":
                 return self._checkpoint_bytes(split, math.ceil(n / k))
@@ -571,7 +571,7 @@ class CostModel:
                        self.shared_expert_bytes(tokens)
                        if moe and rc.recomputes("shared_experts") else 0.0]
             return max(rebuilt)
-        if rc.granularity != "full":
+        if rc.granularity != "full" or not n:
             return 0.0
         k = min(rc.num_layers, n)
         largest = max(self.chunk_layer_bytes(split, rank, chunk))
@@ -752,7 +752,7 @@ class CostModel:
         gemm, attn = self.shape.forward_flops_parts(
             self.split_lengths[unit.split], self.offsets[unit.split],
             layers=self.chunk_layers(rank, unit.chunk), lm_head=self.is_last(rank, unit.chunk),
-            first_layer=self.layer_indices(rank, unit.chunk)[0])
+            first_layer=self.layer_indices(rank, unit.chunk).start)
         share = self.par.micro_batch_size / self.par.tp
         return {"gemm": gemm * share, "attention": attn * share}
 
@@ -828,7 +828,7 @@ class CostModel:
                      * sum(map(self.recomputed_flops_per_token,
                                self.layer_indices(rank, unit.chunk))))
             backward += flops / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
-        elif rc.granularity == "full":
+        elif rc.granularity == "full" and self.chunk_layers(rank, unit.chunk):
             n = self.chunk_layers(rank, unit.chunk)
             k = min(rc.num_layers, n)
             share = 1.0 if rc.method == "uniform" else k / n

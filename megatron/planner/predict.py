@@ -185,10 +185,10 @@ def validate(c: PlanConfig) -> None:
             f"--num-query-groups {m.num_query_groups}"
         )
     if p.chunk_layers is not None:
-        # a rank's chunks differ: one count per chunk, at least one layer each, summing
-        # to each rank's count and to the model
+        # a rank's chunks differ: one count per chunk (none: a layout's embedding- or
+        # loss-only stage), summing to each rank's count and to the model
         by_rank = [sum(p.chunk_layers[rank::p.pp]) for rank in range(p.pp)]
-        if (len(p.chunk_layers) != p.pp * p.num_chunks or min(p.chunk_layers) < 1
+        if (len(p.chunk_layers) != p.pp * p.num_chunks or min(p.chunk_layers) < 0
                 or sum(p.chunk_layers) != m.num_layers
                 or (p.stage_layers is not None and list(p.stage_layers) != by_rank)):
             raise PlanError(f"per-chunk layers {list(p.chunk_layers)} do not split "
@@ -198,7 +198,7 @@ def validate(c: PlanConfig) -> None:
         # uneven stages: as many counts as ranks, summing to the model, each rank's
         # count dividing among its chunks (the trainer checked the flags themselves)
         if (len(p.stage_layers) != p.pp or sum(p.stage_layers) != m.num_layers
-                or any(n < 1 or n % p.num_chunks for n in p.stage_layers)):
+                or any(n < 0 or n % p.num_chunks for n in p.stage_layers)):
             raise PlanError(f"per-stage layers {list(p.stage_layers)} do not split "
                             f"--num-layers {m.num_layers} over {p.pp} stages x "
                             f"{p.num_chunks} virtual stages")

@@ -45,6 +45,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.mcore_compat import backward_step
@@ -55,7 +56,7 @@ from megatron.schedules import registry
 from megatron.schedules.transport import ProcessGroupTransport, Transport
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.moe import RoutingStatistics
-from megatron.seqsplit.split_context import SplitContext, slice_batch
+from megatron.seqsplit.split_context import CONSUMERS, SplitContext, slice_batch
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 
 
@@ -175,12 +176,21 @@ class SplitNotConsumedError(RuntimeError):
     """A forward under sequence splits returned without the model using its split."""
 
 
-def check_split_consumed(split: SplitContext, unit: Unit) -> None:
+def chunk_consumers(chunk) -> tuple:
+    """The split-aware parts a model chunk's forward must hand the split to: the position
+    handling always, and attention where the chunk holds a transformer layer (a stage of
+    --pipeline-model-parallel-layout may hold the embedding or the loss alone)."""
+    has_layers = any(isinstance(module, TransformerLayer) for module in chunk.modules())
+    return CONSUMERS if has_layers else tuple(c for c in CONSUMERS if c != "attention")
+
+
+def check_split_consumed(split: SplitContext, unit: Unit, required=CONSUMERS) -> None:
     """Refuse a forward whose model did not consume the split (see
-    ``SplitContext.missing_consumers``): it would attend within the split only and
-    train on wrong gradients, silently. Called after every forward unit with more than
-    one split, so the first unit fails, before any backward."""
-    missing = split.missing_consumers()
+    ``SplitContext.missing_consumers``; ``required``: ``chunk_consumers`` of its chunk):
+    it would attend within the split only and train on wrong gradients, silently. Called
+    after every forward unit with more than one split, so the first unit fails, before
+    any backward."""
+    missing = tuple(part for part in split.missing_consumers() if part in required)
     if not missing:
         return
     raise SplitNotConsumedError(
@@ -227,6 +237,7 @@ class PipelineExecutor:
         self.forward_step_func = forward_step_func
         self.chunks = chunks
         self.num_chunks = len(chunks)
+        self.consumers = [chunk_consumers(chunk) for chunk in chunks]
         self.config = get_model_config(chunks[0])
         self.transport = (transport if transport is not None
                           else ProcessGroupTransport(pp_group, self.config))
@@ -374,7 +385,7 @@ class PipelineExecutor:
         with autocast:
             output_tensor, loss_func = self.forward_step_func(data, self.chunks[unit.chunk])
         if self.settings.num_splits > 1:
-            check_split_consumed(split, unit)
+            check_split_consumed(split, unit, self.consumers[unit.chunk])
         if self._holds_loss(unit):
             output_tensor = self._loss(unit, loss_func(output_tensor))
         else:

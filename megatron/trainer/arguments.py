@@ -10,7 +10,11 @@ import sys
 
 # no torch or megatron-core here: the command line is checked before they load (seconds
 # to a minute on a busy node), see check_flags_early
-from megatron.pipeline_layers import UnevenSplitError, stage_layer_counts
+from megatron.pipeline_layers import (
+    UnevenSplitError,
+    layout_chunk_layer_counts,
+    stage_layer_counts,
+)
 from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
@@ -300,6 +304,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    "--num-virtual-stages-per-pipeline-rank",
                    dest="virtual_pipeline_model_parallel_size", type=int, default=None,
                    help="interleaved schedule: model chunks per pipeline rank")
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
+                   help="every pipeline stage's layers, Megatron-LM's string: E embedding, "
+                        "t transformer layer, m MTP layer, L loss, | between stages (the "
+                        "stages are the pipeline ranks times their virtual stages), e.g. "
+                        "'Et*3|(tt|)*6,tL'")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="transformer layers on the first pipeline stage (default: an even "
                         "split); the middle stages share the rest evenly")
@@ -838,7 +847,12 @@ def _derive_parallel_layout(args, world_size):
     _derive_batch_rampup(args)
 
     _resolve_pipeline_schedule(args)
+    _take_pipeline_layout(args)
     _validate_virtual_pipeline(args)
+    if args.chunk_layer_counts is not None:  # --pipeline-model-parallel-layout
+        args.stage_layer_counts = [sum(args.chunk_layer_counts[rank::pp])
+                                   for rank in range(pp)]
+        return
     try:  # after the virtual stages: each rank's layers must divide among its chunks
         args.stage_layer_counts = stage_layer_counts(
             args.num_layers, pp, args.decoder_first_pipeline_num_layers,
@@ -1318,6 +1332,40 @@ def _resolve_pipeline_schedule(args):
         raise ArgumentError(str(error)) from None
 
 
+def _take_pipeline_layout(args):
+    """--pipeline-model-parallel-layout: every model chunk's transformer layers
+    (``args.chunk_layer_counts``, pipeline order) and the virtual stages per rank, as
+    Megatron-LM derives them from the string; the other ways of shaping stages are
+    refused beside it, as there."""
+    args.chunk_layer_counts = None
+    layout = args.pipeline_model_parallel_layout
+    if layout is None:
+        return
+    others = [flag for flag, given in (
+        ("--num-layers-per-virtual-pipeline-stage",
+         args.num_layers_per_virtual_pipeline_stage is not None),
+        ("--virtual-pipeline-model-parallel-size / --num-virtual-stages-per-pipeline-rank",
+         args.virtual_pipeline_model_parallel_size is not None),
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers
+         is not None),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers
+         is not None),
+        ("--account-for-embedding-in-pipeline-split",
+         args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split))
+        if given]
+    _require(not others, f"--pipeline-model-parallel-layout gives every stage's layers and "
+                         f"the virtual stages; drop {', '.join(others)} (as Megatron-LM)")
+    try:
+        chunks = layout_chunk_layer_counts(layout, args.pipeline_model_parallel_size,
+                                           args.num_layers,
+                                           getattr(args, "mtp_num_layers", None) or 0)
+    except UnevenSplitError as error:
+        raise ArgumentError(str(error)) from None
+    args.chunk_layer_counts = chunks
+    args.virtual_pipeline_model_parallel_size = len(chunks) // args.pipeline_model_parallel_size
+
+
 def _validate_virtual_pipeline(args):
     """Interleaved 1F1B flags, with megatron-core's constraints checked up front."""
     pp = args.pipeline_model_parallel_size
@@ -1482,12 +1530,13 @@ def _validate_attention_balance(args):
 
 def _unequal_stages(args):
     """Any flag that makes pipeline stages hold unequal layer counts:
-    --decoder-first/last-pipeline-num-layers, or an embedding / loss counted as a layer
-    (--account-for-embedding/loss-in-pipeline-split)."""
+    --decoder-first/last-pipeline-num-layers, an embedding / loss counted as a layer
+    (--account-for-embedding/loss-in-pipeline-split), or --pipeline-model-parallel-layout."""
     return (args.decoder_first_pipeline_num_layers is not None
             or args.decoder_last_pipeline_num_layers is not None
             or args.account_for_embedding_in_pipeline_split
-            or args.account_for_loss_in_pipeline_split)
+            or args.account_for_loss_in_pipeline_split
+            or args.pipeline_model_parallel_layout is not None)
 
 
 def _gcd(a, b):
@@ -1555,8 +1604,10 @@ def early_problems(argv, extra_args_provider=None):
     files the flags name (empty: none found; the full parse checks the rest). Never
     imports torch."""
     global _LIGHT
-    # --use-checkpoint-args takes the model's shape from --load: left to the full parse
-    if any(token.split("=", 1)[0] in ("--use-checkpoint-args", "-h", "--help")
+    # --use-checkpoint-args takes the model's shape from --load, megatron-core parses
+    # --pipeline-model-parallel-layout: left to the full parse
+    if any(token.split("=", 1)[0] in ("--use-checkpoint-args", "--pipeline-model-parallel-layout",
+                                      "-h", "--help")
            for token in argv):
         return []
     _LIGHT = True

@@ -250,9 +250,10 @@ REFUSED_FLAGS = {
 _NOT_YET = ("changes the model's math and is not implemented yet (a later change will add "
             "it); drop it only if the model does not need it, else train this model with "
             "Megatron-LM for now")
-_UNEVEN = ("this way of unequal pipeline stages is not supported; give the first and last "
-           "stages' layer counts with --decoder-first-pipeline-num-layers / "
-           "--decoder-last-pipeline-num-layers instead")
+_UNEVEN = ("this way of unequal pipeline stages is not supported; give an embedding-only "
+           "first stage with --pipeline-model-parallel-layout (e.g. 'E|t*8|t*8L'), or the "
+           "first and last stages' layer counts with --decoder-first-pipeline-num-layers / "
+           "--decoder-last-pipeline-num-layers")
 _CHANGES = ("not supported here, and ignoring it would change the model, the data, the "
             "learning rate or what is saved; drop it")
 _FSDP = REFUSED_FLAGS["--use-torch-fsdp2"]
@@ -288,7 +289,7 @@ for _reason, _flags in (
      "--heterogeneous-"),
     ("MuP parameterisation is not implemented (it changes initialisation, learning rates "
      "and the attention scale); drop it", "--use-mup --mup-"),
-    (_UNEVEN, "--standalone-embedding-stage --pipeline-model-parallel-layout"),
+    (_UNEVEN, "--standalone-embedding-stage"),
     (_FP8, "--fp4- --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
            "--num-layers-at-end-in-bf16 --use-grouped-gemm-for-dense-mlp "
            "--reuse-grad-buf-for-mxfp8-param-ag --keep-fp8-transpose-cache "

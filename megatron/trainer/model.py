@@ -84,6 +84,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        # megatron-core parses it again and builds each chunk's layers from it
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
