@@ -238,6 +238,14 @@ def test_moe_examples_are_planned_as_they_are(capsys):
     assert par["sequence_parallel"]
     assert out["parameters"]["active"] < out["parameters"]["total"] / 4
     assert out["splits"] == 4 and not out["oom"]
+    # LAYOUT: Megatron-LM's --pipeline-model-parallel-layout, lighter on the last stage
+    # (MTP depth and output layer): a lower peak and a shorter iteration, as its comment says
+    even = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh"))
+    layout = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh",
+                                LAYOUT="Et*5|t*5|t*4|t*2mL"))
+    assert layout.config.parallel.stage_layers == (5, 5, 4, 2)
+    assert layout.peak_memory_gb < 0.8 * even.peak_memory_gb
+    assert layout.iteration_time_s < 0.8 * even.iteration_time_s
     # TP=1: PP=4 x DP=2 with the experts over EP=2
     tp1 = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", TP="1"))
     assert (tp1.config.parallel.tp, tp1.config.parallel.ep) == (1, 2) and not tp1.oom
