@@ -160,12 +160,11 @@ CASES = {
     "D_pp2_vp2_s3_chunked": ("D", 3, ["--virtual-pipeline-model-parallel-size", "2",
                                       "--seq1f1b-kv-cache", "chunked"], 2, 2),
     "M_pp2_s3_chunked": ("M", 3, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
-    # Megatron-LM's --pipeline-model-parallel-layout (DeepSeek-V3's recipes): a first stage
-    # holding the embedding alone, and 2 virtual stages per rank with a last chunk holding
-    # the loss alone (chunks of 1, 2, 1 and 0 layers); loaded from the even layout's
-    # iteration-0 checkpoint like the others
-    "D_pp2_layout_s3": ("D", 3, ["--pipeline-model-parallel-layout", "E|ttttL"], 2, 1),
-    "D_pp2_layout_vp2_s3": ("D", 3, ["--pipeline-model-parallel-layout", "Et|tt|t|L"], 2, 2),
+    # Megatron-LM's --pipeline-model-parallel-layout (DeepSeek-V3's recipes): 2 virtual
+    # stages per rank, the first chunk holding the embedding alone and the last the loss
+    # alone (chunks of 0, 2, 2 and 0 layers); loaded from the even layout's iteration-0
+    # checkpoint like the others
+    "D_pp2_layout_vp2_s3": ("D", 3, ["--pipeline-model-parallel-layout", "E|tt|tt|L"], 2, 2),
     # MLA with TP=2 (mla.py: the shared rotary key's gradient summed over TP; without
     # SP also the query-latent norm's): D with sequence parallelism (MoE with TP needs
     # it), Q without
