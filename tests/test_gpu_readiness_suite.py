@@ -112,6 +112,8 @@ def _rows(summary):
     """{run: (exit, seconds, result)} from the summary's table."""
     rows = {}
     for line in summary.splitlines():
+        if not line.startswith("|"):  # (the indented environment block may hold a '|':
+            continue                  # the commit subject)
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0] not in ("run", "---"):
             rows[cells[0]] = tuple(cells[1:])
