@@ -278,6 +278,10 @@ class ModelShape:
         """Weights of one routed expert."""
         return self.mlp_matrices * self.hidden_size * self.expert_ffn
 
+    def shared_expert_params(self) -> int:
+        """Weights of an MoE layer's shared expert (0 without one)."""
+        return self.mlp_matrices * self.hidden_size * self.moe_shared_ffn_hidden_size
+
     def mlp_linear_params(self, layer: int, active: bool = False) -> int:
         """Weights of one layer's MLP: dense, or (MoE) router + experts + shared expert,
         with ``active`` only the ``top-k`` experts a token runs through."""
@@ -286,7 +290,7 @@ class ModelShape:
             return self.mlp_matrices * h * self.ffn_hidden_size
         experts = self.moe_topk if active else self.num_experts
         return (self.router_params() + experts * self.expert_params()
-                + self.mlp_matrices * h * self.moe_shared_ffn_hidden_size)
+                + self.shared_expert_params())
 
     def parameter_count(self, active: bool = False) -> int:
         """Weights of the whole model (embeddings, norms; biases left out), all experts

@@ -150,7 +150,7 @@ class CostModel:
         moe = m.is_moe_layer(layer)
         linear = m.attention_linear_params()
         if moe:
-            linear += m.mlp_matrices * h * m.moe_shared_ffn_hidden_size
+            linear += m.shared_expert_params()
         else:
             linear += m.mlp_linear_params(layer)
         bias = 0
@@ -548,7 +548,7 @@ class CostModel:
             if rc.moe_layers:
                 params += m.mlp_linear_params(layer, active=True)
             elif rc.recomputes("shared_experts"):
-                params += m.mlp_matrices * m.hidden_size * m.moe_shared_ffn_hidden_size
+                params += m.shared_expert_params()
         elif rc.recomputes("mlp"):
             params += m.mlp_linear_params(layer)
         if m.multi_latent_attention and rc.recomputes("mla_up_proj"):
@@ -828,8 +828,7 @@ class CostModel:
                      * sum(map(self.recomputed_flops_per_token,
                                self.layer_indices(rank, unit.chunk))))
             backward += flops / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
-        elif rc.granularity == "full" and self.chunk_layers(rank, unit.chunk):
-            n = self.chunk_layers(rank, unit.chunk)
+        elif rc.granularity == "full" and (n := self.chunk_layers(rank, unit.chunk)):
             k = min(rc.num_layers, n)
             share = 1.0 if rc.method == "uniform" else k / n
             fwd_layers = sum(f.values())

@@ -82,13 +82,12 @@ def _entry(store, entry_id, split) -> _ChunkEntry:
 
 
 def _own_copy(tensor):
-    """``tensor`` [l, b, g, d] as a new [b, g, l, d] tensor. With b = g = 1 the permuted
-    view is already contiguous and ``contiguous()`` would return it: the chunk would share
+    """``tensor`` [l, b, g, d] as a new [b, g, l, d] tensor, always a copy: with b = g = 1
+    the permuted view is already contiguous and ``contiguous()`` would return it, sharing
     the caller's storage, which megatron-core's MLA up-projection recomputation
     (--recompute-modules mla_up_proj) frees after core attention, before the next split
     reads the chunk."""
-    chunk = tensor.detach().permute(1, 2, 0, 3).contiguous()
-    return chunk.clone() if chunk.data_ptr() == tensor.data_ptr() else chunk
+    return tensor.detach().permute(1, 2, 0, 3).clone(memory_format=torch.contiguous_format)
 
 
 def _store_own(entry: _ChunkEntry, split_index: int, key, value):
