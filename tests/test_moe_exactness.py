@@ -25,8 +25,10 @@ learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers
   DeepSeek's) with expert bias (updated each step), group-limited routing
   (4 groups, 2 chosen) with a top-k scaling factor, seq_aux_loss and global_aux_loss
   together; all-to-all dispatcher. With s = 3 under selective recomputation (core attention
-  and the MoE layers, --moe-layer-recompute), s = 4 under full recomputation, and
-  interleaved with the chunked KV cache. X also with only its MoE layers recomputed.
+  and the MoE layers, --moe-layer-recompute), s = 4 under full recomputation, s = 3 under
+  megatron-core's module checkpoints (layernorm, mlp, shared_experts, mla_up_proj), and
+  interleaved with the chunked KV cache and core_attn, layernorm and mla_up_proj
+  recomputed. X also with only its MoE layers recomputed.
 
 G (gpt-oss-style): quick GeGLU experts with gpt-oss's linear offset 1 and clamp 7 (init
 std 0.25, so that the clamp cuts), YaRN, GQA, RMSNorm, an fp32 router with aux and z-loss,
@@ -146,19 +148,19 @@ CASES = {
     # megatron-core's module checkpoints (DeepSeek-V3's and Qwen3's Megatron-LM flags):
     # the norms (freed in the forward, rerun in the backward), the dense first layer's
     # MLP, the shared expert and MLA's up-projections (their query and key freed after
-    # core attention, whose kernel runs unrecomputed here), and with the chunked cache,
-    # whose chunks must not share the freed key's storage
+    # core attention, whose kernel runs unrecomputed here); with the chunked cache below
     "D_pp2_s3_modules": ("D", 3, SELECTIVE + ["layernorm", "mlp", "shared_experts",
                                               "mla_up_proj"], 2, 1),
-    "D_pp2_s4_chunked_modules": ("D", 4, ["--seq1f1b-kv-cache", "chunked"] + SELECTIVE + [
-        "core_attn", "layernorm", "mla_up_proj"], 2, 1),
     # X on packed documents (the corpus whose rows hold every split case)
     "Xd_pp2_s3": ("Xd", 3, [], 2, 1),
     # D (MLA) on packed documents: attention stays in each document across split edges;
     # the rotary parts run over the row's positions, as in megatron-core's unsplit model
     "Dd_pp2_s3": ("Dd", 3, [], 2, 1),
-    "D_pp2_vp2_s3_chunked": ("D", 3, ["--virtual-pipeline-model-parallel-size", "2",
-                                      "--seq1f1b-kv-cache", "chunked"], 2, 2),
+    # 2 virtual stages with the chunked cache, under megatron-core's module checkpoints
+    # too: the cache's chunks must not share the storage of the key mla_up_proj frees
+    "D_pp2_vp2_s3_chunked_modules": ("D", 3, ["--virtual-pipeline-model-parallel-size", "2",
+                                              "--seq1f1b-kv-cache", "chunked"] + SELECTIVE + [
+        "core_attn", "layernorm", "mla_up_proj"], 2, 2),
     "M_pp2_s3_chunked": ("M", 3, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
     # Megatron-LM's --pipeline-model-parallel-layout (DeepSeek-V3's recipes): 2 virtual
     # stages per rank, the first chunk holding the embedding alone and the last the loss

@@ -75,7 +75,6 @@ BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # name -> (model, split count, extra flags of the split run, world size)
 CASES = {
-    "T_pp2_s3": ("T", 3, [], 2),
     "T_pp2_tp2_sp_s2": ("T", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                         4),
     "U_pp2_s4_chunked": ("U", 4, ["--seq1f1b-kv-cache", "chunked"], 2),
