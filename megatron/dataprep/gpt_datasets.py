@@ -1,8 +1,10 @@
 """Train/valid/test GPT datasets from `--data-path` through megatron-core's builder.
 
 `--data-path` is Megatron-style: one prefix, several prefixes (weighted by their size),
-or `w1 p1 w2 p2 ...` (a weighted blend). A prefix names `<prefix>.bin` + `<prefix>.idx`
-as written by tools/preprocess_data.py.
+or `w1 p1 w2 p2 ...` (a weighted blend), divided by `--split`. A prefix names
+`<prefix>.bin` + `<prefix>.idx` as written by tools/preprocess_data.py. Instead, each part
+may have its own blend, read whole (Megatron-LM's `--train-data-path`, `--valid-data-path`,
+`--test-data-path`: megatron-core's `blend_per_split`).
 """
 
 import os
@@ -16,26 +18,28 @@ class DataPathError(ValueError):
     """`--data-path` (or a flag beside it) does not describe usable data."""
 
 
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """(prefixes, weights or None). Weights must be all given or all omitted."""
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
+                    ) -> Tuple[List[str], Optional[List[float]]]:
+    """(prefixes, weights or None). Weights must be all given or all omitted. `flag` is the
+    option the list came from, named in the errors."""
     items = [str(x) for x in (data_path or [])]
     if not items:
-        raise DataPathError("--data-path: no dataset given (a prefix, or 'w1 p1 w2 p2 ...')")
+        raise DataPathError(f"{flag}: no dataset given (a prefix, or 'w1 p1 w2 p2 ...')")
     if len(items) % 2 == 0 and all(_is_number(w) for w in items[0::2]):
         weights = [float(w) for w in items[0::2]]
         prefixes = items[1::2]
         if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise DataPathError(f"--data-path: weights must be >= 0 with a positive sum, got "
+            raise DataPathError(f"{flag}: weights must be >= 0 with a positive sum, got "
                                 f"{' '.join(items[0::2])}")
     else:
         weights, prefixes = None, items
     numeric = [p for p in prefixes if _is_number(p)]
     if numeric:
-        raise DataPathError(f"--data-path: {' '.join(items)} mixes weights and prefixes; give "
+        raise DataPathError(f"{flag}: {' '.join(items)} mixes weights and prefixes; give "
                             f"either prefixes only or pairs 'weight prefix' (found {numeric[0]} "
                             f"where a prefix belongs)")
     for prefix in prefixes:
-        _check_prefix(prefix)
+        _check_prefix(prefix, flag)
     return prefixes, weights
 
 
@@ -47,17 +51,17 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _check_prefix(prefix: str) -> None:
+def _check_prefix(prefix: str, flag: str) -> None:
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
-            raise DataPathError(f"--data-path: give the prefix without {ext}: "
+            raise DataPathError(f"{flag}: give the prefix without {ext}: "
                                 f"{prefix[: -len(ext)]}")
     missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
     if missing:
-        raise DataPathError(f"--data-path: {' and '.join(missing)} not found (a prefix names "
+        raise DataPathError(f"{flag}: {' and '.join(missing)} not found (a prefix names "
                             f"the .bin/.idx pair written by tools/preprocess_data.py, e.g. "
                             f"data/corpus_content_document)")
-    _check_pair(prefix)
+    _check_pair(prefix, flag)
 
 
 # megatron-core's IndexedDataset index (.idx), version 1: a 34-byte header (magic, version,
@@ -70,26 +74,26 @@ _REDO = "re-run tools/preprocess_data.py or copy the file again"
 _BLOCK = 1 << 22  # elements per block when comparing arrays: an .idx can be gigabytes
 
 
-def _check_pair(prefix: str) -> None:
+def _check_pair(prefix: str, flag: str) -> None:
     """The .bin holds exactly the bytes its .idx describes. Without this, a short .bin
     trains until a sample reaches its end (then a ValueError naming no file) and a long
     one (an .idx of another file) trains silently on part of it."""
     bin_path, idx_path = prefix + ".bin", prefix + ".idx"
-    expected = _described_bin_bytes(idx_path)
+    expected = _described_bin_bytes(idx_path, flag)
     held = os.path.getsize(bin_path)
     if held != expected:
         why = "truncated copy?" if held < expected else "the .idx of another file?"
-        raise DataPathError(f"--data-path: {bin_path} holds {held} bytes but {idx_path} "
+        raise DataPathError(f"{flag}: {bin_path} holds {held} bytes but {idx_path} "
                             f"describes {expected} ({why}); {_REDO}")
 
 
-def _described_bin_bytes(idx_path: str) -> int:
+def _described_bin_bytes(idx_path: str, flag: str) -> int:
     """The .bin size an .idx describes, after checking the .idx is whole and consistent.
     Reads the header and memory-maps the arrays: the .bin is never read."""
     from megatron.core.datasets.indexed_dataset import DType
 
     def bad(what: str) -> DataPathError:
-        return DataPathError(f"--data-path: {idx_path} {what}; {_REDO}")
+        return DataPathError(f"{flag}: {idx_path} {what}; {_REDO}")
 
     held = os.path.getsize(idx_path)
     if held == 0:
@@ -183,7 +187,8 @@ def check_splits(prefixes: Sequence[str], split: str,
                     f"{count} sequences); give {part.name} a 0 share or use more data")
 
 
-def smaller_than_a_sample(prefixes: Sequence[str], split: str, seq_length: int) -> List[str]:
+def smaller_than_a_sample(prefixes: Sequence[str], split: str, seq_length: int,
+                          flag: str = "--data-path") -> List[str]:
     """Warnings for each prefix whose training split holds fewer tokens than one sample
     (``seq_length + 1``): megatron-core's GPT dataset then fills every sample by repeating
     those tokens, which trains without a word otherwise. Call after ``check_splits``."""
@@ -203,7 +208,7 @@ def smaller_than_a_sample(prefixes: Sequence[str], split: str, seq_length: int) 
         del lengths, dataset
         if 0 < tokens < seq_length + 1:
             warnings.append(
-                f"warning: --data-path: the training split of {prefix} holds {tokens} "
+                f"warning: {flag}: the training split of {prefix} holds {tokens} "
                 f"token(s), fewer than one sample (--seq-length {seq_length} + 1): every "
                 f"sample repeats them about {(seq_length + 1) / tokens:.0f} times; use more "
                 f"data or a shorter --seq-length")
@@ -225,9 +230,13 @@ def build_gpt_datasets(
     is_built_on_rank: Optional[Callable[[], bool]] = None,
     create_attention_mask: bool = True,
     mmap_bin_files: bool = True,
+    data_path_per_split: Optional[Sequence[Optional[Sequence[str]]]] = None,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
+    data_path_per_split (instead of data_path and split): the train, valid and test blends,
+    each read whole (None: that part is not built), as Megatron-LM's --train-data-path,
+    --valid-data-path and --test-data-path.
     mock=True ignores data_path and builds megatron-core's MockGPTDataset. Under
     torch.distributed every rank must call this (the builder synchronises); pass
     is_built_on_rank to build on some ranks only (default: all).
@@ -240,12 +249,21 @@ def build_gpt_datasets(
 
     import torch
 
-    blend = None if mock else parse_data_path(data_path)
     used = [part.name for part, samples in zip(Split, train_valid_test_num_samples)
             if samples != 0]
-    if blend is not None:
+    blend = blend_per_split = None
+    if data_path_per_split is not None:
+        # a part nobody reads (0 samples) is not built, as below
+        blend_per_split = [
+            parse_data_path(path, f"--{part.name}-data-path")
+            if path and part.name in used else None
+            for part, path in zip(Split, data_path_per_split)]
+        split = None  # megatron-core: each part's blend is read whole
+    elif not mock:
+        blend = parse_data_path(data_path)
         check_splits(blend[0], split, used)
-    if blend is not None and len(blend[0]) > 1 and not torch.distributed.is_initialized():
+    blended = [b for b in [blend] + (blend_per_split or []) if b is not None]
+    if any(len(b[0]) > 1 for b in blended) and not torch.distributed.is_initialized():
         # megatron-core 0.16.1's BlendedDataset asks torch.distributed for the rank whenever
         # it writes its cache; without a process group, build blends in memory instead.
         data_cache_path = None
@@ -255,6 +273,7 @@ def build_gpt_datasets(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=split,
         path_to_cache=data_cache_path,
         tokenizer=tokenizer,
@@ -264,9 +283,10 @@ def build_gpt_datasets(
         create_attention_mask=create_attention_mask,
         mmap_bin_files=mmap_bin_files,
     )
-    # a part nobody reads (0 samples) is not built: an empty one would never finish
-    config.split_matrix = [bookends if part.name in used else None
-                           for part, bookends in zip(Split, config.split_matrix)]
+    if blend_per_split is None:
+        # a part nobody reads (0 samples) is not built: an empty one would never finish
+        config.split_matrix = [bookends if part.name in used else None
+                               for part, bookends in zip(Split, config.split_matrix)]
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset,
         list(train_valid_test_num_samples),

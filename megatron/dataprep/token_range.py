@@ -64,20 +64,22 @@ def largest_token_id(prefix):
     return largest
 
 
-def token_id_problems(prefixes, vocab_size, padded_vocab_size, tokenizer_flags):
-    """(error or None, [warnings]) for the largest id of each prefix's .bin."""
+def token_id_problems(prefixes, vocab_size, padded_vocab_size, tokenizer_flags,
+                      flags=None):
+    """(error or None, [warnings]) for the largest id of each prefix's .bin; `flags`
+    names the option each prefix came from (default --data-path)."""
     warnings = []
-    for prefix in prefixes:
+    for prefix, flag in zip(prefixes, flags or ["--data-path"] * len(prefixes)):
         largest = largest_token_id(prefix)
         if largest >= padded_vocab_size:
-            return (f"--data-path: {prefix}.bin holds token id {largest} but the model's "
+            return (f"{flag}: {prefix}.bin holds token id {largest} but the model's "
                     f"vocabulary has {padded_vocab_size} entries ({tokenizer_flags}: "
                     f"{vocab_size} tokens, padded to {padded_vocab_size}): the data was "
                     f"tokenized with another tokenizer; give the tokenizer it was made with, "
                     f"or preprocess it again with this one"), warnings
         if largest >= vocab_size:
             warnings.append(
-                f"warning: --data-path: {prefix}.bin holds token id {largest}, beyond the "
+                f"warning: {flag}: {prefix}.bin holds token id {largest}, beyond the "
                 f"tokenizer's {vocab_size} tokens ({tokenizer_flags}; the model pads to "
                 f"{padded_vocab_size}, so it trains): was the data tokenized with another "
                 f"tokenizer?")

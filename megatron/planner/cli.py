@@ -163,7 +163,7 @@ def _training_args(args) -> argparse.Namespace:
     if t.global_batch_size is None:  # the planner's default: 2 x PP microbatches
         t.global_batch_size = t.micro_batch_size * dp * 2 * pp
     t.train_iters = 1 if t.train_iters is None else t.train_iters
-    if not t.data_path:
+    if not (t.data_path or t.data_args_path or t.train_data_path or t.per_split_data_args_path):
         t.mock_data = True
     if t.vocab_size is None and t.tokenizer_type in (None, "NullTokenizer"):
         t.vocab_size = (get_preset(args.model).vocab_size if args.model else 50257)

@@ -382,8 +382,24 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="a prefix, several, or 'w1 p1 w2 p2 ...' (a weighted blend), divided "
+                        "into train/valid/test by --split")
+    g.add_argument("--split", type=str, default=None,
+                   help="train,valid,test weights dividing --data-path (default 969,30,1)")
+    for part, name in (("train", "training"), ("valid", "validation"), ("test", "test")):
+        g.add_argument(f"--{part}-data-path", nargs="*", default=None,
+                       help=f"the {name} data's own blend, read whole (as --data-path; "
+                            f"instead of it and --split)")
+    g.add_argument("--data-args-path", type=str, default=None,
+                   help="a file holding --data-path's list (whitespace-separated)")
+    g.add_argument("--per-split-data-args-path", type=str, default=None,
+                   help="a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} "
+                        "holding --train/--valid/--test-data-path's lists (a string or a list; "
+                        "null for none)")
+    g.add_argument("--dataloader-type", choices=["single", "cyclic", "external"], default=None,
+                   help="single (the default, the only one here): one pass over megatron-core's "
+                        "shuffled samples")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader worker processes reading samples ahead (0: read in the "
@@ -1168,13 +1184,33 @@ def _check_learning_rate(args):
 
 
 def _check_data_flags(args, check_files):
-    if args.mock_data:
-        _require(not args.data_path, "--mock-data and --data-path are mutually exclusive")
+    _take_data_sources(args, check_files)
+    per_split = args.data_path_per_split is not None or args.per_split_data_args_path
+    sources = [flag for flag, given in (
+        ("--mock-data", args.mock_data),
+        ("--data-path", args.data_path is not None or args.data_args_path),
+        ("--train/--valid/--test-data-path", per_split)) if given]
+    _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one "
+                                f"data source (as Megatron-LM asserts)")
+    _require(bool(sources) and args.data_path != [],
+             "no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
+             "or --mock-data")
+    if per_split:
+        _require(args.data_path_per_split is None or args.data_path_per_split[0],
+                 "--valid-data-path/--test-data-path without --train-data-path: no training "
+                 "data; give --train-data-path PREFIX")
+        _require(args.split is None,
+                 f"--split {args.split} divides --data-path; with --train-data-path, "
+                 f"--valid-data-path and --test-data-path each blend is read whole (megatron-core "
+                 f"asserts 'split and blend_per_split are incompatible'): drop --split")
     else:
-        _require(bool(args.data_path),
-                 "no training data: pass --data-path PREFIX (see tools/preprocess_data.py) "
-                 "or --mock-data")
-    args.split = args.split.strip("'\"")  # launch scripts sometimes pass the quotes along
+        args.split = args.split or "969,30,1"  # Megatron-LM's legacy default
+        args.split = args.split.strip("'\"")  # launch scripts sometimes pass the quotes along
+    _require(args.dataloader_type in (None, "single"),
+             f"--dataloader-type {args.dataloader_type} is not supported: the data here is one "
+             f"pass over megatron-core's shuffled GPT samples (Megatron-LM's 'single'; 'cyclic' "
+             f"reshuffles them per epoch, 'external' takes your own loader); use single")
+    args.dataloader_type = "single"
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer":
@@ -1202,6 +1238,60 @@ def _check_data_flags(args, check_files):
         args.flag_notes = getattr(args, "flag_notes", []) + _check_data(args.data_path, args.split,
                                        ["train"] + (["valid"] if args.eval_iters > 0 else []),
                                        args.seq_length)
+    if args.data_path_per_split is not None and check_files:
+        args.flag_notes = getattr(args, "flag_notes", []) + _check_data_per_split(
+            args.data_path_per_split, args.seq_length)
+
+
+def _take_data_sources(args, check_files):
+    """Megatron-LM's data sources read into args.data_path (a list) or
+    args.data_path_per_split ([train, valid, test] lists or None), its files read here so
+    their errors name the flag (not without check_files: the files may be elsewhere)."""
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if args.data_args_path is not None:
+        _require(args.data_path is None, "--data-args-path and --data-path are mutually "
+                                         "exclusive: give the list in one of them")
+        if check_files:
+            args.data_path = _read_data_args(args.data_args_path, "--data-args-path").split()
+    if args.per_split_data_args_path is not None:
+        _require(all(path is None for path in per_split),
+                 "--per-split-data-args-path and --train/--valid/--test-data-path are mutually "
+                 "exclusive: give the lists in one of them")
+        if check_files:
+            per_split = _read_per_split_data_args(args.per_split_data_args_path)
+    args.data_path_per_split = (None if all(path is None for path in per_split)
+                                else [path or None for path in per_split])
+
+
+def _read_data_args(path, flag):
+    try:
+        with open(path) as stream:
+            return stream.read()
+    except OSError as error:
+        raise ArgumentError(f"{flag} {path}: cannot be read ({error.strerror})") from None
+
+
+def _read_per_split_data_args(path):
+    import json
+
+    flag = "--per-split-data-args-path"
+    try:
+        lists = json.loads(_read_data_args(path, flag))
+    except json.JSONDecodeError as error:
+        raise ArgumentError(f"{flag} {path}: not JSON ({error})") from None
+    _require(isinstance(lists, dict) and all(part in lists for part in ("train", "valid", "test")),
+             f"{flag} {path}: give a JSON object with the keys \"train\", \"valid\" and "
+             f"\"test\" (each a list or a string of 'prefix' or 'weight prefix' items, or null), "
+             f"as Megatron-LM reads it")
+    per_split = []
+    for part in ("train", "valid", "test"):
+        value = lists[part]
+        _require(value is None or isinstance(value, (str, list)),
+                 f"{flag} {path}: \"{part}\" must be a list, a string or null, got "
+                 f"{type(value).__name__}")
+        per_split.append(value.split() if isinstance(value, str) else
+                         None if value is None else [str(item) for item in value])
+    return per_split
 
 
 def _sentencepiece_importable() -> bool:
@@ -1414,6 +1504,26 @@ def _validate_virtual_pipeline(args):
                                 args.microbatch_group_size_per_virtual_pipeline_stage)
     except ValueError as err:
         raise ArgumentError(str(err))
+
+
+def _check_data_per_split(per_split, seq_length):
+    """Each part's blend as megatron-core will read it (whole), before any process group
+    (also a part no evaluation reads: a wrong path is a mistake either way)."""
+    from megatron.dataprep.gpt_datasets import (DataPathError, parse_data_path,
+                                                smaller_than_a_sample)
+
+    notes = []
+    for part, path in zip(("train", "valid", "test"), per_split):
+        if path is None:
+            continue
+        flag = f"--{part}-data-path"
+        try:
+            prefixes, _ = parse_data_path(path, flag)
+        except DataPathError as error:
+            raise ArgumentError(str(error)) from None
+        if part == "train":
+            notes += smaller_than_a_sample(prefixes, "1,0,0", seq_length, flag)
+    return notes
 
 
 def _check_data(data_path, split, used, seq_length=None):

@@ -14,18 +14,26 @@ def _tokenizer_flags(args):
 
 
 def check_token_ids(args, vocab_size, padded_vocab_size):
-    """Collective: the largest token id of every --data-path .bin against the vocabulary
-    (rank 0 scans or reads the cache; see megatron/dataprep/token_range.py)."""
-    if args.mock_data or not args.data_path:
+    """Collective: the largest token id of every --data-path (or --train/--valid/--test-
+    data-path) .bin against the vocabulary (rank 0 scans or reads the cache; see
+    megatron/dataprep/token_range.py)."""
+    lists = [("--data-path", args.data_path)] + list(zip(
+        ("--train-data-path", "--valid-data-path", "--test-data-path"),
+        args.data_path_per_split or []))
+    lists = [(flag, path) for flag, path in lists if path]
+    if args.mock_data or not lists:
         return
     found = [None]
     if torch.distributed.get_rank() == 0:
         from megatron.dataprep.gpt_datasets import parse_data_path
         from megatron.dataprep.token_range import token_id_problems
 
-        prefixes, _ = parse_data_path(args.data_path)
-        found[0] = token_id_problems(prefixes, vocab_size, padded_vocab_size,
-                                     _tokenizer_flags(args))
+        flags = {}  # prefix -> the first flag naming it
+        for flag, path in lists:
+            for prefix in parse_data_path(path, flag)[0]:
+                flags.setdefault(prefix, flag)
+        found[0] = token_id_problems(list(flags), vocab_size, padded_vocab_size,
+                                     _tokenizer_flags(args), list(flags.values()))
     torch.distributed.broadcast_object_list(found, src=0)
     error, warnings = found[0]
     if torch.distributed.get_rank() == 0:

@@ -40,7 +40,8 @@ def datasets_provider(args):
                    evaluations * args.eval_iters * args.global_batch_size,
                    args.eval_iters * args.global_batch_size if _has_test_split(args) else 0]
     train, valid, test = build_gpt_datasets(
-        data_path=args.data_path, split=args.split, seq_length=args.seq_length,
+        data_path=args.data_path, data_path_per_split=args.data_path_per_split,
+        split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
@@ -53,14 +54,19 @@ def datasets_provider(args):
 
 
 def _has_test_split(args):
-    """Whether --split gives the test set a share that holds sequences of every
-    --data-path prefix (Megatron-LM's default 969,30,1 does; a small corpus may leave its
-    0.1% empty, and an empty split is no test set rather than an error)."""
+    """Whether there is a test set: --test-data-path, or a --split share of the test set
+    that holds sequences of every --data-path prefix (Megatron-LM's default 969,30,1 does; a
+    small corpus may leave its 0.1% empty, and an empty split is no test set rather than an
+    error)."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
     from megatron.dataprep.gpt_datasets import DataPathError, check_splits, parse_data_path
 
-    if args.eval_iters == 0 or parse_and_normalize_split(args.split)[2] <= 0:
+    if args.eval_iters == 0:
+        return False
+    if args.data_path_per_split is not None:
+        return args.data_path_per_split[2] is not None
+    if parse_and_normalize_split(args.split)[2] <= 0:
         return False
     if args.mock_data:
         return True

@@ -278,8 +278,9 @@ for _reason, _flags in (
            "--overlap-dispatch-backward-with-experts-wgrad --ep-overlap-early-attn-memory-release "
            "--use-fused-weighted-squared-relu --high-priority-a2a-comm-stream "
            "--use-grouped-gemm-for-shared-expert --expert-tensor-parallel-num-weight-shards"),
-    ("MTP in a standalone pipeline stage comes from --pipeline-model-parallel-layout, "
-     "which is not supported here: drop it (MTP runs on the last stage)", "--mtp-standalone"),
+    ("MTP in a standalone pipeline stage (a virtual stage of its own in "
+     "--pipeline-model-parallel-layout) is not supported here: drop it and keep the MTP "
+     "layers on the loss's stage (e.g. '...tmL')", "--mtp-standalone"),
     ("hybrid (Mamba) models are not built here; use Megatron-LM",
      "--mtp-hybrid-override-pattern"),
     ("this attention or layer variant is not built here (standard softmax attention "
@@ -338,11 +339,10 @@ for _reason, _flags in (
      "nvidia-resiliency-ext strategy and the writer's CPU/IO priorities, shared-memory "
      "staging and cached metadata are not configurable; drop it",
      "--async-strategy --async-ckpt-"),
-    ("this trainer's datasets come from --data-path and --split only; give the blend "
-     "there", "--train-data-path --valid-data-path --test-data-path --data-args-path "
-     "--per-split-data-args-path --per-dataset-sequences-path --phase-transition-iterations "
-     "--mid-level-dataset-surplus --sample-rate --object-storage-cache-path --enable-msc "
-     "--dataloader-type"),
+    ("this trainer's datasets come from --data-path with --split, or --train-data-path, "
+     "--valid-data-path and --test-data-path (or the files naming them) only; give the "
+     "blend there", "--per-dataset-sequences-path --phase-transition-iterations "
+     "--mid-level-dataset-surplus --sample-rate --object-storage-cache-path --enable-msc"),
     ("documents are separated in attention by --reset-attention-mask here",
      "--dataloader-inter-document-masking"),
     ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
@@ -358,8 +358,9 @@ for _reason, _flags in (
      "--eval-interval iterations; this evaluation option is not implemented",
      "--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size "
      "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
-    ("activation recomputation here recomputes core attention (selective, Megatron-LM's "
-     "default module) or whole layers (full); other modules are not supported",
+    ("the MLP in sequence chunks (megatron-core's mlp_chunks_for_training) is not run "
+     "here; drop it: --seq1f1b-splits runs every layer one split of the sequence at a time, "
+     "and --recompute-modules mlp frees the MLP's activations",
      "--mlp-chunks-for-training"),
     ("deprecated in Megatron-LM, which stops on it: use --micro-batch-size",
      "--batch-size"),
