@@ -142,6 +142,8 @@ class ModelShape:
     moe_topk: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_ffn_hidden_size: int = 0  # --moe-shared-expert-intermediate-size
+    moe_shared_expert_gate: bool = False  # --moe-shared-expert-gate (with a shared expert)
+    moe_probs_on_input: bool = False  # --moe-apply-probs-on-input
     moe_layer_freq: int | tuple = 1  # N, or one 0 (dense) / 1 (MoE) per layer
     # what the router saves for backward depends on these (activation memory only)
     moe_score_function: str = "softmax"  # --moe-router-score-function
@@ -272,7 +274,17 @@ class ModelShape:
         return q_up + self.kv_lora_rank * a * (self.qk_head_dim + self.v_head_dim)
 
     def router_params(self) -> int:
-        return self.hidden_size * self.num_experts if self.num_experts else 0
+        """The router's weights and the shared expert's gate (each a vector per output,
+        replicated over TP)."""
+        if not self.num_experts:
+            return 0
+        gate = self.hidden_size if self.moe_shared_gated() else 0
+        return self.hidden_size * self.num_experts + gate
+
+    def moe_shared_gated(self) -> bool:
+        """Whether each MoE layer's shared expert output is gated (a shared expert and
+        --moe-shared-expert-gate)."""
+        return bool(self.moe_shared_expert_gate and self.moe_shared_ffn_hidden_size)
 
     def expert_params(self) -> int:
         """Weights of one routed expert."""
@@ -478,6 +490,8 @@ def _moe_fields(args) -> dict:
     return dict(num_experts=args.num_experts, moe_topk=args.moe_router_topk,
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                 moe_shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
+                moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False),
+                moe_probs_on_input=getattr(args, "moe_apply_probs_on_input", False),
                 moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
                 moe_score_function=getattr(args, "moe_router_score_function", "softmax"),
                 moe_aux_loss=aux,

@@ -11,13 +11,16 @@ Every iteration's logged aux losses (Megatron-LM's names) equal too. The distrib
 optimizer's state resumes across an expert-parallel change in both directions (EP=2 to
 EP=1 and EP=1 to EP=2): the resumed iteration equals the uninterrupted runs'.
 
-N: 4 experts, top-2, no load-balancing loss (the per-token part alone), on the MHA /
-learned-position / LayerNorm / GeLU tiny model. Two scaled-down models (4 layers, hidden
-32, 8 experts, top-2):
+N (Llama-4-style routing): 4 experts, top-1 with a sigmoid router whose probability
+scales each expert's input (--moe-apply-probs-on-input), a shared expert, no
+load-balancing loss (the per-token part alone), on the MHA / learned-position / LayerNorm /
+GeLU tiny model. Two scaled-down models (4 layers, hidden 32, 8 experts, top-2):
 
-* X (Mixtral-style): every layer MoE, softmax router in fp64 (--moe-router-dtype),
-  aux_loss (coefficient 1, large so that a split-local statistic would show: it changes
-  the grad norm threefold) and z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather dispatcher;
+* X (Mixtral- / Qwen2-MoE-style): every layer MoE, softmax router in fp64
+  (--moe-router-dtype), a shared expert scaled by its sigmoid gate (--moe-shared-expert-gate,
+  Qwen2-MoE's), aux_loss (coefficient 1, large so that a split-local statistic would show:
+  it changes the grad norm threefold) and z-loss, GQA, RoPE, SwiGLU, RMSNorm; allgather
+  dispatcher;
 * D (DeepSeek-V3-style): multi-latent attention (query and key/value low-rank latents
   with their norms, query-key head 8 + 4 rotary, value head 6; YaRN with scaling factor
   4 and mscale-all-dim 1), first layer dense (--moe-layer-freq "[0]*1+[1]*3"), a shared
@@ -69,9 +72,12 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--disable-bias-linear"]
 MODELS = {
     # no load-balancing loss: routing and experts are per token, exact as they are
-    "N": TINY_MODEL + ["--num-experts", "4", "--moe-router-topk", "2",
+    "N": TINY_MODEL + ["--num-experts", "4", "--moe-router-topk", "1",
+                       "--moe-router-score-function", "sigmoid", "--moe-apply-probs-on-input",
+                       "--moe-shared-expert-intermediate-size", "16",
                        "--moe-router-load-balancing-type", "none", "--disable-bias-linear"],
     "X": TINY_MODEL + GQA_ROPE_SWIGLU + MOE + [
+        "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate",
         "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1",
         "--moe-z-loss-coeff", "0.1", "--moe-router-dtype", "fp64"],
     "D": TINY_MODEL + ROPE_SWIGLU + MLA + ["--q-lora-rank", "16", "--qk-layernorm",
@@ -347,7 +353,8 @@ def test_optimizer_state_resumes_across_an_expert_parallel_change(results):
 
 
 def test_the_models_are_the_intended_ones(results):
-    """X: 4 MoE layers of 8 experts; D: a dense first layer, 3 MoE layers with a shared
+    """X: 4 MoE layers of 8 experts and a gated shared expert; N: 4 MoE layers with a
+    shared expert; D: a dense first layer, 3 MoE layers with a shared
     expert, and expert biases that the steps moved (aux-loss-free balancing ran); G with
     biased experts and attention sinks; the MLA models D and Q with a normalised query
     latent, M without a query latent."""
@@ -365,9 +372,11 @@ def test_the_models_are_the_intended_ones(results):
     for model in MODELS:
         if model in ("M", "Q"):
             continue
-        if model == "N":  # 4 experts, top-2, MHA with learned positions
+        if model == "N":  # 4 experts, top-1, a shared expert, MHA with learned positions
             names = torch.load(results["ref_N"]["params"])
             assert len([n for n in names if n.endswith("router.weight")]) == 4
+            assert len([n for n in names if n.endswith("shared_experts.linear_fc1.weight")]) == 4
+            assert not [n for n in names if n.endswith("gate_weight")]
             continue
         params = torch.load(results[f"ref_{model}"]["params"])
         routers = sorted(n for n in params if n.endswith("router.weight"))
@@ -382,7 +391,10 @@ def test_the_models_are_the_intended_ones(results):
         sinks = [n for n in params if n.endswith("core_attention.softmax_offset")]
         # G, gpt-oss-style: both expert matrices biased in 8 experts of 4 layers; sinks
         assert (len(expert_biases), len(sinks)) == ((64, 4) if model == "G" else (0, 0)), model
-        if model in ("X", "G"):
+        if model == "X":  # Qwen2-MoE's gated shared expert in every layer
+            assert len(routers) == 4 and not biases, model
+            assert len([n for n in shared if n.endswith("shared_experts.gate_weight")]) == 4
+        elif model == "G":
             assert len(routers) == 4 and not shared and not biases, model
         else:
             assert [r.split(".")[2] for r in routers] == ["1", "2", "3"], routers

@@ -103,6 +103,22 @@ def test_router_precision_and_pre_softmax_reach_the_config():
     assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
 
 
+def test_shared_expert_gate_and_probabilities_on_input_reach_the_config():
+    """Qwen2-MoE's gated shared expert and Llama 4's probabilities on the experts' input
+    reach megatron-core's config (trained against one process in
+    tests/test_moe_exactness.py: X and N, whose gate weights are compared too)."""
+    args = args_of("--num-experts", "4", "--moe-router-topk", "1",
+                   "--moe-router-score-function", "sigmoid", "--moe-apply-probs-on-input",
+                   "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate")
+    config = trainer_model.transformer_config_from_args(args)
+    assert config.moe_shared_expert_gate and config.moe_apply_probs_on_input
+    default = trainer_model.transformer_config_from_args(args_of("--num-experts", "4"))
+    assert not (default.moe_shared_expert_gate or default.moe_apply_probs_on_input)
+    # without a shared expert the gate has nothing to act on: a note, as Megatron-LM ignores it
+    args = args_of("--num-experts", "4", "--moe-shared-expert-gate")
+    assert any("--moe-shared-expert-gate without" in note for note in args.flag_notes)
+
+
 def test_moe_layer_recompute_as_megatron_lm():
     """--moe-layer-recompute: selective, "moe" added to the modules (core attention by
     default), as megatron-core's config turns it; the layers it builds recompute with
@@ -177,6 +193,8 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
     (["--num-experts", "4", "--moe-router-topk", "1"],
      "--moe-router-topk 1 with the softmax router needs --moe-router-pre-softmax (as in "
      "Megatron-LM)"),
+    (["--num-experts", "4", "--moe-apply-probs-on-input"],
+     "--moe-apply-probs-on-input needs --moe-router-topk 1 (got 2)"),
     (["--num-experts", "4", "--moe-layer-freq", "[1]*3"], "--moe-layer-freq gives 3 layers"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"],
      "--moe-router-num-groups and --moe-router-group-topk go together"),

@@ -16,8 +16,10 @@ with a vocabulary whose logits dominate the last stage.
 
 Mixture of experts (in the 4-process launch): EP = 2 with the alltoall dispatcher, a
 shared expert, a first dense layer (--moe-layer-freq), the sigmoid router with expert
-bias and seq_aux_loss; and the allgather dispatcher with aux_loss and z-loss, whose
-final parameters also check the planner's total parameter count. Treating the MoE
+bias and seq_aux_loss, top-1 with the probability on the experts' input
+(--moe-apply-probs-on-input: planned 1.013x / 1.038x of the probe before its terms were
+counted); and the allgather dispatcher with aux_loss, z-loss and a gated shared expert,
+whose final parameters also check the planner's total parameter count. Treating the MoE
 layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
 
 Attention variants (in the 2-process launch): query/key LayerNorms and L2 norms, the
@@ -122,10 +124,12 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
         "64", "--moe-layer-freq", "[0]*1+[1]*3", "--moe-router-score-function", "sigmoid",
         "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type",
-        "seq_aux_loss"] + ROPE + NO_DROPOUT),
+        "seq_aux_loss", "--moe-router-topk", "1", "--moe-apply-probs-on-input"]
+        + ROPE + NO_DROPOUT),
     "moe_allgather_s2_zloss": (4, PP2 + MOE + [
         "--seq1f1b-splits", "2", "--moe-z-loss-coeff", "1e-3",
-        "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "2"]),
+        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+        "--moe-layer-freq", "2"]),
     "moe_mla_s2_selective": (2, PP2 + MOE + MLA + [
         "--seq1f1b-splits", "2", "--recompute-granularity", "selective",
         "--moe-layer-freq", "[0]*1+[1]*3", "--moe-shared-expert-intermediate-size", "64"]

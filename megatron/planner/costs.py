@@ -461,15 +461,26 @@ class CostModel:
         the scaling besides the usual terms, and the expert output is not kept; and the
         shared expert's MLP. ``tokens`` are the unit's tokens (all of them with SP too:
         the dispatcher gathers the sequence-parallel shards); each expert's FFN is split
-        over TP."""
+        over TP. With --moe-apply-probs-on-input the experts' scaled inputs are kept too
+        (fc1's input) and the activation output is not; a gated shared expert keeps its
+        output and gate for the product."""
         m, t, e = self.model, self.par.tp, self.act_bytes
         h, k = m.hidden_size, m.moe_topk
         per_act = m.mlp_saved_widths
         dispatched = k * tokens * (h * e + FP32)
         experts = k * tokens * m.expert_ffn / t * e * (per_act + 1)
-        # a recomputed shared expert keeps its input: the norm's output
-        shared = (0.0 if self.recompute.recomputes("shared_experts")
-                  else self.shared_expert_bytes(tokens))
+        if m.moe_probs_on_input:
+            # the scaled copy of the input (fc1's) and the ones that replace the
+            # probabilities are kept; a product with those ones (no gradient) keeps
+            # only them, not the activation output
+            dispatched += k * tokens * (h * e + FP32)
+            experts -= k * tokens * m.expert_ffn / t * e
+        # a recomputed shared expert (its gate too) keeps its input: the norm's output
+        shared = 0.0
+        if not self.recompute.recomputes("shared_experts"):
+            shared = self.shared_expert_bytes(tokens)
+            if m.moe_shared_gated():  # its output and the sigmoid gate, this rank's shard
+                shared += tokens / self.par.tp_sp * (h + 1) * e
         return self.router_bytes(tokens) + dispatched + experts + shared
 
     def shared_expert_bytes(self, tokens: float) -> float:

@@ -12,7 +12,7 @@ MOE_FLAGS = (
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-token-dispatcher-type",
     "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--moe-per-layer-logging", "--moe-router-pre-softmax", "--moe-router-dtype",
-    "--moe-layer-recompute",
+    "--moe-layer-recompute", "--moe-shared-expert-gate", "--moe-apply-probs-on-input",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -51,6 +51,12 @@ def add_moe_arguments(parser):
                    help="each expert's hidden size (default --ffn-hidden-size)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="hidden size of the shared expert every token also runs through")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output by a per-token sigmoid gate "
+                        "(Qwen2-MoE's); only with --moe-shared-expert-intermediate-size")
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="scale each expert's input by the router probability instead of "
+                        "its output (Llama 4's); needs --moe-router-topk 1")
     g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
                    help='N: an MoE layer every N layers; or "[0]*1+[1]*3": 0 dense, 1 MoE '
                         "per layer (first-k-dense)")
@@ -130,6 +136,14 @@ def check_moe_args(args, cuda_available):
         # one chosen expert is 1 for every token
         problems.append("--moe-router-topk 1 with the softmax router needs "
                         "--moe-router-pre-softmax (as in Megatron-LM)")
+    if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
+        # megatron-core asserts it in the experts' first forward
+        problems.append(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (got "
+                        f"{args.moe_router_topk}), as megatron-core asserts")
+    if args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size:
+        args.flag_notes.append("note: --moe-shared-expert-gate without "
+                               "--moe-shared-expert-intermediate-size: there is no shared "
+                               "expert to gate (as in Megatron-LM, no effect)")
     if args.num_experts % args.expert_model_parallel_size:
         problems.append(f"--num-experts {args.num_experts} is not divisible by "
                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")
@@ -192,7 +206,8 @@ def _given(args, flag):
                 "--moe-token-dispatcher-type": "allgather", "--moe-grouped-gemm": False,
                 "--expert-model-parallel-size": 1, "--moe-per-layer-logging": False,
                 "--moe-router-pre-softmax": False, "--moe-router-dtype": None,
-                "--moe-layer-recompute": False,
+                "--moe-layer-recompute": False, "--moe-shared-expert-gate": False,
+                "--moe-apply-probs-on-input": False,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
@@ -207,6 +222,8 @@ def moe_config_fields(args):
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_apply_probs_on_input=args.moe_apply_probs_on_input,
         moe_layer_freq=args.moe_layer_freq,
         moe_router_score_function=args.moe_router_score_function,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
