@@ -71,7 +71,7 @@ def gather_full_parameters(args, model):
         layer_offset = sum(chunk_layers[:chunk_index * pp_size + pp_rank])
         local.update(_chunk_parameters(args, _unwrap(chunk), layer_offset, tp_group, tp_size))
     # experts over EP ranks: local expert i of EP rank r is global expert r * E / EP + i;
-    # each EP rank's experts come from its expert-data-parallel rank 0
+    # each EP rank's experts come from its expert-data-parallel and expert-TP rank 0
     experts = {name: local.pop(name) for name in list(local) if ".local_experts." in name}
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if ep > 1:
@@ -80,8 +80,8 @@ def gather_full_parameters(args, model):
                    for n, t in experts.items()}
     tp_first = parallel_state.get_tensor_model_parallel_rank() == 0
     keep = dict(local) if tp_first and parallel_state.get_data_parallel_rank() == 0 else {}
-    if tp_first and (ep == 1 and parallel_state.get_data_parallel_rank() == 0
-                     or ep > 1 and parallel_state.get_expert_data_parallel_rank() == 0):
+    if (parallel_state.get_expert_tensor_parallel_rank() == 0
+            and parallel_state.get_expert_data_parallel_rank() == 0):
         keep.update(experts)
     everything = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everything, keep)
@@ -100,12 +100,17 @@ def _chunk_parameters(args, module, layer_offset, tp_group, tp_size):
     local = {}
     # MoE routers' expert bias is a buffer updated by the step (not by the optimizer)
     biases = [(n, b) for n, b in module.named_buffers() if n.endswith("expert_bias")]
+    # experts are split over the expert TP group (--expert-tensor-parallel-size: 1 keeps
+    # them whole on every TP rank)
+    expert_tp = (parallel_state.get_expert_tensor_parallel_group(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
     for name, param in list(module.named_parameters()) + biases:
         tensor = param.detach().float().cpu()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        group, size = expert_tp if ".local_experts." in name else (tp_group, tp_size)
+        if size > 1 and getattr(param, "tensor_model_parallel", False):
             dim = param.partition_dim
-            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-            torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+            shards = [torch.empty_like(tensor) for _ in range(size)]
+            torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
             if args.swiglu and "linear_fc1" in name:
                 # each rank holds [gate_r; up_r]: regroup to [gate; up]
                 halves = [s.chunk(2, dim=dim) for s in shards]
@@ -171,6 +176,7 @@ def main(spec_path, out_path):
     for run in runs:
         wait_for_files(run.get("after", ()))
         captured, units, reports = {}, [], []
+        started = time.time()
         training.get_forward_backward_func = recording_schedules(reports)
 
         def on_finish(args, model, run=run, captured=captured):
@@ -193,7 +199,8 @@ def main(spec_path, out_path):
                  "params_norms": result.params_norms, "num_zeros": result.num_zeros,
                  "moe_losses": result.moe_losses,
                  "mtp_losses": result.mtp_losses,
-                 "pipeline_ranks": captured.get("pipeline_ranks")}
+                 "pipeline_ranks": captured.get("pipeline_ranks"),
+                 "seconds": time.time() - started}  # this run's wall time, on this rank
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"
             torch.save(captured["params"], path)

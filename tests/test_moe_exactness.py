@@ -3,10 +3,11 @@ sequence splits reproduces pp=2 unsplit and a single process (loss and grad norm
 iteration, validation loss, every parameter and every router's expert bias after the
 steps, relative 1e-5, fp32, dropout 0), each microbatch run in splits that tile the
 sequence; also interleaved (2 virtual stages), with full recomputation, with TP=2 and
-sequence parallelism (experts split over TP as Megatron-LM's default), with selective
-recomputation, on packed documents (X on the corpus with every split case), and with the
-experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all, distributed optimizer),
-and under SlimPipe (X and D, 4 slices).
+sequence parallelism (experts split over TP as Megatron-LM's default; and whole experts,
+--expert-tensor-parallel-size 1, over 2 expert-parallel ranks that are the TP ranks), with
+selective recomputation, on packed documents (X on the corpus with every split case), and
+with the experts over 2 expert-parallel ranks (pp=2 x dp=2, all-to-all, distributed
+optimizer), and under SlimPipe (X and D, 4 slices).
 Every iteration's logged aux losses (Megatron-LM's names) equal too. The distributed
 optimizer's state resumes across an expert-parallel change in both directions (EP=2 to
 EP=1 and EP=1 to EP=2): the resumed iteration equals the uninterrupted runs'.
@@ -125,6 +126,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 SLIMPIPE_4 = ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", "4"]
 SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]  # + modules
 # name -> (model, split count, extra flags of the split run, world size, model chunks)
+EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 CASES = {
     "N_pp2_s2": ("N", 2, [], 2, 1),
     "N_pp2_s3": ("N", 3, [], 2, 1),
@@ -138,10 +140,14 @@ CASES = {
     "X_pp2_dp2_ep2_s3": ("X", 3, ["--expert-model-parallel-size", "2",
                                   "--moe-token-dispatcher-type", "alltoall",
                                   "--use-distributed-optimizer"], 4, 1),
-    # experts split over TP (Megatron-LM's default --expert-tensor-parallel-size), each TP
-    # rank routing its sequence-parallel share of the split
-    "X_pp2_tp2_sp_s2": ("X", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-                        + SELECTIVE + ["layernorm", "moe"], 4, 1),
+    # whole experts under TP (--expert-tensor-parallel-size 1, DeepSeek-V3's and Qwen3's
+    # recipes) over 2 expert-parallel ranks that are the TP ranks (all-to-all), each TP
+    # rank routing its sequence-parallel share of the split; split experts (ETP = TP,
+    # Megatron-LM's default) are D_pp2_tp2_sp_s3's
+    "X_pp2_tp2_sp_etp1_ep2_s2": ("X", 2, ["--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel",
+                                          "--expert-tensor-parallel-size", "1"] + EP2
+                                 + SELECTIVE + ["layernorm", "moe"], 4, 1),
     # selective recomputation: MLA's attention kernel checkpointed after the cache write,
     # and each MoE layer recomputed (DeepSeek's Megatron-LM flags) with its split
     "D_pp2_s3_selective": ("D", 3, ["--recompute-activations", "--moe-layer-recompute"],
@@ -202,7 +208,6 @@ TENSORBOARD_CASE, TENSORBOARD_DIR = "X_pp2_s3", []
 EP_CASE, EP1_CASE = "X_pp2_dp2_ep2_s3", "X_pp2_s4"
 RESUMED = {"X_ep2_resumed_at_ep1": EP_CASE, "X_ep1_resumed_at_ep2": EP1_CASE}
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer"]
-EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 # this case also records its last iteration's units (--timeline-file): an MoE + MLA run
 # observed by the timeline, still equal to the unobserved s = 1 and one-process runs
 TIMELINE_CASE, TIMELINE_FILE = "D_pp2_s3_selective", []

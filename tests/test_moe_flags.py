@@ -203,7 +203,7 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"],
      "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
-     "--expert-tensor-parallel-size 2 is refused: only the tensor-parallel size (1"),
+     "--expert-tensor-parallel-size 2 is refused: 1 (whole experts"),
 ])
 def test_mistakes_are_named(flags, message):
     with pytest.raises(ArgumentErrors) as error:
@@ -221,14 +221,31 @@ def test_biased_grouped_experts_are_refused_with_the_fix():
     assert parse_args(flags, world_size=1, cuda_available=False, check_files=False).num_experts
 
 
-def test_biased_experts_need_tensor_parallel_size_one():
-    """megatron-core asserts expert biases only with expert TP 1; experts here are split
-    over TP (ETP = TP)."""
+def test_biased_experts_need_expert_tensor_parallel_size_one():
+    """megatron-core asserts expert biases only with expert TP 1 (by default ETP = TP)."""
     flags = [f for f in BASE if f != "--disable-bias-linear"] + [
         "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     with pytest.raises(ArgumentErrors, match="biased linear layers needs "
-                                             "--tensor-model-parallel-size 1"):
+                                             "--expert-tensor-parallel-size 1"):
         parse_args(flags, world_size=2, cuda_available=False, check_files=False)
+    whole = parse_args(flags + ["--expert-tensor-parallel-size", "1",
+                                "--expert-model-parallel-size", "2"],
+                       world_size=2, cuda_available=False, check_files=False)
+    assert (whole.expert_tensor_parallel_size, whole.expert_model_parallel_size) == (1, 2)
+    assert trainer_model.transformer_config_from_args(whole).expert_tensor_parallel_size == 1
+
+
+def test_whole_experts_under_tensor_parallelism_need_expert_parallelism():
+    """--expert-tensor-parallel-size 1 under TP 2 (DeepSeek-V3's and Qwen3's recipes): at
+    EP 1 megatron-core leaves each TP rank's copy of an expert to its own tokens (measured:
+    the copies drift apart), so EP > 1 is required; EP then spans the TP x DP ranks."""
+    tp2 = ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "--expert-tensor-parallel-size", "1"]
+    with pytest.raises(ArgumentErrors, match="needs --expert-model-parallel-size > 1"):
+        args_of(*tp2, world_size=2)
+    with pytest.raises(ArgumentErrors, match="does not divide the 2 ranks"):
+        args_of(*tp2, "--expert-model-parallel-size", "4", world_size=2)
+    assert args_of(*tp2, "--expert-model-parallel-size", "2", world_size=2)
 
 
 def test_grouped_gemm_on_cpu_runs_sequential_experts_with_a_note():
@@ -329,12 +346,51 @@ DEEPSEEK_R1 = """--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-
     --mscale-all-dim 1.0 --recompute-activations --moe-layer-recompute --sequence-parallel"""
 
 
-@pytest.mark.parametrize("settings", [QWEN3_30B_A3B, DEEPSEEK_R1], ids=["qwen3-30b-a3b",
-                                                                      "deepseek-r1"])
+# DeepSeek-V3 as NVIDIA's Megatron-MoE model zoo trains it with Megatron-LM
+# (model_configs/benchmarking/DeepSeek-V3.yaml's MODEL_ARGS with its H100 run's additions:
+# whole experts, --expert-tensor-parallel-size 1, a pipeline layout with the MTP depth on
+# the last stage, --enable-experimental), 61 layers cut to 16 to fit 8 ranks; its
+# --transformer-impl transformer_engine becomes local (Transformer Engine layers do not
+# run under sequence splits here) and its data the NullTokenizer's mock data
+DEEPSEEK_V3_MODEL_ZOO = """--distributed-timeout-minutes 60 --pipeline-model-parallel-size 4
+    --expert-model-parallel-size 2 --context-parallel-size 1 --expert-tensor-parallel-size 1
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --use-mcore-models
+    --sequence-parallel --use-flash-attn --disable-bias-linear --micro-batch-size 1
+    --exit-duration-in-mins 220 --no-save-optim --no-check-for-nan-in-loss-and-grad
+    --cross-entropy-loss-fusion --cross-entropy-fusion-impl native --manual-gc
+    --manual-gc-interval 10 --transformer-impl local --seq-length 4096 --split 99,1,0
+    --no-mmap-bin-files --no-create-attention-mask-in-dataloader --num-workers 6
+    --num-layers 16 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
+    --kv-channels 128 --max-position-embeddings 4096 --position-embedding-type rope
+    --rotary-base 10000 --make-vocab-size-divisible-by 3232 --normalization RMSNorm
+    --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights
+    --multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0
+    --weight-decay 0.1 --qk-layernorm --lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7
+    --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --num-experts 256
+    --moe-layer-freq ([0]*3+[1]*13) --moe-ffn-hidden-size 2048
+    --moe-shared-expert-intermediate-size 2048 --moe-router-load-balancing-type seq_aux_loss
+    --moe-router-topk 8 --moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4
+    --moe-router-num-groups 8 --moe-router-topk-scaling-factor 2.5
+    --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+    --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --moe-permute-fusion
+    --moe-router-fusion --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128
+    --qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0
+    --mscale-all-dim 1.0 --eval-iters 32 --eval-interval 200 --no-load-optim --no-load-rng
+    --auto-detect-ckpt-format --dist-ckpt-strictness log_all --init-method-std 0.02
+    --log-timers-to-tensorboard --log-memory-to-tensorboard --log-num-zeros-in-grad
+    --log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40
+    --bf16 --enable-experimental --recompute-granularity selective
+    --recompute-modules mla_up_proj mlp --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+    --pipeline-model-parallel-layout Ett|(tt|)*6ttmL"""
+
+
+@pytest.mark.parametrize("settings", [QWEN3_30B_A3B, DEEPSEEK_R1, DEEPSEEK_V3_MODEL_ZOO],
+                         ids=["qwen3-30b-a3b", "deepseek-r1", "deepseek-v3-model-zoo"])
 def test_megatron_lms_own_moe_settings_are_accepted(settings):
     """On GPUs (8 ranks, TP 2 for sequence parallelism), with a training length and data,
-    Megatron-LM's own Qwen3-MoE and DeepSeek settings parse unchanged, every flag with
-    its meaning or its reason."""
+    Megatron-LM's own Qwen3-MoE and DeepSeek settings, and the Megatron-MoE model zoo's
+    DeepSeek-V3 (with Transformer Engine swapped for local layers), parse unchanged,
+    every flag with its meaning or its reason."""
     argv = settings.split() + [
         "--tensor-model-parallel-size", "2", "--train-iters", "10", "--global-batch-size",
         "8", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -345,3 +401,7 @@ def test_megatron_lms_own_moe_settings_are_accepted(settings):
         assert args.moe_router_pre_softmax and args.recompute_modules == ["core_attn", "moe"]
         assert {flag for flag, _ in args.no_op_flags} >= {"--moe-shared-expert-overlap",
                                                           "--moe-token-drop-policy"}
+    if settings is DEEPSEEK_V3_MODEL_ZOO:  # 4 stages x 2 virtual, EP over the TP ranks
+        assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size) == (1, 2)
+        assert args.virtual_pipeline_model_parallel_size == 2 and args.mtp_num_layers == 1
+        assert "--enable-experimental" in {flag for flag, _ in args.no_op_flags}

@@ -113,8 +113,8 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 
 def test_moe_expert_memory_follows_expert_parallelism():
     """Each GPU holds E / EP experts (weights, fp32 gradients); the distributed optimizer
-    shards dense states over DP and expert states over DP / EP; dense memory is the
-    same at every EP."""
+    shards dense states over DP and expert states over DP x TP / (EP x ETP); dense memory
+    is the same at every EP."""
     ep1, ep2, ep4 = (plan(TRAINING + MOE + ["--expert-model-parallel-size", str(ep)]).cost
                      for ep in (1, 2, 4))
     h, f, t = 1024, 512, 2
@@ -128,6 +128,16 @@ def test_moe_expert_memory_follows_expert_parallelism():
         assert static["weights"] == 4 * (parts["dense"] + parts["experts"])  # fp32 run
         assert static["optimizer"] == pytest.approx(
             8 * (parts["dense"] / 4 + parts["experts"] / (4 // ep)))
+    # whole experts (--expert-tensor-parallel-size 1): each GPU holds E / EP unsplit
+    # experts, their states sharded over the DP x TP / EP ranks holding the same ones
+    whole = plan(TRAINING + MOE + ["--expert-model-parallel-size", "4",
+                                   "--expert-tensor-parallel-size", "1"]).cost
+    parts = whole.rank_param_parts(1)
+    assert parts["experts"] == layers * 8 // 4 * expert * t
+    assert whole.static_memory(1)["optimizer"] == pytest.approx(
+        8 * (parts["dense"] / 4 + parts["experts"] / (4 * 2 // 4)))
+    # ... and see their TP rank's sequence-parallel shard of the tokens, not all of them
+    assert whole.par.expert_token_share == 0.5 and ep4.par.expert_token_share == 1
 
 
 def test_moe_flops_count_active_parameters_and_dispatch_volume():
@@ -151,7 +161,7 @@ def test_moe_flops_count_active_parameters_and_dispatch_volume():
     from megatron.planner.cli import report
     text = report(a2a)
     assert "active per token" in text and "8 experts of FFN 512, top-2" in text
-    assert "EP 4 (2 experts per GPU), alltoall dispatcher" in text
+    assert "EP 4 (2 experts per GPU), ETP 2, alltoall dispatcher" in text
 
 
 def test_mla_flags_give_its_shape_and_cache():

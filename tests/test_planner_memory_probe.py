@@ -18,7 +18,9 @@ Mixture of experts (in the 4-process launch): EP = 2 with the alltoall dispatche
 shared expert, a first dense layer (--moe-layer-freq), the sigmoid router with expert
 bias and seq_aux_loss, top-1 with the probability on the experts' input
 (--moe-apply-probs-on-input: planned 1.013x / 1.038x of the probe before its terms were
-counted); and the allgather dispatcher with aux_loss, z-loss and a gated shared expert,
+counted); whole experts under TP = 2 with SP (--expert-tensor-parallel-size 1, EP = 2 over
+the TP ranks: 1.002x / 1.016x; 1.062x / 1.054x while the planner split them over TP and
+gathered the shards); and the allgather dispatcher with aux_loss, z-loss and a gated shared expert,
 whose final parameters also check the planner's total parameter count. Treating the MoE
 layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
 
@@ -126,6 +128,12 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type",
         "seq_aux_loss", "--moe-router-topk", "1", "--moe-apply-probs-on-input"]
         + ROPE + NO_DROPOUT),
+    # whole experts under TP (--expert-tensor-parallel-size 1) over 2 expert-parallel ranks
+    # that are the TP ranks: each rank's experts see its sequence-parallel shard
+    "moe_tp2_sp_etp1_ep2_s2": (4, TP2PP2 + MOE + [
+        "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+        "--seq1f1b-splits", "2"] + ROPE + NO_DROPOUT),
     "moe_allgather_s2_zloss": (4, PP2 + MOE + [
         "--seq1f1b-splits", "2", "--moe-z-loss-coeff", "1e-3",
         "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",

@@ -1,7 +1,7 @@
 """Megatron-LM's --recompute-modules beyond core attention (layernorm, mlp, shared_experts,
 mla_up_proj) run here: the pieces they need, in one process. Their exactness under
 sequence splits is trained in tests/test_moe_exactness.py (D_pp2_s3_modules,
-D_pp2_vp2_s3_chunked_modules, X_pp2_tp2_sp_s2), their memory measured against the planner in
+D_pp2_vp2_s3_chunked_modules, X_pp2_tp2_sp_etp1_ep2_s2), their memory measured against the planner in
 tests/test_planner_memory_probe.py.
 
 megatron-core frees the output of a ``CheckpointWithoutOutput`` (the norms', MLA's

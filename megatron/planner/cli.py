@@ -300,6 +300,7 @@ def config_from_args(args) -> PlanConfig:
         chunk_layers=chunk_layers,
         ep=getattr(t, "expert_model_parallel_size", 1) or 1,
         moe_dispatcher=getattr(t, "moe_token_dispatcher_type", "allgather"),
+        etp=getattr(t, "expert_tensor_parallel_size", None),
     )
     return PlanConfig(
         model=model,
@@ -356,7 +357,7 @@ def _model_lines(pred: Prediction) -> List[str]:
         lines.append(
             f"experts: {moe} of {m.num_layers} layers MoE, {m.num_experts} experts of FFN "
             f"{m.expert_ffn}, top-{m.moe_topk}{shared}; EP {p.ep} ({m.num_experts // p.ep} "
-            f"experts per GPU), {p.moe_dispatcher} dispatcher "
+            f"experts per GPU), ETP {p.expert_tp}, {p.moe_dispatcher} dispatcher "
             + ("moves " + "/".join(f"{v:.2f}" for v in volume)
                + " MiB per MoE layer and split forward (as much backward)" if any(volume)
                else "moves nothing between expert-parallel ranks (EP 1)"))

@@ -57,8 +57,21 @@ class Parallel:
     # a rank's chunks differ (--account-for-embedding/loss-in-pipeline-split with virtual
     # stages: the first / last chunk a layer short); None: a rank's layers / num_chunks
     chunk_layers: Optional[Tuple[int, ...]] = None
-    ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of DP
+    ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of TP x DP
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
+    etp: Optional[int] = None  # --expert-tensor-parallel-size; None: the TP size
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert is split over (--expert-tensor-parallel-size, default TP)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_token_share(self) -> float:
+        """The share of a unit's tokens whose expert copies one rank computes: with
+        experts split over TP (ETP = TP) the dispatcher gathers the TP ranks'
+        sequence-parallel shards; whole experts (ETP 1) see their rank's shard."""
+        return self.expert_tp / self.tp
 
     def chunk_counts(self, num_layers: int) -> List[int]:
         """Layers of each model chunk in pipeline order (chunk c of rank r at c * pp + r)."""
@@ -162,7 +175,7 @@ class CostModel:
         experts = 0.0
         if moe:
             norms += m.router_params()
-            experts = m.num_experts // self.par.ep * m.expert_params() / t
+            experts = m.num_experts // self.par.ep * m.expert_params() / self.par.expert_tp
         return {"linear": linear / t, "other": bias + norms, "experts": experts}
 
     def layer_indices(self, rank: int, chunk: int) -> range:
@@ -219,11 +232,12 @@ class CostModel:
     def static_memory(self, rank: int) -> Dict[str, float]:
         """Bytes of weights, gradients and optimizer states on one GPU of ``rank``: the
         distributed optimizer shards dense parameters over DP and expert parameters over
-        the expert-data-parallel group (DP / EP), as megatron-core does."""
+        the expert-data-parallel group (DP x TP / (EP x ETP)), as megatron-core does."""
         parts = self.rank_param_parts(rank)
         params = parts["dense"] + parts["experts"]
         dense_shards = self.par.dp if self.par.distributed_optimizer else 1
-        expert_shards = self.par.dp // self.par.ep if self.par.distributed_optimizer else 1
+        expert_dp = self.par.dp * self.par.tp // (self.par.ep * self.par.expert_tp)
+        expert_shards = expert_dp if self.par.distributed_optimizer else 1
         per = static_bytes_per_param(self.act_bytes)
         return {
             "weights": per["weights"] * params,
@@ -464,17 +478,18 @@ class CostModel:
         over TP. With --moe-apply-probs-on-input the experts' scaled inputs are kept too
         (fc1's input) and the activation output is not; a gated shared expert keeps its
         output and gate for the product."""
-        m, t, e = self.model, self.par.tp, self.act_bytes
+        m, t, e = self.model, self.par.expert_tp, self.act_bytes
         h, k = m.hidden_size, m.moe_topk
         per_act = m.mlp_saved_widths
-        dispatched = k * tokens * (h * e + FP32)
-        experts = k * tokens * m.expert_ffn / t * e * (per_act + 1)
+        routed = k * tokens * self.par.expert_token_share  # expert copies on this rank
+        dispatched = routed * (h * e + FP32)
+        experts = routed * m.expert_ffn / t * e * (per_act + 1)
         if m.moe_probs_on_input:
             # the scaled copy of the input (fc1's) and the ones that replace the
             # probabilities are kept; a product with those ones (no gradient) keeps
             # only them, not the activation output
-            dispatched += k * tokens * (h * e + FP32)
-            experts -= k * tokens * m.expert_ffn / t * e
+            dispatched += routed * (h * e + FP32)
+            experts -= routed * m.expert_ffn / t * e
         # a recomputed shared expert (its gate too) keeps its input: the norm's output
         shared = 0.0
         if not self.recompute.recomputes("shared_experts"):
@@ -789,12 +804,12 @@ class CostModel:
         and comes back. allgather: the tokens of the EP x TP group are gathered and the
         combined output reduce-scattered, ``(n - 1)`` times this rank's tokens each way.
         On one rank (EP = TP = 1) nothing moves."""
-        m, ep, t = self.model, self.par.ep, self.par.tp
+        m, ep, t = self.model, self.par.ep, self.par.expert_tp
         size = tokens * BF16 * m.hidden_size
         if self.par.moe_dispatcher == "alltoall":
-            return 2 * m.moe_topk * size * (ep - 1) / ep
+            return 2 * m.moe_topk * size * self.par.expert_token_share * (ep - 1) / ep
         group = ep * t
-        return 2 * size * (group - 1) / (t if self.par.sequence_parallel else 1)
+        return 2 * size * (group - 1) / (self.par.tp if self.par.sequence_parallel else 1)
 
     def moe_comm_time(self, tokens: float) -> float:
         """``moe_comm_bytes`` over NVLink when the EP x TP group fits in a node, else
@@ -802,7 +817,7 @@ class CostModel:
         nbytes = self.moe_comm_bytes(tokens)
         if not nbytes:
             return 0.0
-        inside = self.par.ep * self.par.tp <= self.gpu.gpus_per_node
+        inside = self.par.ep * self.par.expert_tp <= self.gpu.gpus_per_node
         bw = self.gpu.nvlink_bw if inside else self.gpu.network_bw
         return nbytes / bw + 2 * self.gpu.collective_latency_s
 

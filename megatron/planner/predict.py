@@ -126,6 +126,7 @@ class Prediction:
                 "use_distributed_optimizer": p.distributed_optimizer,
                 "world_size": p.world_size,
                 "expert_model_parallel_size": p.ep,
+                "expert_tensor_parallel_size": p.expert_tp,
                 "moe_token_dispatcher_type": p.moe_dispatcher,
             },
             "parameters": {"total": c.model.parameter_count(),

@@ -60,6 +60,10 @@ NO_OP_FLAGS = {
     "--openai-gelu": (False, "Megatron-LM 0.19 parses it and applies it nowhere: GeLU is "
                              "megatron-core's (--swiglu, --squared-relu, --quick-geglu choose "
                              "others)"),
+    "--enable-experimental": (
+        False, "megatron-core's experimental switch gates only paths not built here (fused "
+               "permutation with fp8 padding, experimental inference and FSDP APIs); the "
+               "model computes the same without it"),
 }
 
 
@@ -384,7 +388,7 @@ for _reason, _flags in (
                "--ddp-average-in-collective --no-gradient-reduce-div-fusion "
                "--num-distributed-optimizer-instances --fake-process-group "
                "--tensor-parallel-num-weight-shards --max-seqlen-per-dp-cp-rank "
-               "--enable-experimental --use-precision-aware-optimizer --main-grads-dtype "
+               "--use-precision-aware-optimizer --main-grads-dtype "
                "--main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype"),
 ):
     REFUSED_FLAGS.update(dict.fromkeys(_flags.split(), _reason))

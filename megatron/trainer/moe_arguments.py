@@ -97,8 +97,8 @@ def add_moe_arguments(parser):
                         "(moe/<name>_layer_<i>), as Megatron-LM")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert: as in Megatron-LM it "
-                        "defaults to --tensor-model-parallel-size, the only value "
-                        "supported here")
+                        "defaults to --tensor-model-parallel-size; 1 keeps experts whole "
+                        "(then with --expert-model-parallel-size > 1, over the TP x DP ranks)")
 
 
 def check_moe_args(args, cuda_available):
@@ -107,10 +107,11 @@ def check_moe_args(args, cuda_available):
     tp = args.tensor_model_parallel_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp  # Megatron-LM's default
-    elif args.expert_tensor_parallel_size != tp:
+    elif args.expert_tensor_parallel_size not in (1, tp):
         problems.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is "
-                        f"refused: only the tensor-parallel size ({tp}, Megatron-LM's "
-                        "default) is supported here; drop it")
+                        f"refused: 1 (whole experts, as DeepSeek-V3's and Qwen3's recipes) or "
+                        f"the tensor-parallel size ({tp}, Megatron-LM's default) are "
+                        "supported here")
     if args.num_experts == 0:
         args.num_experts = None
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
@@ -144,6 +145,19 @@ def check_moe_args(args, cuda_available):
         args.flag_notes.append("note: --moe-shared-expert-gate without "
                                "--moe-shared-expert-intermediate-size: there is no shared "
                                "expert to gate (as in Megatron-LM, no effect)")
+    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    if etp < tp and ep == 1:
+        # megatron-core marks expert weights for the dense (data-parallel) reduction when
+        # EP is 1, so the copies each TP rank trains on its tokens are never summed
+        problems.append(f"--expert-tensor-parallel-size {etp} under --tensor-model-parallel-"
+                        f"size {tp} needs --expert-model-parallel-size > 1: at EP 1 "
+                        f"megatron-core reduces the experts' gradients over data-parallel "
+                        f"ranks only, so each TP rank's copy of an expert trains on its own "
+                        f"tokens and the copies drift apart; give EP > 1 or drop the flag")
+    elif (args.data_parallel_size * tp) % (etp * ep):
+        problems.append(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
+                        f"{etp} does not divide the {args.data_parallel_size * tp} ranks of a "
+                        f"pipeline stage (data-parallel x tensor-parallel size)")
     if args.num_experts % args.expert_model_parallel_size:
         problems.append(f"--num-experts {args.num_experts} is not divisible by "
                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")
@@ -174,12 +188,12 @@ def check_moe_args(args, cuda_available):
         args.flag_notes.append("note: --moe-grouped-gemm is a CUDA kernel: on CPU the "
                                "experts run one after the other (the same values)")
         args.moe_grouped_gemm = False
-    if tp > 1 and not args.disable_bias_linear:
-        # megatron-core asserts it at build; experts here are split over TP (ETP = TP)
+    if etp > 1 and not args.disable_bias_linear:
+        # megatron-core asserts it at build
         problems.append(f"--num-experts with biased linear layers needs "
-                        f"--tensor-model-parallel-size 1 (got {tp}): megatron-core has expert "
-                        "biases only without expert tensor parallelism; add "
-                        "--disable-bias-linear to split experts over TP")
+                        f"--expert-tensor-parallel-size 1 (got {etp}, the default: the TP "
+                        "size): megatron-core has expert biases only without expert tensor "
+                        "parallelism; add --disable-bias-linear to split experts over TP")
     if args.moe_grouped_gemm and not args.disable_bias_linear:
         # megatron-core's grouped experts assert at build time
         problems.append("--moe-grouped-gemm has no expert biases in megatron-core: add "
