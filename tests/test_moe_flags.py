@@ -119,6 +119,25 @@ def test_shared_expert_gate_and_probabilities_on_input_reach_the_config():
     assert any("--moe-shared-expert-gate without" in note for note in args.flag_notes)
 
 
+def test_flex_dispatcher_runs_as_alltoall_with_a_note():
+    """DeepSeek-V3's and Qwen3-235B's recipes dispatch with flex (DeepEP / HybridEP CUDA
+    kernels that only move the tokens): the all-to-all dispatcher runs, the note says so,
+    and the backends' settings are accepted with their reason."""
+    args = args_of("--num-experts", "4", "--moe-token-dispatcher-type", "flex",
+                   "--moe-enable-deepep", "--moe-deepep-num-sms", "24",
+                   "--moe-hybridep-num-sms-preprocessing", "64")
+    assert args.moe_token_dispatcher_type == "alltoall"
+    assert trainer_model.transformer_config_from_args(args).moe_token_dispatcher_type == \
+        "alltoall"
+    assert any("--moe-token-dispatcher-type flex (deepep) runs as alltoall" in note
+               for note in args.flag_notes)
+    assert {flag for flag, _ in args.no_op_flags} >= {"--moe-deepep-num-sms",
+                                                      "--moe-hybridep-num-sms-preprocessing"}
+    args = args_of("--num-experts", "4", "--moe-token-dispatcher-type", "flex",
+                   "--moe-flex-dispatcher-backend", "hybridep")
+    assert any("flex (hybridep)" in note for note in args.flag_notes)
+
+
 def test_moe_layer_recompute_as_megatron_lm():
     """--moe-layer-recompute: selective, "moe" added to the modules (core attention by
     default), as megatron-core's config turns it; the layers it builds recompute with
@@ -199,7 +218,11 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
     (["--num-experts", "4", "--moe-router-num-groups", "2"],
      "--moe-router-num-groups and --moe-router-group-topk go together"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
-    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "flex"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "ring"], "ring"),
+    (["--num-experts", "4", "--moe-enable-deepep"],
+     "--moe-enable-deepep needs --moe-token-dispatcher-type flex"),
+    (["--num-experts", "4", "--moe-flex-dispatcher-backend", "ncclep"],
+     "--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"],
      "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
@@ -349,7 +372,8 @@ DEEPSEEK_R1 = """--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-
 # DeepSeek-V3 as NVIDIA's Megatron-MoE model zoo trains it with Megatron-LM
 # (model_configs/benchmarking/DeepSeek-V3.yaml's MODEL_ARGS with its H100 run's additions:
 # whole experts, --expert-tensor-parallel-size 1, a pipeline layout with the MTP depth on
-# the last stage, --enable-experimental), 61 layers cut to 16 to fit 8 ranks; its
+# the last stage, --enable-experimental; the launcher's default DeepEP dispatcher), 61
+# layers cut to 16 to fit 8 ranks; its
 # --transformer-impl transformer_engine becomes local (Transformer Engine layers do not
 # run under sequence splits here) and its data the NullTokenizer's mock data
 DEEPSEEK_V3_MODEL_ZOO = """--distributed-timeout-minutes 60 --pipeline-model-parallel-size 4
@@ -381,7 +405,8 @@ DEEPSEEK_V3_MODEL_ZOO = """--distributed-timeout-minutes 60 --pipeline-model-par
     --log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40
     --bf16 --enable-experimental --recompute-granularity selective
     --recompute-modules mla_up_proj mlp --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
-    --pipeline-model-parallel-layout Ett|(tt|)*6ttmL"""
+    --pipeline-model-parallel-layout Ett|(tt|)*6ttmL --moe-token-dispatcher-type flex
+    --moe-flex-dispatcher-backend deepep"""
 
 
 @pytest.mark.parametrize("settings", [QWEN3_30B_A3B, DEEPSEEK_R1, DEEPSEEK_V3_MODEL_ZOO],
@@ -405,3 +430,4 @@ def test_megatron_lms_own_moe_settings_are_accepted(settings):
         assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size) == (1, 2)
         assert args.virtual_pipeline_model_parallel_size == 2 and args.mtp_num_layers == 1
         assert "--enable-experimental" in {flag for flag, _ in args.no_op_flags}
+        assert args.moe_token_dispatcher_type == "alltoall"  # flex (DeepEP), with a note

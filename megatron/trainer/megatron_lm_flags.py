@@ -186,6 +186,13 @@ for _reason, _flags in (
     ("a fused kernel of Transformer Engine for the MoE token permutation or the router; "
      "here the unfused megatron-core code runs with the same math",
      "--moe-permute-fusion --moe-router-fusion"),
+    ("a setting of the flex dispatcher's communication kernels (DeepEP, HybridEP, NCCL EP); "
+     "--moe-token-dispatcher-type flex runs as the all-to-all dispatcher here (the same "
+     "tokens reach the same experts)",
+     "--moe-flex-dispatcher-num-sms=N --moe-deepep-num-sms=N --moe-hybridep-num-sms=N "
+     "--moe-hybridep-num-sms-preprocessing=N --moe-hybridep-num-blocks-permute=N "
+     "--moe-hybridep-num-blocks-unpermute=N --moe-hybridep-pad-uneven-dispatch-inputs "
+     "--moe-permute-fusion-into-hybridep --moe-ncclep-static-shape --moe-ncclep-zero-copy"),
 ):
     NO_OP_FLAGS.update(_table(_reason, _flags))
 

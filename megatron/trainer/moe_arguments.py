@@ -13,6 +13,7 @@ MOE_FLAGS = (
     "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--moe-per-layer-logging", "--moe-router-pre-softmax", "--moe-router-dtype",
     "--moe-layer-recompute", "--moe-shared-expert-gate", "--moe-apply-probs-on-input",
+    "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -81,8 +82,16 @@ def add_moe_arguments(parser):
                    help="group-limited routing: experts in this many groups")
     g.add_argument("--moe-router-group-topk", type=int, default=None,
                    help="group-limited routing: the groups a token may use")
-    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
-                   default="allgather")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"),
+                   default="allgather",
+                   help="flex (DeepEP / HybridEP kernels on CUDA) runs as alltoall here, "
+                        "with a note: the same tokens reach the same experts")
+    g.add_argument("--moe-enable-deepep", action="store_true",
+                   help="Megatron-LM's older spelling of --moe-flex-dispatcher-backend "
+                        "deepep; needs --moe-token-dispatcher-type flex")
+    g.add_argument("--moe-flex-dispatcher-backend", choices=("deepep", "hybridep", "ncclep"),
+                   default=None, help="the flex dispatcher's kernels (not used here: flex "
+                                      "runs as alltoall)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="grouped GEMM experts on CUDA; on CPU the experts run one after "
                         "the other (same values), with a note")
@@ -137,6 +146,7 @@ def check_moe_args(args, cuda_available):
         # one chosen expert is 1 for every token
         problems.append("--moe-router-topk 1 with the softmax router needs "
                         "--moe-router-pre-softmax (as in Megatron-LM)")
+    problems += _flex_dispatcher(args)
     if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
         # megatron-core asserts it in the experts' first forward
         problems.append(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (got "
@@ -202,6 +212,33 @@ def check_moe_args(args, cuda_available):
     return problems
 
 
+def _flex_dispatcher(args):
+    """Megatron-LM's flex dispatcher (DeepSeek-V3's and Qwen3-235B's recipes) as the
+    all-to-all dispatcher: its DeepEP / HybridEP / NCCL EP kernels only move the tokens
+    (CUDA), and megatron-core's split-aware MoE layer here drives the all-to-all one."""
+    problems = []
+    flex = args.moe_token_dispatcher_type == "flex"
+    # megatron-core's config raises these for a dispatcher other than flex
+    if args.moe_enable_deepep and not flex:
+        problems.append("--moe-enable-deepep needs --moe-token-dispatcher-type flex (as "
+                        "megatron-core requires)")
+    if args.moe_enable_deepep and args.moe_flex_dispatcher_backend == "hybridep":
+        problems.append("--moe-enable-deepep and --moe-flex-dispatcher-backend hybridep "
+                        "name two backends; keep one (as megatron-core requires)")
+    if args.moe_flex_dispatcher_backend == "ncclep" and not flex:
+        problems.append("--moe-flex-dispatcher-backend ncclep needs "
+                        "--moe-token-dispatcher-type flex (as megatron-core requires)")
+    if flex and not problems:
+        backend = "deepep" if args.moe_enable_deepep else (
+            args.moe_flex_dispatcher_backend or "deepep")
+        args.flag_notes.append(
+            f"note: --moe-token-dispatcher-type flex ({backend}) runs as alltoall here: the "
+            f"sequence-split MoE layer drives megatron-core's all-to-all dispatcher (the "
+            f"same tokens reach the same experts; the {backend} kernels are not used)")
+        args.moe_token_dispatcher_type = "alltoall"
+    return problems
+
+
 def _aux_loss_on(args):
     types = args.moe_router_load_balancing_type
     coeffs = args.moe_aux_loss_coeff
@@ -221,7 +258,8 @@ def _given(args, flag):
                 "--expert-model-parallel-size": 1, "--moe-per-layer-logging": False,
                 "--moe-router-pre-softmax": False, "--moe-router-dtype": None,
                 "--moe-layer-recompute": False, "--moe-shared-expert-gate": False,
-                "--moe-apply-probs-on-input": False,
+                "--moe-apply-probs-on-input": False, "--moe-enable-deepep": False,
+                "--moe-flex-dispatcher-backend": None,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
