@@ -97,6 +97,10 @@ for _reason, _flags in (
      "--flight-recorder-include-stack-trace --no-flight-recorder-include-only-active "
      "--disable-flight-recorder-include-only-active --no-flight-recorder-extra-dump-on-exec "
      "--disable-flight-recorder-extra-dump-on-exec"),
+    ("Transformer Engine's userbuffers overlap of the TP collectives with the GEMMs (a "
+     "performance setting) is not set up here: the TP collectives run unoverlapped, with "
+     "the same values", "--tp-comm-overlap --tp-comm-overlap-rs-dgrad "
+     "--tp-comm-overlap-cfg=FILE --tp-comm-bootstrap-backend=V"),
     ("TP communication overlap (--tp-comm-overlap, Transformer Engine userbuffers) is "
      "never on here, and Megatron-LM ignores this flag without it",
      "--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad --no-tp-comm-bulk-dgrad "
@@ -249,8 +253,6 @@ REFUSED_FLAGS = {
                           "--use-distributed-optimizer (ZeRO-1 sharding)"),
     "--use-megatron-fsdp": ("FSDP is not supported with the pipeline schedules here; use "
                             "--use-distributed-optimizer (ZeRO-1 sharding)"),
-    "--tp-comm-": ("TP communication overlap needs Transformer Engine userbuffers, which "
-                   "are not used here; drop it"),
     "--yaml-cfg": "YAML configuration files are not read here; pass the flags",
     "--optimizer-cpu-offload": "optimizer CPU offload is not supported here",
     "--enable-cuda-graph": ("CUDA graphs do not fit the sequence-split schedules (shapes "
