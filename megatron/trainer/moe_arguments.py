@@ -97,7 +97,8 @@ def add_moe_arguments(parser):
                         "the other (same values), with a note")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="experts divided over this many ranks of the data-parallel group "
-                        "(all-to-all over gloo on CPU)")
+                        "(with --expert-tensor-parallel-size 1, of the TP x DP ranks; "
+                        "all-to-all over gloo on CPU)")
     g.add_argument("--moe-layer-recompute", action="store_true",
                    help="recompute each MoE layer in backward (Megatron-LM's older spelling "
                         "of --recompute-granularity selective --recompute-modules ... moe)")
