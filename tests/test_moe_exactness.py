@@ -127,6 +127,7 @@ SLIMPIPE_4 = ["--pipeline-schedule", "slimpipe", "--slimpipe-slices", "4"]
 SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]  # + modules
 # name -> (model, split count, extra flags of the split run, world size, model chunks)
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 CASES = {
     "N_pp2_s2": ("N", 2, [], 2, 1),
     "N_pp2_s3": ("N", 3, [], 2, 1),
@@ -144,9 +145,8 @@ CASES = {
     # recipes) over 2 expert-parallel ranks that are the TP ranks (all-to-all), each TP
     # rank routing its sequence-parallel share of the split; split experts (ETP = TP,
     # Megatron-LM's default) are D_pp2_tp2_sp_s3's
-    "X_pp2_tp2_sp_etp1_ep2_s2": ("X", 2, ["--tensor-model-parallel-size", "2",
-                                          "--sequence-parallel",
-                                          "--expert-tensor-parallel-size", "1"] + EP2
+    "X_pp2_tp2_sp_etp1_ep2_s2": ("X", 2, TP2_SP + ["--expert-tensor-parallel-size", "1",
+                                                   "--use-distributed-optimizer"] + EP2
                                  + SELECTIVE + ["layernorm", "moe"], 4, 1),
     # selective recomputation: MLA's attention kernel checkpointed after the cache write,
     # and each MoE layer recomputed (DeepSeek's Megatron-LM flags) with its split
@@ -203,10 +203,12 @@ MOE_LOSSES = {"N": [], "X": ["load_balancing_loss", "z_loss"],
 TENSORBOARD_CASE, TENSORBOARD_DIR = "X_pp2_s3", []
 
 # optimizer state across an expert-parallel change (distributed optimizer): the EP=2
-# run's checkpoint of iteration 1 resumed at EP=1 (pp=2 x dp=2), and an EP=1 run's
-# (X_pp2_s4) resumed at EP=2, each training iteration 2
-EP_CASE, EP1_CASE = "X_pp2_dp2_ep2_s3", "X_pp2_s4"
-RESUMED = {"X_ep2_resumed_at_ep1": EP_CASE, "X_ep1_resumed_at_ep2": EP1_CASE}
+# run's checkpoint of iteration 1 resumed at EP=1 (pp=2 x dp=2), an EP=1 run's
+# (X_pp2_s4) resumed at EP=2, and the whole experts' run (ETP 1, EP 2 over the TP ranks)
+# resumed with experts split over TP (ETP = TP = 2, EP 1), each training iteration 2
+EP_CASE, EP1_CASE, ETP1_CASE = "X_pp2_dp2_ep2_s3", "X_pp2_s4", "X_pp2_tp2_sp_etp1_ep2_s2"
+RESUMED = {"X_ep2_resumed_at_ep1": EP_CASE, "X_ep1_resumed_at_ep2": EP1_CASE,
+           "X_etp1_resumed_at_etp2": ETP1_CASE}
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer"]
 # this case also records its last iteration's units (--timeline-file): an MoE + MLA run
 # observed by the timeline, still equal to the unobserved s = 1 and one-process runs
@@ -251,9 +253,9 @@ def plan(tmp, corpus):
     # iteration 1's checkpoint with its optimizer state (--ckpt-step: the tracker names
     # 2), at the other EP size (pp=2 x dp=2, unsplit): iteration 2 trains as uninterrupted
     for name, saved in RESUMED.items():
-        ep = EP2 if saved == EP1_CASE else []
+        layout = {EP1_CASE: EP2, ETP1_CASE: TP2_SP}.get(saved, [])
         runs[4].append({"name": name, "params": True, "after": [str(tmp / saved / TRACKER)],
-                        "argv": MODELS["X"] + BATCH + PP2 + DISTRIBUTED_OPTIMIZER + ep + [
+                        "argv": MODELS["X"] + BATCH + PP2 + DISTRIBUTED_OPTIMIZER + layout + [
                             "--load", str(tmp / saved), "--ckpt-step", "1"]})
     return Plan(inits, runs)
 
@@ -336,8 +338,9 @@ def test_moe_losses_are_written_to_tensorboard(results):
 
 def test_optimizer_state_resumes_across_an_expert_parallel_change(results):
     """Iteration 1's distributed-optimizer checkpoint of the EP=2 run resumed at EP=1,
-    and of an EP=1 run resumed at EP=2 (megatron-core chains a dense and an expert
-    optimizer at EP > 1, one at EP = 1): iteration 2's loss, grad norm and aux losses,
+    of an EP=1 run resumed at EP=2 (megatron-core chains a dense and an expert
+    optimizer at EP > 1, one at EP = 1), and of the whole experts' run (ETP 1, EP 2)
+    resumed with experts split over TP=2 (EP 1): iteration 2's loss, grad norm and aux losses,
     the validation loss and every parameter after its step (which reads the loaded Adam
     moments and step: learning rate 1e-3 there) equal the uninterrupted runs'."""
     for name, saved in RESUMED.items():
