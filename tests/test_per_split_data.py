@@ -84,6 +84,7 @@ def test_data_source_mistakes_name_the_flag(corpora):
             (["--train-data-path", a, "--data-path", a], "mutually exclusive"),
             (["--train-data-path", a, "--mock-data"], "mutually exclusive"),
             (["--valid-data-path", b], "without --train-data-path"),
+            (["--train-data-path", "--valid-data-path", b], "--train-data-path: no dataset"),
             (["--train-data-path", a, "--valid-data-path", str(tmp / "missing")],
              "--valid-data-path: .*missing.bin"),
             (["--train-data-path", a + ".bin"], "--train-data-path: give the prefix"),

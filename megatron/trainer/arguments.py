@@ -1259,8 +1259,11 @@ def _take_data_sources(args, check_files):
                  "exclusive: give the lists in one of them")
         if check_files:
             per_split = _read_per_split_data_args(args.per_split_data_args_path)
+    for part, path in zip(("train", "valid", "test"), per_split):
+        _require(path != [], f"--{part}-data-path: no dataset given (a prefix, or "
+                             f"'w1 p1 w2 p2 ...')")
     args.data_path_per_split = (None if all(path is None for path in per_split)
-                                else [path or None for path in per_split])
+                                else list(per_split))
 
 
 def _read_data_args(path, flag):
