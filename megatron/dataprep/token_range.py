@@ -64,12 +64,11 @@ def largest_token_id(prefix):
     return largest
 
 
-def token_id_problems(prefixes, vocab_size, padded_vocab_size, tokenizer_flags,
-                      flags=None):
-    """(error or None, [warnings]) for the largest id of each prefix's .bin; `flags`
-    names the option each prefix came from (default --data-path)."""
+def token_id_problems(flag_of_prefix, vocab_size, padded_vocab_size, tokenizer_flags):
+    """(error or None, [warnings]) for the largest id of each prefix's .bin;
+    ``flag_of_prefix`` maps each prefix to the option it came from, named in the lines."""
     warnings = []
-    for prefix, flag in zip(prefixes, flags or ["--data-path"] * len(prefixes)):
+    for prefix, flag in flag_of_prefix.items():
         largest = largest_token_id(prefix)
         if largest >= padded_vocab_size:
             return (f"{flag}: {prefix}.bin holds token id {largest} but the model's "

@@ -28,12 +28,12 @@ def check_token_ids(args, vocab_size, padded_vocab_size):
         from megatron.dataprep.gpt_datasets import parse_data_path
         from megatron.dataprep.token_range import token_id_problems
 
-        flags = {}  # prefix -> the first flag naming it
+        flag_of_prefix = {}  # the first flag naming each prefix
         for flag, path in lists:
             for prefix in parse_data_path(path, flag)[0]:
-                flags.setdefault(prefix, flag)
-        found[0] = token_id_problems(list(flags), vocab_size, padded_vocab_size,
-                                     _tokenizer_flags(args), list(flags.values()))
+                flag_of_prefix.setdefault(prefix, flag)
+        found[0] = token_id_problems(flag_of_prefix, vocab_size, padded_vocab_size,
+                                     _tokenizer_flags(args))
     torch.distributed.broadcast_object_list(found, src=0)
     error, warnings = found[0]
     if torch.distributed.get_rank() == 0:

@@ -40,9 +40,8 @@ def initialize_distributed(args):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-        # Megatron-LM's default: the TP size (check_moe_args fills it in)
-        expert_tensor_parallel_size=(getattr(args, "expert_tensor_parallel_size", None)
-                                     or args.tensor_model_parallel_size),
+        # TP by default, as Megatron-LM (check_moe_args fills it in)
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         # Megatron-LM's rank orders: data parallelism outside pipelines by default,
         # pipelines outermost with --use-tp-pp-dp-mapping
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",

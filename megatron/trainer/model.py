@@ -150,7 +150,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         batch_p2p_sync=on_gpu,  # the sync is a torch.cuda.synchronize
         timers=None,
-        expert_tensor_parallel_size=_expert_tp(args),
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,  # TP by default
         **moe_config_fields(args),
         **mtp_config_fields(args),
         **mla,
@@ -221,8 +221,3 @@ def vocab_size_of_model(args, tokenizer_vocab_size: int) -> int:
 
 def stage_flags():
     return (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
-
-
-def _expert_tp(args):
-    """--expert-tensor-parallel-size (Megatron-LM's default, the TP size, when not given)."""
-    return getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
