@@ -16,7 +16,7 @@ import pytest
 import distributed
 from distributed import ROOT, _free_port
 from megatron.trainer.arguments import ArgumentErrors, build_parser, parse_args
-from megatron.trainer.megatron_lm_flags import NO_OP_FLAGS, REFUSED_FLAGS, SIZE_ONE_FLAGS
+from megatron.trainer.megatron_lm_flags import NO_OP_FLAGS, REFUSED_FLAGS
 
 SCRIPTS = os.path.join(ROOT, "tests", "launch_scripts")
 ITERATION = re.compile(r"iteration +(\d+)/ +(\d+) \|.*lm loss: ([0-9.eE+-]+|nan)")
@@ -276,14 +276,6 @@ def test_no_op_flag_is_accepted_with_its_reason(flag):
     assert " ".join(reason.split()) in help_text
 
 
-@pytest.mark.parametrize("flag", sorted(SIZE_ONE_FLAGS))
-def test_size_one_flags_accept_only_one(flag):
-    parse(flag, "1")
-    with pytest.raises(ArgumentErrors) as error:
-        parse(flag, "2")
-    assert error.value.problems == [f"{flag} 2 is refused: {SIZE_ONE_FLAGS[flag]}"]
-
-
 @pytest.mark.parametrize("flag", sorted(REFUSED_FLAGS))
 def test_refused_flag_gives_reason_and_alternative(flag):
     # (--moe-router-topk is implemented; --moe-input-jitter-eps is refused)
@@ -298,7 +290,7 @@ def test_every_problem_is_reported_at_once():
     """Unknown flags, bad choices, refused features and failed checks together, one line
     each, from the real entry point; exit 2 before any work."""
     argv = BASE + ["--moe-expert-capacity-factor", "2", "--lr-decay-style", "bogus",
-                   "--lr-warmup-fractoin", "0.1", "--context-parallel-size", "2",
+                   "--lr-warmup-fractoin", "0.1", "--hierarchical-context-parallel-sizes", "2",
                    "--save", "/tmp/never", "--micro-batch-size", "two", "--min-lr", "1"]
     proc = distributed.pretrain(argv, timeout=120)
     assert proc.returncode == 2
@@ -306,7 +298,7 @@ def test_every_problem_is_reported_at_once():
     expected = ["--moe-expert-capacity-factor is refused", "argument --lr-decay-style: invalid choice",
                 "unknown flag --lr-warmup-fractoin", "did you mean --lr-warmup-fraction?",
                 "argument --micro-batch-size: invalid int value: 'two'",
-                "--context-parallel-size 2 is refused", "--save needs --save-interval",
+                "--hierarchical-context-parallel-sizes is refused", "--save needs --save-interval",
                 "--min-lr (1.0) must not exceed --lr"]
     for text in expected:
         assert sum(text in line for line in errors) == 1, (text, errors)

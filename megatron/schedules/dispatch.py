@@ -9,6 +9,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
 from megatron.schedules import registry
 from megatron.schedules.executor import ScheduleSettings, forward_backward_pipelining_seq1f1b
+from megatron.seqsplit.context_parallel import ContextParallel
 
 # megatron-core 0.19 added a third parameter (schedule_pg_collection); 0.16 has two
 _MCORE_TAKES_PG_COLLECTION = "schedule_pg_collection" in inspect.signature(
@@ -78,8 +79,10 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
     (use ``getattr(data_iterator, "split", None)``) and the model is plain causal.
 
     With one split it *is* megatron-core's function (1F1B, or no pipelining when pp=1),
-    unless observers (timeline, memory probes) are attached: then our executor runs
-    the s = 1 schedule, which is megatron's 1F1B unit for unit, so it can be observed.
+    unless observers (timeline, memory probes) are attached or context parallelism is
+    initialised: then our executor runs the s = 1 schedule, which is megatron's 1F1B
+    unit for unit, so it can be observed (and each context-parallel rank given its part
+    of the sequence, ``megatron.seqsplit.context_parallel``).
 
     With virtual stages (``vp_size > 1``) our executor always runs, also for one split:
     it runs megatron-core's interleaved unit order (``megatron.schedules.interleaved``)
@@ -117,7 +120,10 @@ def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection
     if slimpipe and (slimpipe_slices is None or slimpipe_slices < 1):
         raise registry.ScheduleChoiceError(
             f"--pipeline-schedule slimpipe needs slimpipe_slices >= 1, got {slimpipe_slices}")
-    if not slimpipe and seq1f1b_splits <= 1 and not observers:
+    # context parallelism runs in the split-aware attention (our executor cuts each
+    # unit's part of the sequence), also for one split
+    context_parallel = ContextParallel.from_parallel_state() is not None
+    if not slimpipe and seq1f1b_splits <= 1 and not observers and not context_parallel:
         if pp_size is None and vp_size is None:  # megatron-core's fallback
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()

@@ -57,6 +57,7 @@ from megatron.schedules.transport import ProcessGroupTransport, Transport
 from megatron.seqsplit.kv_cache import KVCacheStore
 from megatron.seqsplit.moe import RoutingStatistics
 from megatron.seqsplit.split_context import CONSUMERS, SplitContext, slice_batch
+from megatron.seqsplit.context_parallel import ContextParallel
 from megatron.seqsplit.split_lengths import plan_splits, split_offsets
 
 
@@ -251,6 +252,8 @@ class PipelineExecutor:
         self.lengths = plan_splits(seq_length, settings.num_splits, settings.balance_method,
                                    alignment=settings.alignment, model=settings.model_shape)
         self.offsets = split_offsets(self.lengths)
+        # --context-parallel-size > 1: every unit runs this rank's part of its split
+        self.context_parallel = ContextParallel.from_parallel_state()
         self.kv_store = KVCacheStore(forward_only=forward_only)
         # MoE routers' per-split counts: their aux losses are over whole microbatches
         self.routing_stats = RoutingStatistics()
@@ -272,6 +275,7 @@ class PipelineExecutor:
         self.unsent_outputs: Dict[Unit, torch.Tensor] = {}  # until sent downstream
         self.input_grads: Dict[Unit, Optional[torch.Tensor]] = {}  # until sent upstream
         self.tokens_per_microbatch: Dict[int, torch.Tensor] = {}  # last stage: loss tokens
+        self.cp_reduced_microbatches: set = set()  # token counts summed over the CP ranks
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.reports = []  # (microbatch, reported) per loss-holding forward
 
@@ -368,11 +372,14 @@ class PipelineExecutor:
         return self.rank == self.pp_size - 1 and unit.chunk == self.num_chunks - 1
 
     def _split(self, unit: Unit) -> SplitContext:
+        offset, length = self.offsets[unit.split], self.lengths[unit.split]
+        if self.context_parallel is not None:
+            offset, length = self.context_parallel.part(offset, length)
         return SplitContext(
             microbatch_id=unit.microbatch, split_index=unit.split,
-            num_splits=self.settings.num_splits, offset=self.offsets[unit.split],
-            length=self.lengths[unit.split], seq_length=self.seq_length,
-            kv_store=self.kv_store, routing_stats=self.routing_stats)
+            num_splits=self.settings.num_splits, offset=offset, length=length,
+            seq_length=self.seq_length, kv_store=self.kv_store,
+            routing_stats=self.routing_stats, context_parallel=self.context_parallel)
 
     def _forward(self, unit: Unit) -> None:
         config = self.config
@@ -413,14 +420,30 @@ class PipelineExecutor:
         input_tensor = self.inputs.pop(forward_unit)
         output_tensor = self.outputs.pop(forward_unit)
         if self._holds_loss(unit) and not self.config.calculate_per_token_loss:
-            tokens = self.tokens_per_microbatch[unit.microbatch].clamp(min=1)
-            output_tensor = output_tensor / tokens.to(output_tensor.device) / self.num_microbatches
+            output_tensor = self._normalised_loss(unit.microbatch, output_tensor)
         self.grad_sync.before_backward(unit)
         grad = backward_step(input_tensor, output_tensor, self.received_grads.pop(unit, None),
                              self.config)
         self.grad_sync.after_backward(unit)
         if self.rank != 0 or unit.chunk != 0:  # the first stage has nothing to send upstream
             self.input_grads[unit] = grad
+
+    def _normalised_loss(self, microbatch: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        """A split's loss sum over its microbatch's loss tokens and the microbatch count.
+        Context-parallel ranks each hold a part of the microbatch's tokens: their counts
+        are summed (once per microbatch, at its first backward: the ranks run the same
+        units) and the loss is multiplied by the rank count, because megatron-core's DDP
+        averages the gradients over them; the parts' losses then add up to the whole
+        microbatch's, whatever share of the loss mask each part holds."""
+        tokens = self.tokens_per_microbatch[microbatch]
+        context_parallel = self.context_parallel
+        if context_parallel is not None and microbatch not in self.cp_reduced_microbatches:
+            tokens = tokens.clone()
+            torch.distributed.all_reduce(tokens, group=context_parallel.group)
+            self.tokens_per_microbatch[microbatch] = tokens
+            self.cp_reduced_microbatches.add(microbatch)
+        loss = loss_sum / tokens.clamp(min=1).to(loss_sum.device) / self.num_microbatches
+        return loss if context_parallel is None else loss * context_parallel.size
 
     def run_batch(self, batch) -> None:
         """One batch of sends and receives, posted together by the transport, each
@@ -450,6 +473,8 @@ class PipelineExecutor:
 
     def _hidden_shape(self, unit: Unit):
         length = self.lengths[unit.split]
+        if self.context_parallel is not None:  # each CP rank holds its part of the split
+            length //= self.context_parallel.size
         if self.config.sequence_parallel:  # each TP rank holds its share of the sequence
             length //= parallel_state.get_tensor_model_parallel_world_size()
         return (length, self.micro_batch_size, self.config.hidden_size)

@@ -124,7 +124,7 @@ class KVCacheStore:
 
 
 def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor,
-                  value: torch.Tensor) -> _Entry:
+                  value: torch.Tensor, offset: int) -> _Entry:
     entry = store.lookup(entry_id)
     if entry is None:
         if split.split_index != 0:
@@ -140,10 +140,10 @@ def _buffer_entry(store: KVCacheStore, entry_id, split, key: torch.Tensor,
                                               value.new_empty(value.shape)))
     if (tuple(key.shape[1:]) != tuple(entry.key.shape[1:])
             or tuple(value.shape[1:]) != tuple(entry.value.shape[1:])
-            or split.offset > entry.filled):
+            or offset > entry.filled):
         raise RuntimeError(
             f"split {split.split_index} of microbatch {split.microbatch_id} (offset "
-            f"{split.offset}, K/V {tuple(key.shape)}) does not continue the cached prefix "
+            f"{offset}, K/V {tuple(key.shape)}) does not continue the cached prefix "
             f"({entry.filled} positions of {tuple(entry.key.shape)})"
         )
     return entry
@@ -316,6 +316,12 @@ def split_causal_attention(
     On CUDA no backend has sinks: there a split with sinks needs the chunked cache, and
     an unsplit call runs the chunked kernel over its one chunk.
     """
+    context_parallel = split.context_parallel if split is not None else None
+    if context_parallel is not None:
+        # the whole split's K/V on every context-parallel rank; this rank's queries see
+        # the keys up to their own part's end (context_parallel.py)
+        key, value = context_parallel.gather(key), context_parallel.gather(value)
+        visible = split.offset + split.length
     if split is None or split.num_splits == 1:
         if sink is not None and query.device.type == "cuda":
             if dropout_p > 0.0:
@@ -329,6 +335,8 @@ def split_causal_attention(
                                            sink=sink)
             return _from_bhld(out).contiguous()
         k_all, v_all = key, value
+        if context_parallel is not None:
+            k_all, v_all = key[:visible], value[:visible]
     elif kv_cache == "chunked":
         if dropout_p > 0.0:
             raise ValueError("the chunked KV cache has no attention dropout: set "
@@ -339,17 +347,19 @@ def split_causal_attention(
     elif kv_cache != "buffer":
         raise ValueError(f"unknown KV-cache layout {kv_cache!r}; use one of {KV_CACHE_LAYOUTS}")
     else:
-        if key.shape[0] != split.length or split.offset + split.length > split.seq_length:
+        offset, length = split.cache_offset, split.cache_length
+        if key.shape[0] != length or offset + length > split.seq_length:
             raise ValueError(
                 f"split {split.split_index}: K/V length {key.shape[0]} does not match "
-                f"length {split.length} at offset {split.offset} of {split.seq_length}"
+                f"length {length} at offset {offset} of {split.seq_length}"
             )
         entry_id = (split.microbatch_id, layer_key)
-        entry = _buffer_entry(store, entry_id, split, key, value)
+        entry = _buffer_entry(store, entry_id, split, key, value, offset)
         tracked = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
         if tracked:  # K/V come from the cache: what is saved of q must not pin QKV's output
             query = query_alone(query)
-        if (tracked and split.offset > 0 and value.shape[-1] == key.shape[-1]
+        if (tracked and offset > 0 and context_parallel is None
+                and value.shape[-1] == key.shape[-1]
                 and key_documents(split, split.offset + split.length, query.device) is None
                 and _runs_split_kernel_cpu(backend, query, key, dropout_p, window)):
             out = _CachedSplitAttention.apply(_to_bhld(query), key, value, entry, split.offset,
@@ -358,10 +368,12 @@ def split_causal_attention(
             return _from_bhld(out).contiguous()
         if tracked:
             release = partial(store.release, entry_id)
-            k_all, v_all = _PrefixKV.apply(key, value, entry, split.offset, release)
+            k_all, v_all = _PrefixKV.apply(key, value, entry, offset, release)
         else:
-            k_all, v_all = _write_and_expose(entry, key, value, split.offset)
+            k_all, v_all = _write_and_expose(entry, key, value, offset)
         store.release_after_last_forward(entry_id, split, tracked)
+        if context_parallel is not None:
+            k_all, v_all = k_all[:visible], v_all[:visible]
     documents = key_documents(split, k_all.shape[0], query.device)
     v_dim = v_all.shape[-1]
     if v_dim != key.shape[-1]:

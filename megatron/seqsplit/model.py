@@ -240,6 +240,11 @@ class SeqSplitGPTModel(GPTModel):
     def __init__(self, config, *args, **kwargs):
         prepare_output_discarding_checkpoints(config)  # --recompute-modules layernorm, ...
         super().__init__(config, *args, **kwargs)
+        if hasattr(self, "rotary_pos_emb"):
+            # context parallelism is the split-aware attention's here: each rank runs a
+            # contiguous part whose positions the split gives (context_parallel.py), so
+            # RoPE must not take megatron-core's zigzag slice of the sequence's positions
+            self.rotary_pos_emb.cp_group = None
 
     def forward(self, *args, **kwargs):
         split = kwargs.get("packed_seq_params")

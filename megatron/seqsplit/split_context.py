@@ -45,6 +45,10 @@ class SplitContext(PackedSeqParams):
     # it): multi-token prediction reads the tokens and labels past the split's end
     microbatch: Optional[dict] = None
     rolls: Optional[Any] = None  # megatron.seqsplit.mtp.SplitRolls during an MTP forward
+    # --context-parallel-size > 1 (megatron.seqsplit.context_parallel.ContextParallel):
+    # [offset, offset + length) is then this rank's part of the split, and attention
+    # gathers the whole split's K/V (cache_offset, cache_length) over the ranks
+    context_parallel: Optional[Any] = None
     # which split-aware parts ran on this split during its forward (CONSUMERS): a
     # model that never saw the split attends within it only, and trains on wrong
     # gradients, so the executor refuses a forward that leaves one out
@@ -62,6 +66,21 @@ class SplitContext(PackedSeqParams):
     @property
     def is_last(self) -> bool:
         return self.split_index == self.num_splits - 1
+
+    @property
+    def cache_offset(self) -> int:
+        """Where the split's K/V start in the K/V cache: the whole split's start (every
+        context-parallel rank's part), ``offset`` without context parallelism."""
+        if self.context_parallel is None:
+            return self.offset
+        return self.offset - self.context_parallel.rank * self.length
+
+    @property
+    def cache_length(self) -> int:
+        """How many positions of K/V the split writes into the cache (all ranks' parts)."""
+        if self.context_parallel is None:
+            return self.length
+        return self.length * self.context_parallel.size
 
     def mark_consumed(self, part: str) -> None:
         """Called by a split-aware part of the model (one of ``CONSUMERS``) that used

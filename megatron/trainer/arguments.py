@@ -25,7 +25,6 @@ from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
-    size_one_problems,
     take_refused,
 )
 
@@ -298,6 +297,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "ranks form a pipeline) instead of tensor, data, then pipeline")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks that divide every sequence (split) between them: each holds "
+                        "an equal contiguous part of every split, and the split's keys and "
+                        "values are all-gathered over them (their gradients reduce-scattered) "
+                        "in the split-aware attention")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved schedule: layers per model chunk (virtual stage)")
     g.add_argument("--virtual-pipeline-model-parallel-size",
@@ -650,6 +654,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: problems.extend(check_rope_scaling_args(args)),
         lambda: problems.extend(check_attention_args(args)),
         lambda: _validate_slimpipe(args),
+        lambda: _validate_context_parallel(args),
         lambda: _check_rampup_layouts(args),
     )
     for check in checks:
@@ -705,7 +710,7 @@ def _check_required(args):
         problems.append("give the training length: --train-iters N or --train-samples N")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "micro_batch_size", "tensor_model_parallel_size",
-                "pipeline_model_parallel_size", "log_interval", "seq1f1b_split_alignment",
+                "pipeline_model_parallel_size", "context_parallel_size", "log_interval", "seq1f1b_split_alignment",
                 "make_vocab_size_divisible_by", "tensorboard_log_interval")
     for flag in positive:
         value = getattr(args, flag)
@@ -722,7 +727,7 @@ def _check_required(args):
 def _check_megatron_compat(args, cuda_available):
     """Megatron-LM's spellings, its defaults that depend on the machine, and the
     Megatron-LM flags whose values this trainer cannot honour."""
-    problems = size_one_problems(args)
+    problems = []
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":
@@ -758,6 +763,7 @@ def _check_megatron_compat(args, cuda_available):
         # documents need the split-aware local layers
         needs_local = [flag for flag, used in (
             ("--seq1f1b-splits > 1", args.seq1f1b_splits > 1),
+            ("--context-parallel-size > 1", args.context_parallel_size > 1),
             ("SlimPipe", args.pipeline_schedule == "slimpipe" or args.slimpipe_slices
              or args.slimpipe_slice_length),
             ("--reset-attention-mask", args.reset_attention_mask),
@@ -841,11 +847,13 @@ def _te_importable() -> bool:
 
 def _derive_parallel_layout(args, world_size):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0,
+    cp = args.context_parallel_size
+    _require(world_size % (tp * pp * cp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) "
-             f"x --pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes")
+             f"x --pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); "
+             f"launch a multiple of {tp * pp * cp} processes")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
     dp = args.data_parallel_size
 
     _take_step_schedule(args)
@@ -1546,9 +1554,11 @@ def _check_data(data_path, split, used, seq_length=None):
 def _validate_seq1f1b(args):
     splits = args.seq1f1b_splits  # >= 1: checked with the schedule (registry.resolve)
     alignment = args.seq1f1b_split_alignment
-    if args.sequence_parallel:
-        tp = args.tensor_model_parallel_size
-        alignment = alignment * tp // _gcd(alignment, tp)
+    # each context-parallel rank holds an equal part of a split, and sequence parallelism
+    # divides that part over the TP ranks
+    unit = args.context_parallel_size * (args.tensor_model_parallel_size
+                                         if args.sequence_parallel else 1)
+    alignment = alignment * unit // _gcd(alignment, unit)
     args.seq1f1b_alignment = alignment
     _require(args.seq1f1b_kv_cache != "chunked" or args.attention_dropout == 0.0,
              f"--seq1f1b-kv-cache chunked has no attention dropout: add --attention-dropout 0 "
@@ -1567,6 +1577,34 @@ def _validate_seq1f1b(args):
     for flag, used in unsupported.items():
         _require(not used, f"{flag} is not supported with --seq1f1b-splits > 1 yet; "
                            "drop it or use --seq1f1b-splits 1")
+
+
+def _validate_context_parallel(args):
+    """--context-parallel-size > 1: the split-aware attention gathers each split's K/V over
+    the context-parallel ranks; what it is not built with yet is refused here."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    _require(args.seq_length % args.seq1f1b_alignment == 0,
+             f"--seq-length ({args.seq_length}) must be a multiple of "
+             f"{args.seq1f1b_alignment} with --context-parallel-size {cp}: every split is "
+             "divided equally over the context-parallel ranks (and over the TP ranks under "
+             "--sequence-parallel, and in multiples of --seq1f1b-split-alignment)")
+    not_yet = [flag for flag, used in (
+        ("--pipeline-schedule slimpipe", args.pipeline_schedule == "slimpipe"),
+        ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
+        ("--reset-attention-mask", args.reset_attention_mask),
+        ("--num-experts", getattr(args, "num_experts", None) is not None),
+        ("--multi-latent-attention", getattr(args, "multi_latent_attention", False)),
+        ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
+        (f"--softmax-type {getattr(args, 'softmax_type', 'vanilla')}",
+         getattr(args, "softmax_type", "vanilla") != "vanilla"),
+        ("--transformer-impl transformer_engine",
+         args.transformer_impl == "transformer_engine")) if used]
+    for flag in not_yet:
+        _require(False, f"{flag} is not supported with --context-parallel-size {cp} yet: "
+                        "context parallelism here runs dense GPT layers (standard or "
+                        "grouped-query attention) with the buffer KV cache; drop one of them")
 
 
 def _validate_slimpipe(args):

@@ -174,10 +174,12 @@ def _agree(message):
 
 
 def _layout():
+    # the data-parallel coordinate counts the context-parallel ranks too (each its own
+    # RNG streams); without context parallelism it is the data-parallel size
     return (
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
     )
 
 
@@ -192,7 +194,7 @@ def _rng_state():
         state["cuda"] = torch.cuda.get_rng_state()
     pp = parallel_state.get_pipeline_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_rank()
-    dp = parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     pp_size, tp_size, dp_size = _layout()
     # one object per rank: RNG streams are per rank and reload only into the same layout
     return ShardedObject("rng_state", state, (pp_size, tp_size, dp_size), (pp, tp, dp),

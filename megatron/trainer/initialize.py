@@ -38,6 +38,7 @@ def initialize_distributed(args):
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         # TP by default, as Megatron-LM (check_moe_args fills it in)

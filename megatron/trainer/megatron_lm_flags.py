@@ -60,6 +60,10 @@ NO_OP_FLAGS = {
     "--openai-gelu": (False, "Megatron-LM 0.19 parses it and applies it nowhere: GeLU is "
                              "megatron-core's (--swiglu, --squared-relu, --quick-geglu choose "
                              "others)"),
+    "--cp-comm-type": (
+        "+", "context parallelism here always all-gathers each split's keys and values over "
+             "the context-parallel ranks (and reduce-scatters their gradients); every "
+             "communication type computes the same attention"),
     "--enable-experimental": (
         False, "megatron-core's experimental switch gates only paths not built here (fused "
                "permutation with fp8 padding, experimental inference and FSDP APIs); the "
@@ -200,14 +204,6 @@ for _reason, _flags in (
 ):
     NO_OP_FLAGS.update(_table(_reason, _flags))
 
-# flag that takes a number, value that is accepted, reason and alternative otherwise
-SIZE_ONE_FLAGS = {
-    "--context-parallel-size": (
-        "context parallelism is not implemented; Seq1F1B divides the sequence over "
-        "pipeline time instead: use --seq1f1b-splits (or --pipeline-schedule slimpipe) "
-        "with TP and --sequence-parallel"),
-}
-
 _MOE = ("this mixture-of-experts option is not implemented here (the implemented MoE "
         "flags are listed in --help under 'mixture of experts'); drop it or train this "
         "model with Megatron-LM")
@@ -225,8 +221,9 @@ REFUSED_FLAGS = {
         "token dropping decides by the expert load of one forward call; under "
         "--seq1f1b-splits a call is one split, so other tokens would be dropped than "
         "unsplit: not supported, drop it (every token reaches its experts)"),
-    "--cp-comm-type": SIZE_ONE_FLAGS["--context-parallel-size"],
-    "--hierarchical-context-parallel-sizes": SIZE_ONE_FLAGS["--context-parallel-size"],
+    "--hierarchical-context-parallel-sizes": (
+        "hierarchical context parallelism (a2a+p2p) is not built: each split's K/V are "
+        "all-gathered over the --context-parallel-size ranks here; drop it"),
     "--fp8-": ("fp8 needs Transformer Engine layers, which the sequence-split schedules do "
                "not support yet; use --bf16"),
     "--no-fp8-wgrad": ("fp8 is not supported here; use --bf16"),
@@ -463,10 +460,6 @@ def add_no_op_flags(parser):
         "These stop the run before any work, with the reason and the alternative: "
         + "; ".join(f"{flag}{'*' if flag.endswith('-') else ''}"
                     for flag in REFUSED_FLAGS) + ".")
-    for flag, reason in SIZE_ONE_FLAGS.items():
-        dest = flag.lstrip("-").replace("-", "_")
-        group.add_argument(flag, dest=dest, type=int, default=1,
-                           help=f"only 1 is accepted: {reason}")
 
 
 def _no_op_dest(flag):
@@ -481,12 +474,3 @@ def no_op_flags_given(args):
         if (value is not None) if takes_value else value:
             given.append((flag, reason))
     return given
-
-
-def size_one_problems(args):
-    problems = []
-    for flag, reason in SIZE_ONE_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value != 1:
-            problems.append(f"{flag} {value} is refused: {reason}")
-    return problems

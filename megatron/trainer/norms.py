@@ -37,7 +37,9 @@ def params_l2_norm(model, bf16=False) -> float:
     device = next(model[0].parameters()).device
     whole_sq, sharded_sq = (_sum_of_squares(tensors, device) for tensors in (whole, sharded))
     if dp_sharded:
-        torch.distributed.all_reduce(sharded_sq, group=parallel_state.get_data_parallel_group())
+        # the distributed optimizer shards over the data- and context-parallel ranks
+        torch.distributed.all_reduce(
+            sharded_sq, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     total = whole_sq + sharded_sq
     torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return total.item() ** 0.5

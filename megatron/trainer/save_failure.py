@@ -34,7 +34,8 @@ def checkpoint_bytes(args, model, latest):
     from megatron.trainer import device
 
     local = 0
-    if parallel_state.get_data_parallel_rank() == 0:  # data-parallel replicas save once
+    # data- and context-parallel replicas save once
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         params = sum(p.numel() for chunk in model for p in chunk.parameters())
         # weights as trained, plus fp32 Adam moments (and fp32 main weights with bf16/fp16)
         per_param = 2 + 12 if (args.bf16 or args.fp16) else 4 + 8

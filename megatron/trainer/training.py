@@ -157,14 +157,15 @@ def build_optimizer(args, model):
 
 
 def reduce_losses(losses_reduced):
-    """Sum each key's (loss sum, token count) over microbatches and data-parallel ranks."""
+    """Sum each key's (loss sum, token count) over microbatches and data-parallel ranks
+    (and the context-parallel ranks, each of which holds a part of every sequence)."""
     out = {}
     if not losses_reduced:
         return out
     for key in losses_reduced[0]:
         values = torch.stack([x[key].view(-1).float() for x in losses_reduced]).sum(dim=0)
         torch.distributed.all_reduce(
-            values, group=parallel_state.get_data_parallel_group())
+            values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         out[key] = (values[0] / values[1].clamp(min=1)).item()
     return out
 
@@ -402,8 +403,9 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
             iterator.close()
     if recorder is not None:
         write_timeline(args, recorder)
-    if probe is not None and parallel_state.get_data_parallel_rank() == 0 and \
-            parallel_state.get_tensor_model_parallel_rank() == 0:
+    if (probe is not None
+            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0):
         write_stage_report(args.activation_memory_file, probe,
                            parallel_state.get_pipeline_model_parallel_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
@@ -435,7 +437,7 @@ def timeline_recorder(args):
 
 def write_timeline(args, recorder):
     """The last iteration's units of every pipeline rank (tp/dp rank 0) to --timeline-file."""
-    if (parallel_state.get_data_parallel_rank() != 0
+    if (parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0
             or parallel_state.get_tensor_model_parallel_rank() != 0):
         return
     slimpipe = args.pipeline_schedule == "slimpipe"

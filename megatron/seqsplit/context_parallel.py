@@ -1,0 +1,60 @@
+"""Context parallelism under sequence splits (``--context-parallel-size``).
+
+The context-parallel ranks of a pipeline stage run the same units at the same time, each
+on an equal contiguous part of every split: with ``c`` ranks, rank ``r`` runs positions
+``[o + r l / c, o + (r + 1) l / c)`` of split ``[o, o + l)``. To the model a part is a
+split like any other (its RoPE offset, its slice of the batch, its loss), except in
+attention: the split's keys and values are all-gathered over the ranks and written into
+the K/V cache whole, and a part's queries attend over the cache up to their own end (the
+earlier splits, the earlier ranks' parts of this split, and their own part causally).
+Queries are then the last positions of the keys they see, which is what every attention
+kernel here takes, so no kernel changes.
+
+Backward mirrors it: the K/V gradient of the whole split (this rank's queries' share,
+plus what later splits left in the cache's accumulator) is reduce-scattered, summing
+every rank's share, and each rank keeps its own part's.
+
+Contiguous parts make later ranks' queries attend over a longer prefix within each
+split; across ``s`` splits that difference is one part per split against the whole
+prefix, so it shrinks as splits are added (megatron-core's zigzag order, which balances
+one unsplit sequence, is not used).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place among the context-parallel ranks."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    size: int
+    rank: int
+
+    @classmethod
+    def from_parallel_state(cls):
+        """The context-parallel group megatron-core's parallel state holds, or None when
+        it has one rank (or parallel state is not initialised)."""
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+        if group is None or group.size() == 1:
+            return None
+        return cls(group=group, size=group.size(), rank=group.rank())
+
+    def part(self, offset: int, length: int) -> tuple:
+        """(offset, length) of this rank's part of the split [offset, offset + length)."""
+        if length % self.size:
+            raise ValueError(f"a split of {length} positions cannot be divided over "
+                             f"{self.size} context-parallel ranks")
+        part = length // self.size
+        return offset + self.rank * part, part
+
+    def gather(self, tensor):
+        """[l / c, ...] of every rank -> [l, ...] in rank order (backward: the gradient
+        summed over the ranks, each keeping its own part's)."""
+        return gather_from_sequence_parallel_region(tensor.contiguous(),
+                                                    tensor_parallel_output_grad=True,
+                                                    group=self.group)

@@ -1,0 +1,117 @@
+"""Context parallelism (--context-parallel-size) under sequence splits: each rank runs an
+equal part of every split and attention gathers the split's K/V over the ranks
+(megatron/seqsplit/context_parallel.py). Exact against one process: loss, grad norm,
+validation loss per iteration and every parameter after the steps, on the packed-document
+corpus with --eod-mask-loss (the parts of a split hold different numbers of loss tokens,
+so a per-part mean would not be the microbatch's)."""
+
+import pytest
+
+from distributed import (
+    GQA_ROPE_SWIGLU,
+    TINY_MODEL,
+    Plan,
+    assert_close_series,
+    assert_params_close,
+    init_run,
+)
+from megatron.trainer.arguments import ArgumentErrors, parse_args
+from split_checks import check_split_units
+
+ITERATIONS, MICROBATCHES, SEQ = 2, 3, 48
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "2",
+         "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0",
+         "--eod-mask-loss"]
+_TINY = [flag for flag in TINY_MODEL if flag != "--mock-data"]  # the corpus instead
+MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU}
+CP2 = ["--context-parallel-size", "2"]
+# name -> (model, world size, splits, balance method, extra flags)
+CASES = {
+    # context parallelism alone: no pipeline, no splits (our executor's one-split program)
+    "T_cp2_s1": ("T", 2, 1, "average", []),
+    "G_cp2_s3_uniform": ("G", 2, 3, "uniform_comp", []),
+    "G_pp2_cp2_s2": ("G", 4, 2, "average", ["--pipeline-model-parallel-size", "2",
+                                           "--recompute-granularity", "full",
+                                           "--recompute-method", "uniform"]),
+    # sequence parallelism divides each rank's part over TP; the distributed optimizer
+    # shards over the data- and context-parallel ranks
+    "T_tp2_sp_cp2_s2": ("T", 4, 2, "average", ["--tensor-model-parallel-size", "2",
+                                              "--sequence-parallel",
+                                              "--use-distributed-optimizer"]),
+}
+
+
+def plan(tmp, corpus):
+    data = ["--data-path", corpus]
+    inits, starts = [], {}
+    for model, flags in MODELS.items():
+        run, starts[model] = init_run(f"init_{model}", tmp / f"init_{model}",
+                                      flags + BATCH + data)
+        inits.append(run)
+    runs = {1: [{"name": f"ref_{model}", "argv": MODELS[model] + BATCH + data + starts[model],
+                 "params": True} for model in MODELS]}
+    for name, (model, world, splits, method, extra) in CASES.items():
+        runs.setdefault(world, []).append({
+            "name": name, "params": True,
+            "argv": MODELS[model] + BATCH + data + starts[model] + CP2 + extra + [
+                "--seq1f1b-splits", str(splits), "--seq1f1b-balance-method", method]})
+    return Plan(inits, runs)
+
+
+@pytest.fixture(scope="module")
+def results(exactness_runs):
+    return exactness_runs[__name__]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CASES)
+def test_context_parallel_run_equals_one_process(results, name):
+    model, _, splits, method, _ = CASES[name]
+    run, ref = results[name], results[f"ref_{model}"]
+    assert len(run["losses"]) == ITERATIONS
+    assert_close_series(run["losses"], ref["losses"], 1e-5, f"{name} loss")
+    assert_close_series(run["grad_norms"], ref["grad_norms"], 1e-5, f"{name} grad norm")
+    assert_close_series([run["final_validation_loss"]], [ref["final_validation_loss"]], 1e-5,
+                        f"{name} validation loss")
+    assert_params_close(run["params"], ref["params"])
+    # the last rank (context-parallel rank 1) ran the second half of every split
+    halves = [dict(unit, offset=unit["offset"] - unit["length"], length=2 * unit["length"])
+              for unit in run["forward_units"]]
+    check_split_units(name, halves, splits=splits, method=method, seq_length=SEQ,
+                      calls=ITERATIONS + 1, microbatches=MICROBATCHES)
+
+
+GOOD = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--train-iters", "2", "--mock-data", "--vocab-size", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "4"]
+
+
+def _parse(*flags, world_size=4):
+    return parse_args(GOOD + list(flags), world_size=world_size, cuda_available=False)
+
+
+def test_context_parallel_layout_and_alignment():
+    args = _parse("--context-parallel-size", "2", "--seq1f1b-splits", "2")
+    assert args.data_parallel_size == 2 and args.seq1f1b_alignment == 2
+    args = _parse("--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                  "--sequence-parallel", "--seq1f1b-split-alignment", "8")
+    assert args.data_parallel_size == 1 and args.seq1f1b_alignment == 8
+    args = _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    assert [flag for flag, _ in args.no_op_flags] == ["--cp-comm-type"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--context-parallel-size", "3"], "not divisible by .* x --context-parallel-size \\(3\\)"),
+    (["--context-parallel-size", "2", "--seq-length", "62", "--tensor-model-parallel-size",
+      "2", "--sequence-parallel"], "--seq-length \\(62\\) must be a multiple of 4"),
+    (["--context-parallel-size", "2", "--seq1f1b-kv-cache", "chunked",
+      "--attention-dropout", "0"], "--seq1f1b-kv-cache chunked is not supported with "
+                                   "--context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--reset-attention-mask"], "--reset-attention-mask"),
+    (["--context-parallel-size", "2", "--num-experts", "2"], "--num-experts"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2"],
+     "hierarchical context parallelism"),
+])
+def test_context_parallel_refusals_name_the_flag(flags, message):
+    with pytest.raises(ArgumentErrors, match=message):
+        _parse(*flags)
