@@ -18,27 +18,33 @@ from distributed import (
 from megatron.trainer.arguments import ArgumentErrors, parse_args
 from split_checks import check_split_units
 
-ITERATIONS, MICROBATCHES, SEQ = 2, 3, 48
-BATCH = ["--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "2",
+ITERATIONS, MICROBATCHES, SEQ = 2, 4, 48
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0",
          "--eod-mask-loss"]
 _TINY = [flag for flag in TINY_MODEL if flag != "--mock-data"]  # the corpus instead
 MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU}
 CP2 = ["--context-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 # name -> (model, world size, splits, balance method, extra flags)
 CASES = {
     # context parallelism alone: no pipeline, no splits (our executor's one-split program)
     "T_cp2_s1": ("T", 2, 1, "average", []),
     "G_cp2_s3_uniform": ("G", 2, 3, "uniform_comp", []),
-    "G_pp2_cp2_s2": ("G", 4, 2, "average", ["--pipeline-model-parallel-size", "2",
-                                           "--recompute-granularity", "full",
-                                           "--recompute-method", "uniform"]),
+    "G_pp2_cp2_s2": ("G", 4, 2, "average", PP2 + ["--recompute-granularity", "full",
+                                                 "--recompute-method", "uniform"]),
+    "T_pp2_vp2_cp2_s2": ("T", 4, 2, "average", PP2 + ["--num-virtual-stages-per-pipeline-rank",
+                                                     "2"]),
     # sequence parallelism divides each rank's part over TP; the distributed optimizer
     # shards over the data- and context-parallel ranks
     "T_tp2_sp_cp2_s2": ("T", 4, 2, "average", ["--tensor-model-parallel-size", "2",
                                               "--sequence-parallel",
                                               "--use-distributed-optimizer"]),
+    "G_dp2_cp2_s2": ("G", 4, 2, "average", ["--use-distributed-optimizer"]),
 }
+# microbatches per data-parallel rank, and model chunks per pipeline rank
+DATA_PARALLEL = {"G_dp2_cp2_s2": 2}
+CHUNKS = {"T_pp2_vp2_cp2_s2": 2}
 
 
 def plan(tmp, corpus):
@@ -78,7 +84,9 @@ def test_context_parallel_run_equals_one_process(results, name):
     halves = [dict(unit, offset=unit["offset"] - unit["length"], length=2 * unit["length"])
               for unit in run["forward_units"]]
     check_split_units(name, halves, splits=splits, method=method, seq_length=SEQ,
-                      calls=ITERATIONS + 1, microbatches=MICROBATCHES)
+                      calls=ITERATIONS + 1,
+                      microbatches=MICROBATCHES // DATA_PARALLEL.get(name, 1),
+                      chunks=CHUNKS.get(name, 1))
 
 
 GOOD = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

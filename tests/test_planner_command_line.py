@@ -68,6 +68,9 @@ def test_training_checks_apply(capsys):
     flag is refused by name."""
     with pytest.raises(PlanError, match="--tensor-model-parallel-size"):
         plan(TRAINING + ["--tensor-model-parallel-size", "3"])
+    # the trainer runs context parallelism; the planner's costs do not count it yet
+    with pytest.raises(PlanError, match="--context-parallel-size 2: the planner does not"):
+        plan(TRAINING + ["--context-parallel-size", "2"])
     with pytest.raises(SystemExit) as exc:
         main(TRAINING + ["--no-such-flag"])
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err

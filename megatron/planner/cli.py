@@ -155,6 +155,10 @@ def _training_args(args) -> argparse.Namespace:
         raise PlanError(f"give --model PRESET or all of {', '.join(missing)}")
     if t.seq_length is None:
         raise PlanError("--seq-length is required")
+    if t.context_parallel_size != 1:
+        raise PlanError(f"--context-parallel-size {t.context_parallel_size}: the planner does "
+                        "not model context parallelism yet (the trainer runs it); plan "
+                        "without it")
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
     dp = t.data_parallel_size or (t.world_size // (tp * pp) if t.world_size else 1)
     world = t.world_size or tp * pp * dp

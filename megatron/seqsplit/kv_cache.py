@@ -312,17 +312,20 @@ def split_causal_attention(
     its prefix) or "chunked" (`kv_chunks`: per-split chunks merged by log-sum-exp).
     `window`: sliding-window attention, each query seeing at most `window` keys before it
     (the caches still hold the whole prefix).
+    `split.context_parallel` (optional; `context_parallel.ContextParallel`): the split's
+    K/V are gathered over the context-parallel ranks and its queries are this rank's part.
     `sink` [hq]: attention sinks' logits (``softmax_type`` off-by-one / learnable), or None.
     On CUDA no backend has sinks: there a split with sinks needs the chunked cache, and
     an unsplit call runs the chunked kernel over its one chunk.
     """
-    context_parallel = split.context_parallel if split is not None else None
+    context_parallel = getattr(split, "context_parallel", None)
     if context_parallel is not None:
-        # the whole split's K/V on every context-parallel rank; this rank's queries see
-        # the keys up to their own part's end (context_parallel.py)
+        # the whole split's K/V on every context-parallel rank, kept in the buffer cache
+        # (one split too); this rank's queries see the keys up to their own part's end
+        # (context_parallel.py)
         key, value = context_parallel.gather(key), context_parallel.gather(value)
         visible = split.offset + split.length
-    if split is None or split.num_splits == 1:
+    if split is None or (split.num_splits == 1 and context_parallel is None):
         if sink is not None and query.device.type == "cuda":
             if dropout_p > 0.0:
                 raise ValueError("attention sinks have no attention dropout here: set "
@@ -335,8 +338,6 @@ def split_causal_attention(
                                            sink=sink)
             return _from_bhld(out).contiguous()
         k_all, v_all = key, value
-        if context_parallel is not None:
-            k_all, v_all = key[:visible], value[:visible]
     elif kv_cache == "chunked":
         if dropout_p > 0.0:
             raise ValueError("the chunked KV cache has no attention dropout: set "
@@ -347,7 +348,10 @@ def split_causal_attention(
     elif kv_cache != "buffer":
         raise ValueError(f"unknown KV-cache layout {kv_cache!r}; use one of {KV_CACHE_LAYOUTS}")
     else:
-        offset, length = split.cache_offset, split.cache_length
+        # the positions this split writes into the cache: with context parallelism the
+        # whole split's (every rank's part), else the split's own
+        offset, length = ((split.offset, split.length) if context_parallel is None
+                          else (split.cache_offset, split.cache_length))
         if key.shape[0] != length or offset + length > split.seq_length:
             raise ValueError(
                 f"split {split.split_index}: K/V length {key.shape[0]} does not match "
