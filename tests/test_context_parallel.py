@@ -23,7 +23,12 @@ BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0",
          "--eod-mask-loss"]
 _TINY = [flag for flag in TINY_MODEL if flag != "--mock-data"]  # the corpus instead
-MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU}
+# multi-latent attention: query-key head 8 + 4 rotary, value head 6 (its own rotary
+# embedding takes the part's offset too)
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--position-embedding-type", "rope",
+       "--rope-type", "rope"]
+MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA}
 CP2 = ["--context-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # name -> (model, world size, splits, balance method, extra flags)
@@ -31,6 +36,7 @@ CASES = {
     # context parallelism alone: no pipeline, no splits (our executor's one-split program)
     "T_cp2_s1": ("T", 2, 1, "average", []),
     "G_cp2_s3_uniform": ("G", 2, 3, "uniform_comp", []),
+    "M_cp2_s2": ("M", 2, 2, "average", []),
     "G_pp2_cp2_s2": ("G", 4, 2, "average", PP2 + ["--recompute-granularity", "full",
                                                  "--recompute-method", "uniform"]),
     "T_pp2_vp2_cp2_s2": ("T", 4, 2, "average", PP2 + ["--num-virtual-stages-per-pipeline-rank",
@@ -117,6 +123,8 @@ def test_context_parallel_layout_and_alignment():
                                    "--context-parallel-size 2"),
     (["--context-parallel-size", "2", "--reset-attention-mask"], "--reset-attention-mask"),
     (["--context-parallel-size", "2", "--num-experts", "2"], "--num-experts"),
+    (["--context-parallel-size", "2", "--multi-latent-attention"],
+     "--rope-type yarn \\(MLA's default: give --rope-type rope\\) is not supported"),
     (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2"],
      "hierarchical context parallelism"),
 ])

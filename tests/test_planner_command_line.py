@@ -68,12 +68,24 @@ def test_training_checks_apply(capsys):
     flag is refused by name."""
     with pytest.raises(PlanError, match="--tensor-model-parallel-size"):
         plan(TRAINING + ["--tensor-model-parallel-size", "3"])
-    # the trainer runs context parallelism; the planner's costs do not count it yet
-    with pytest.raises(PlanError, match="--context-parallel-size 2: the planner does not"):
-        plan(TRAINING + ["--context-parallel-size", "2"])
     with pytest.raises(SystemExit) as exc:
         main(TRAINING + ["--no-such-flag"])
     assert exc.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
+
+
+def test_context_parallelism_divides_the_tokens_not_the_kv_cache():
+    """Each CP rank holds its part of every split (activations, messages, GEMMs divided
+    by C) and the whole split's K/V in its cache; gradients are averaged over DP x CP."""
+    one = plan(TRAINING + ["--world-size", "8"])
+    two = plan(TRAINING + ["--context-parallel-size", "2", "--world-size", "16"])
+    assert two.config.parallel.cp == 2 and two.config.parallel.world_size == 16
+    for a, b in zip(one.stages, two.stages):
+        assert 0.45 < b["activations"] / a["activations"] < 0.55, (a, b)
+        # the same cache, plus one layer's gathered split K/V at the peak (a transient)
+        assert 1.0 <= b["kv_cache"] / a["kv_cache"] < 1.05, (a, b)
+    assert two.iteration_time_s < one.iteration_time_s
+    with pytest.raises(PlanError, match="CP 2"):
+        plan(TRAINING + ["--context-parallel-size", "2", "--world-size", "12"])
 
 
 @pytest.mark.parametrize("flags,chunks", [

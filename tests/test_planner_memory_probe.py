@@ -24,6 +24,11 @@ gathered the shards); and the allgather dispatcher with aux_loss, z-loss and a g
 whose final parameters also check the planner's total parameter count. Treating the MoE
 layer as a dense MLP would miss by 7-25% on these, so 3% tells them apart.
 
+Context parallelism (in the 4-process launch): CP = 2 at PP = 2 with s = 3 (GQA, RoPE) and
+unsplit with selective recomputation and hidden dropout: each rank's part of the tokens,
+the whole split's K/V in every rank's cache; planned within 0.2% of context-parallel rank
+0's stages when measured.
+
 Attention variants (in the 2-process launch): query/key LayerNorms and L2 norms, the
 output gate, and sliding windows with attention sinks, each planned within 2%.
 
@@ -202,6 +207,14 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--disable-bias-linear", "--seq1f1b-splits", "3", "--seq1f1b-kv-cache", "chunked",
         "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
         "mla_up_proj"] + NO_DROPOUT),
+    # context parallelism: each rank's part of every split, the split's gathered K/V in
+    # every rank's cache (the probe's file is context-parallel rank 0's)
+    "cp2_s3_rope_gqa": (4, PP2 + ["--context-parallel-size", "2", "--seq1f1b-splits", "3",
+                                  "--seq1f1b-split-alignment", "2"] + ROPE + LLAMA
+                        + NO_DROPOUT),
+    "cp2_s1_selective_hidden_dropout": (4, PP2 + [
+        "--context-parallel-size", "2", "--attention-dropout", "0",
+        "--recompute-granularity", "selective"]),
     "tp2_sp_layernorm_mlp_dropout_s2": (4, TP2PP2 + [
         "--sequence-parallel", "--global-batch-size", "4", "--seq1f1b-splits", "2",
         "--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"]

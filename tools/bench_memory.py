@@ -3,6 +3,7 @@
     python tools/bench_memory.py                      # CPU: pp=4 over gloo, s in {2, 4, 8}
     python tools/bench_memory.py --splits 2 4 8 --seq-length 2048 --json out.json
     python tools/bench_memory.py --slimpipe 4 8 --vp 1 2 --num-layers 8   # SlimPipe
+    python tools/bench_memory.py --pp 2 --splits 4 --context-parallel 2  # and with CP 2
 
 Each configuration trains the same model with ``pretrain_gpt.py
 --activation-memory-file``: the probe counts the bytes autograd holds for backward
@@ -20,7 +21,9 @@ last iteration (see megatron/schedules/memory_probe.py). Stage 0's peak is compa
   benchmark's shapes.
 
 With ``--slimpipe N ...`` the rows are SlimPipe runs (``--slimpipe-slices N`` with each
-``--vp V``) instead of Seq1F1B.
+``--vp V``) instead of Seq1F1B. With ``--context-parallel C`` every split count also runs
+with ``--context-parallel-size C`` (``pp x C`` processes; the peaks are context-parallel
+rank 0's stages), each row's ratio still to 1F1B without it.
 """
 
 import argparse
@@ -56,9 +59,16 @@ def model_flags(args, schedule):
     ] + list(schedule) + args.extra
 
 
+def processes(args, flags):
+    cp = flags[flags.index("--context-parallel-size") + 1] if "--context-parallel-size" in flags \
+        else "1"
+    return args.pp * int(cp)
+
+
 def measured_peaks(args, flags, out_path):
     """Every stage's probed activation + KV-cache peak (bytes), from a real run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+           str(processes(args, flags)),
            "--master-port", str(args.master_port), os.path.join(ROOT, "pretrain_gpt.py")]
     cmd += flags + ["--activation-memory-file", out_path]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -72,7 +82,8 @@ def measured_peaks(args, flags, out_path):
 def planned_peaks(args, flags):
     """Every stage's peak (bytes) as the planner predicts it for the same command line."""
     try:
-        plan_args = parse_plan(flags + ["--gpu", "cpu", "--world-size", str(args.pp)])
+        plan_args = parse_plan(flags + ["--gpu", "cpu", "--world-size",
+                                        str(processes(args, flags))])
         return boundary_activation_peaks(predict(config_from_args(plan_args)))
     except (PlanError, ArgumentError) as err:
         sys.exit(f"bench_memory: the planner refuses {' '.join(flags)}: {err}")
@@ -125,13 +136,14 @@ def print_slimpipe_table(rows, base_peak, per_microbatch):
 
 
 def print_seq1f1b_table(rows, base_peak):
-    print("| schedule | s | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | planned MiB | "
+    print("| schedule | s | CP | stage-0 peak MiB | ratio to 1F1B | (s+p-1)/(sp) | planned MiB | "
           "measured / planned | largest miss, any stage | worst stage MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         peak0, plan0 = row["stage_peaks_bytes"][0], row["planned_peaks_bytes"][0]
         name = "1F1B" if row["splits"] == 1 else "Seq1F1B"
-        print(f"| {name} | {row['splits']} | {peak0 / MIB:.1f} | {peak0 / base_peak:.3f} | "
+        print(f"| {name} | {row['splits']} | {row.get('context_parallel', 1)} | "
+              f"{peak0 / MIB:.1f} | {peak0 / base_peak:.3f} | "
               f"{row['paper_ratio']:.3f} | {plan0 / MIB:.1f} | {peak0 / plan0:.3f} | "
               f"{largest_miss(row):.2%} | {max(row['stage_peaks_bytes']) / MIB:.1f} |")
 
@@ -151,6 +163,8 @@ def build_parser():
     parser.add_argument("--vp", type=int, nargs="+", default=[1, 2],
                         help="with --slimpipe: virtual stages per rank (--num-layers must be "
                              "a multiple of pp x each)")
+    parser.add_argument("--context-parallel", type=int, default=None,
+                        help="also run every split count with --context-parallel-size C")
     parser.add_argument("--master-port", type=int, default=29571)
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -174,6 +188,12 @@ def main():
         for s in ([] if args.slimpipe else args.splits):
             rows.append({"schedule": "seq1f1b", "splits": s, "paper_ratio": (s + p - 1) / (s * p),
                          **measure(args, tmp, f"s{s}", ["--seq1f1b-splits", str(s)])})
+        cp = args.context_parallel
+        for s in ([1] + args.splits if cp and cp > 1 and not args.slimpipe else []):
+            rows.append({"schedule": "seq1f1b", "splits": s, "context_parallel": cp,
+                         "paper_ratio": (s + p - 1) / (s * p),
+                         **measure(args, tmp, f"s{s}_cp{cp}", [
+                             "--seq1f1b-splits", str(s), "--context-parallel-size", str(cp)])})
     command = "python tools/bench_memory.py " + " ".join(sys.argv[1:])
     print(f"# {command.strip()}")
     print(f"# pp={p} microbatches={m} layers={args.num_layers} hidden={args.hidden_size} "

@@ -38,9 +38,9 @@ def _planner_flags(parser: argparse.ArgumentParser) -> None:
                    "dropout masks, an extra attention output copy per split, attention "
                    "dropout on SDPA's math kernel)")
     g.add_argument("--world-size", type=int,
-                   help="GPUs of the run (as torchrun would launch); default TP x PP x DP")
+                   help="GPUs of the run (as torchrun would launch); default TP x PP x CP x DP")
     g.add_argument("--data-parallel-size", type=int,
-                   help="DP (default: world size / (TP x PP), or 1)")
+                   help="DP (default: world size / (TP x PP x CP), or 1)")
     g.add_argument("--schedule", choices=registry.planner_names(),
                    help="default: as --pipeline-schedule; slimpipe when a --slimpipe-* flag "
                    "is given, seq1f1b when --seq1f1b-splits is given (>1 or auto), "
@@ -155,15 +155,13 @@ def _training_args(args) -> argparse.Namespace:
         raise PlanError(f"give --model PRESET or all of {', '.join(missing)}")
     if t.seq_length is None:
         raise PlanError("--seq-length is required")
-    if t.context_parallel_size != 1:
-        raise PlanError(f"--context-parallel-size {t.context_parallel_size}: the planner does "
-                        "not model context parallelism yet (the trainer runs it); plan "
-                        "without it")
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
-    dp = t.data_parallel_size or (t.world_size // (tp * pp) if t.world_size else 1)
-    world = t.world_size or tp * pp * dp
-    if world != tp * pp * dp:
-        raise PlanError(f"--world-size {world} != TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp}")
+    cp = t.context_parallel_size
+    dp = t.data_parallel_size or (t.world_size // (tp * pp * cp) if t.world_size else 1)
+    world = t.world_size or tp * pp * cp * dp
+    if world != tp * pp * cp * dp:
+        raise PlanError(f"--world-size {world} != TP {tp} x PP {pp} x CP {cp} x DP {dp} = "
+                        f"{tp * pp * cp * dp}")
     if t.global_batch_size is None:  # the planner's default: 2 x PP microbatches
         t.global_batch_size = t.micro_batch_size * dp * 2 * pp
     t.train_iters = 1 if t.train_iters is None else t.train_iters
@@ -305,6 +303,7 @@ def config_from_args(args) -> PlanConfig:
         ep=getattr(t, "expert_model_parallel_size", 1) or 1,
         moe_dispatcher=getattr(t, "moe_token_dispatcher_type", "allgather"),
         etp=getattr(t, "expert_tensor_parallel_size", None),
+        cp=t.context_parallel_size,
     )
     return PlanConfig(
         model=model,
@@ -398,7 +397,9 @@ def report(pred: Prediction) -> str:
     )
     lines.extend(_model_lines(pred))
     lines.append(
-        f"layout: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.world_size} x {g.name}; "
+        f"layout: TP {p.tp} x PP {p.pp} x "
+        + (f"CP {p.cp} x " if p.cp > 1 else "")
+        + f"DP {p.dp} = {p.world_size} x {g.name}; "
         f"virtual stages {p.num_chunks}; "
         + (f"layers per stage {'+'.join(map(str, p.stage_layers))}; " if p.stage_layers else "")
         + (f"layers per chunk {'+'.join(map(str, p.chunk_layers))}; " if p.chunk_layers else "")

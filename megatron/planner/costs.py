@@ -60,6 +60,9 @@ class Parallel:
     ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of TP x DP
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
     etp: Optional[int] = None  # --expert-tensor-parallel-size; None: the TP size
+    # --context-parallel-size: ranks that divide every split (each an equal contiguous
+    # part; the split's K/V all-gathered into every rank's K/V cache)
+    cp: int = 1
 
     @property
     def expert_tp(self) -> int:
@@ -86,7 +89,13 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that average gradients (and shard the distributed optimizer): the data-
+        and context-parallel ranks, as megatron-core's DDP."""
+        return self.dp * self.cp
 
     @property
     def tp_sp(self) -> int:
@@ -145,6 +154,9 @@ class CostModel:
         self.split_lengths = list(split_lengths)
         self.offsets = [sum(self.split_lengths[:j]) for j in range(len(self.split_lengths))]
         self.num_splits = len(self.split_lengths)
+        # the split-aware K/V cache holds the prefix: splits, or context parallelism
+        # (one split too: the gathered sequence lives in the cache)
+        self.cached = self.num_splits > 1 or par.cp > 1
         self.recompute = recompute
         self.kv_layout = kv_layout
         self.act_bytes = act_bytes  # 2 with --bf16/--fp16, 4 in fp32
@@ -235,7 +247,7 @@ class CostModel:
         the expert-data-parallel group (DP x TP / (EP x ETP)), as megatron-core does."""
         parts = self.rank_param_parts(rank)
         params = parts["dense"] + parts["experts"]
-        dense_shards = self.par.dp if self.par.distributed_optimizer else 1
+        dense_shards = self.par.dp_cp if self.par.distributed_optimizer else 1
         expert_dp = self.par.dp * self.par.tp // (self.par.ep * self.par.expert_tp)
         expert_shards = expert_dp if self.par.distributed_optimizer else 1
         per = static_bytes_per_param(self.act_bytes)
@@ -279,6 +291,19 @@ class CostModel:
             return tokens * self.model.hidden_size * self.act_bytes / self.par.tp_sp
         return self.norm_bytes(tokens)
 
+    def part_length(self, split: int) -> int:
+        """Positions of split ``split`` one rank runs: its context-parallel part."""
+        return self.split_lengths[split] // self.par.cp
+
+    def unit_tokens(self, split: int) -> int:
+        """Tokens of a unit of split ``split`` on one rank (micro-batch included)."""
+        return self.par.micro_batch_size * self.part_length(split)
+
+    def query_offset(self, split: int) -> int:
+        """Where the queries of the slowest rank's part start: the last context-parallel
+        rank's, whose queries see the most keys (the split's offset without CP)."""
+        return self.offsets[split] + (self.par.cp - 1) * self.part_length(split)
+
     def _rope_bytes(self, length: float) -> float:
         """RoPE's cos and sin for q and for k: four ``[l, 1, 1, d]`` tensors, not
         divided by TP nor multiplied by the micro-batch size."""
@@ -299,14 +324,14 @@ class CostModel:
         m, t, e = self.model, self.par.tp, self.act_bytes
         if m.multi_latent_attention:
             return self.mla_attention_bytes(split)
-        b, l = self.par.micro_batch_size, self.split_lengths[split]
+        b, l = self.par.micro_batch_size, self.part_length(split)
         tokens = b * l
         q = m.num_attention_heads * m.head_dim / t * e
         kv = m.num_query_groups * m.head_dim / t * e
         qkv = q + 2 * kv
         lse = FP32 * m.num_attention_heads / t
         rope = m.ropes_in_layer(layer)
-        split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
+        split_kernel = self.cached and self.kv_layout in ("buffer", "chunked")
         # q, k, v handed to the kernel: views of the fused QKV output keep it whole;
         # RoPE's (and the qk norms') q, k are new tensors
         new_qk = rope or m.qk_layernorm or m.qk_l2_norm
@@ -328,7 +353,7 @@ class CostModel:
             # the checkpoint keeps q, k, v
             return tokens * (unsplit_inputs + q + around) + cos_sin
         if self._math_kernel():
-            keys = l + (self.offsets[split] if self.num_splits > 1 else 0)
+            keys = l + (self.query_offset(split) if self.cached else 0)
             heads = b * m.num_attention_heads / t
             out = heads * m.head_dim * e * (l + keys)  # scaled q and k
             out += 3 * heads * l * keys * e  # scores, dropout mask, probabilities
@@ -512,7 +537,7 @@ class CostModel:
 
     def layer_bytes(self, split: int, layer: int = 0) -> float:
         """Activation bytes layer ``layer`` keeps for split ``split``, no full recomputation."""
-        tokens = self.par.micro_batch_size * self.split_lengths[split]
+        tokens = self.unit_tokens(split)
         if self.model.is_moe_layer(layer):
             mlp = 0.0 if self._moe_recomputed() else self.moe_bytes(tokens)
         else:  # a recomputed MLP keeps its input: the norm's output
@@ -536,7 +561,7 @@ class CostModel:
 
     def _checkpoint_bytes(self, split: int, groups: int) -> float:
         """Full recomputation: each checkpointed group keeps its input."""
-        tokens = self.par.micro_batch_size * self.split_lengths[split]
+        tokens = self.unit_tokens(split)
         return groups * self.layer_input_bytes(tokens)
 
     def rope_frequency_bytes(self, split: int) -> float:
@@ -548,7 +573,7 @@ class CostModel:
             return 0.0
         if self.model.multi_latent_attention:  # MLA ropes inside the recomputed layer
             return 0.0
-        return self.split_lengths[split] * self.model.head_dim * FP32
+        return self.part_length(split) * self.model.head_dim * FP32
 
     def stored_layer_bytes(self, split: int, rank: int = 0, chunk: int = 0) -> float:
         """Activation bytes kept for backward by the layers of one chunk (recompute applied)."""
@@ -588,7 +613,7 @@ class CostModel:
         smaller)."""
         rc, n = self.recompute, self.chunk_layers(rank, chunk)
         if rc.granularity == "selective":
-            tokens = self.par.micro_batch_size * self.split_lengths[split]
+            tokens = self.unit_tokens(split)
             layers = self.layer_indices(rank, chunk)
             moe = any(map(self.model.is_moe_layer, layers))
             dense = not all(map(self.model.is_moe_layer, layers))
@@ -650,7 +675,7 @@ class CostModel:
             return 0.0
         if not any(m.window_layers[i] for i in self.layer_indices(rank, chunk)):
             return 0.0
-        l, offset = self.split_lengths[split], self.offsets[split]
+        l, offset = self.part_length(split), self.query_offset(split)
         element = self.act_bytes if m.attention_sinks else 1
         return l * min(offset + l, l + m.window) * element
 
@@ -662,7 +687,7 @@ class CostModel:
 
     def activation_bytes(self, rank: int, unit: Unit) -> float:
         """Bytes a forward unit stores for its backward."""
-        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        tokens = self.unit_tokens(unit.split)
         mask = self.document_mask_bytes(unit.split) if self.chunk_layers(rank, unit.chunk) else 0.0
         mask += self.window_mask_bytes(unit.split, rank, unit.chunk)
         mtp = self.mtp_bytes(unit.split) if self.is_last(rank, unit.chunk) else 0.0
@@ -688,7 +713,7 @@ class CostModel:
         depths = self.model.mtp_num_layers
         if not depths:
             return 0.0
-        tokens = self.par.micro_batch_size * self.split_lengths[split]
+        tokens = self.unit_tokens(split)
         ids = tokens * 8 + (tokens if self.par.tp > 1 else 0.0)
         if self.model.hidden_dropout:  # the embedding's dropout mask
             ids += tokens * self.model.hidden_size * self.mask_bytes() / self.par.tp_sp
@@ -721,13 +746,16 @@ class CostModel:
         freqs = self.rope_frequency_bytes(j)
         if unit.kind == FORWARD:
             at_start["activations"] = act + (freqs if unit.microbatch == 0 else 0.0)
-            if s > 1:
+            if self.cached:
                 if self.kv_layout in ("buffer", "chunked"):  # this split's own K/V
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
-                    if self.kv_layout == "buffer" and j > 0:
-                        # growing a layer's buffer copies its prefix: old and new
-                        # storage live together, one layer at a time
-                        transient["kv_cache"] = self.kv_bytes_per_token() * self.offsets[j]
+                    # growing a layer's buffer copies its prefix: old and new storage
+                    # live together, one layer at a time; with context parallelism
+                    # beside the split's gathered K/V (its copy goes into the buffer)
+                    held = self.offsets[j] if self.kv_layout == "buffer" else 0
+                    held += self.split_lengths[j] if self.par.cp > 1 else 0
+                    if held:
+                        transient["kv_cache"] = self.kv_bytes_per_token() * held
                 elif self.recompute.granularity == "full":
                     at_start["kv_cache"] = kv_tok * self.split_lengths[j]
                 else:  # concat: this split saves its own copy of the prefix K/V
@@ -738,7 +766,7 @@ class CostModel:
             rebuilt = self.recompute_transient_bytes(j, rank, unit.chunk)
             if rebuilt:
                 transient["activations"] = rebuilt
-            if s > 1:
+            if self.cached:
                 if self.kv_layout == "buffer":
                     # fp32 prefix-gradient accumulator over the last split's prefix, from
                     # the last split's backward to the first split's backward
@@ -776,7 +804,7 @@ class CostModel:
         """Forward FLOPs of a unit on one GPU: GEMMs and causal attention
         (``ModelShape.forward_flops_parts`` of its layers, over the micro-batch and TP)."""
         gemm, attn = self.shape.forward_flops_parts(
-            self.split_lengths[unit.split], self.offsets[unit.split],
+            self.part_length(unit.split), self.query_offset(unit.split),
             layers=self.chunk_layers(rank, unit.chunk), lm_head=self.is_last(rank, unit.chunk),
             first_layer=self.layer_indices(rank, unit.chunk).start)
         share = self.par.micro_batch_size / self.par.tp
@@ -796,6 +824,20 @@ class CostModel:
         size = tokens * BF16 * self.model.hidden_size
         count = 4 if self.par.sequence_parallel else 2
         return 4 * (t - 1) / t * size / bw + count * self.gpu.collective_latency_s
+
+    def _cp_comm_time(self, split: int) -> float:
+        """Context-parallel traffic of one layer's forward: the split's K and V
+        all-gathered over the CP ranks, each receiving ``(C - 1) / C`` of them (the
+        backward reduce-scatters their gradients: as much)."""
+        cp = self.par.cp
+        if cp == 1:
+            return 0.0
+        m = self.model
+        size = (self.par.micro_batch_size * self.split_lengths[split] * BF16
+                * 2 * m.num_query_groups * m.head_dim / self.par.tp)
+        inside = self.par.tp * cp <= self.gpu.gpus_per_node  # order tp-cp-...
+        bw = self.gpu.nvlink_bw if inside else self.gpu.network_bw
+        return (cp - 1) / cp * size / bw + 2 * self.gpu.collective_latency_s
 
     def moe_comm_bytes(self, tokens: float) -> float:
         """Bytes one GPU sends and receives for one MoE layer's forward (dispatch and
@@ -824,7 +866,7 @@ class CostModel:
     def forward_time_parts(self, rank: int, unit: Unit) -> Dict[str, float]:
         g = self.gpu
         fl = self.unit_flops(rank, unit)
-        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        tokens = self.unit_tokens(unit.split)
         n = self.chunk_layers(rank, unit.chunk)
         elementwise = 2 * sum(self.chunk_layer_bytes(unit.split, rank, unit.chunk))
         return {
@@ -832,6 +874,7 @@ class CostModel:
             "attention": fl["attention"] / (g.peak_bf16_flops * g.attention_efficiency),
             "elementwise": elementwise / (g.hbm_bw * g.hbm_efficiency),
             "tp_comm": n * self._tp_comm_time(tokens),
+            "cp_comm": n * self._cp_comm_time(unit.split),
             "moe_comm": sum(self.model.is_moe_layer(layer)
                             for layer in self.layer_indices(rank, unit.chunk))
                         * self.moe_comm_time(tokens),
@@ -844,13 +887,13 @@ class CostModel:
             return sum(f.values())
         backward = (
             2 * f["gemm"] + 2.5 * f["attention"] + 2 * f["elementwise"]
-            + f["tp_comm"] + f["moe_comm"] + 2 * f["overhead"]
+            + f["tp_comm"] + f["cp_comm"] + f["moe_comm"] + 2 * f["overhead"]
         )
         rc = self.recompute
         if rc.granularity == "selective":
             if rc.recomputes("core_attn"):
                 backward += f["attention"]
-            flops = (self.par.micro_batch_size * self.split_lengths[unit.split] / self.par.tp
+            flops = (self.unit_tokens(unit.split) / self.par.tp
                      * sum(map(self.recomputed_flops_per_token,
                                self.layer_indices(rank, unit.chunk))))
             backward += flops / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
@@ -859,7 +902,7 @@ class CostModel:
             share = 1.0 if rc.method == "uniform" else k / n
             fwd_layers = sum(f.values())
             if self.is_last(rank, unit.chunk):  # the LM head is not recomputed
-                lm = self.par.micro_batch_size * self.split_lengths[unit.split] / self.par.tp
+                lm = self.unit_tokens(unit.split) / self.par.tp
                 lm *= self.shape.lm_head_flops_per_token()
                 fwd_layers -= lm / (self.gpu.peak_bf16_flops * self.gpu.gemm_efficiency)
             backward += share * fwd_layers
@@ -867,14 +910,14 @@ class CostModel:
 
     def pipeline_link_bw(self, src: int, dst: int) -> float:
         """Bandwidth between the GPUs of two pipeline ranks (same TP and DP index)."""
-        stride = self.par.tp * self.par.dp  # megatron order tp-cp-dp-pp
+        stride = self.par.tp * self.par.cp * self.par.dp  # megatron order tp-cp-dp-pp
         per_node = self.gpu.gpus_per_node
         same_node = (src * stride) // per_node == (dst * stride) // per_node
         return self.gpu.nvlink_bw if same_node else self.gpu.network_bw
 
     def p2p_time(self, src: int, dst: int, unit: Unit) -> float:
         """Activation (or its gradient) of one unit between two pipeline ranks."""
-        tokens = self.par.micro_batch_size * self.split_lengths[unit.split]
+        tokens = self.unit_tokens(unit.split)
         size = tokens * BF16 * self.model.hidden_size / self.par.tp_sp
         return size / self.pipeline_link_bw(src, dst) + self.gpu.p2p_latency_s
 
@@ -937,8 +980,9 @@ class CostModel:
         return self.chunk_layers(asker_rank, unit.chunk) * per_layer
 
     def grad_sync_time(self, rank: int) -> float:
-        """Data-parallel gradient reduction (and parameter all-gather), not overlapped."""
-        dp = self.par.dp
+        """Data-parallel gradient reduction (and parameter all-gather), not overlapped:
+        over the data- and context-parallel ranks."""
+        dp = self.par.dp_cp
         if dp == 1:
             return 0.0
         params = self.rank_params(rank)
@@ -953,7 +997,7 @@ class CostModel:
     def optimizer_time(self, rank: int) -> float:
         """Adam step: memory bound over the parameters this GPU owns."""
         params = self.rank_params(rank)
-        owned = params / (self.par.dp if self.par.distributed_optimizer else 1)
+        owned = params / (self.par.dp_cp if self.par.distributed_optimizer else 1)
         touched = 30 * owned + GRAD_BYTES * params  # read/write master, m, v, grad; zero grads
         return touched / (self.gpu.hbm_bw * self.gpu.hbm_efficiency)
 

@@ -322,8 +322,8 @@ def _validate_slimpipe(c: PlanConfig) -> None:
 def split_alignment(c: PlanConfig) -> int:
     if c.split_alignment is not None:
         return c.split_alignment
-    p = c.parallel
-    return p.tp if p.sequence_parallel and p.tp > 1 else 1
+    p = c.parallel  # each context-parallel part divided over TP under SP
+    return (p.tp if p.sequence_parallel and p.tp > 1 else 1) * p.cp
 
 
 def training_shape(c: PlanConfig) -> ModelShape:

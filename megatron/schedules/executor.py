@@ -189,13 +189,14 @@ def check_split_consumed(split: SplitContext, unit: Unit, required=CONSUMERS) ->
     """Refuse a forward whose model did not consume the split (see
     ``SplitContext.missing_consumers``; ``required``: ``chunk_consumers`` of its chunk):
     it would attend within the split only and train on wrong gradients, silently. Called
-    after every forward unit with more than one split, so the first unit fails, before
-    any backward."""
+    after every forward unit with more than one split (or a context-parallel part of
+    one), so the first unit fails, before any backward."""
     missing = tuple(part for part in split.missing_consumers() if part in required)
     if not missing:
         return
     raise SplitNotConsumedError(
-        f"sequence splits (--seq1f1b-splits / --slimpipe-slices > 1): the forward of unit "
+        f"sequence splits (--seq1f1b-splits / --slimpipe-slices > 1, or the parts of "
+        f"--context-parallel-size > 1): the forward of unit "
         f"{unit} (microbatch {unit.microbatch}, split {unit.split} of {split.num_splits}, "
         f"model chunk {unit.chunk}) returned without the split reaching the model's "
         f"{' and '.join(missing)}, so it would attend within the split only and train on "
@@ -391,7 +392,7 @@ class PipelineExecutor:
                     if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
         with autocast:
             output_tensor, loss_func = self.forward_step_func(data, self.chunks[unit.chunk])
-        if self.settings.num_splits > 1:
+        if self.settings.num_splits > 1 or self.context_parallel is not None:
             check_split_consumed(split, unit, self.consumers[unit.chunk])
         if self._holds_loss(unit):
             output_tensor = self._loss(unit, loss_func(output_tensor))

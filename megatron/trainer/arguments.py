@@ -1595,16 +1595,22 @@ def _validate_context_parallel(args):
         ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
         ("--reset-attention-mask", args.reset_attention_mask),
         ("--num-experts", getattr(args, "num_experts", None) is not None),
-        ("--multi-latent-attention", getattr(args, "multi_latent_attention", False)),
         ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
+        # YaRN's module builds a cos/sin cache at construction for megatron-core's own
+        # context-parallel slice of the positions
+        ("--position-embedding-type yarn", args.position_embedding_type == "yarn"),
+        ("--rope-type yarn (MLA's default: give --rope-type rope)",
+         getattr(args, "multi_latent_attention", False)
+         and getattr(args, "rope_type", None) == "yarn"),
         (f"--softmax-type {getattr(args, 'softmax_type', 'vanilla')}",
          getattr(args, "softmax_type", "vanilla") != "vanilla"),
         ("--transformer-impl transformer_engine",
          args.transformer_impl == "transformer_engine")) if used]
     for flag in not_yet:
         _require(False, f"{flag} is not supported with --context-parallel-size {cp} yet: "
-                        "context parallelism here runs dense GPT layers (standard or "
-                        "grouped-query attention) with the buffer KV cache; drop one of them")
+                        "context parallelism here runs dense GPT layers (standard, "
+                        "grouped-query or multi-latent attention) with the buffer KV cache; "
+                        "drop one of them")
 
 
 def _validate_slimpipe(args):
