@@ -21,13 +21,15 @@
 # GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, CHECKPOINT_PATH,
 # TENSORBOARD_DIR, TRAIN_ITERS, GLOBAL_BATCH_SIZE (32 microbatches per iteration at DP=1),
 # PP (8), FIRST_STAGE_LAYERS and LAST_STAGE_LAYERS (3 and 3; the middle stages share the
-# rest evenly, so change them with PP: e.g. PP=4 FIRST_STAGE_LAYERS=9 LAST_STAGE_LAYERS=9).
+# rest evenly, so change them with PP: e.g. PP=4 FIRST_STAGE_LAYERS=9 LAST_STAGE_LAYERS=9),
+# SEQ_LENGTH (16384) and CP (1, --context-parallel-size: each of CP ranks runs an equal
+# part of every split, so the job takes PP x CP GPUs; e.g. SEQ_LENGTH=32768 CP=2 on 16).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
-SEQ_LENGTH=16384
+SEQ_LENGTH=${SEQ_LENGTH:-16384}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/qwen3_4b_seq1f1b}
 
 MODEL_ARGS=(
@@ -75,6 +77,7 @@ TRAINING_ARGS=(
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 1
     --pipeline-model-parallel-size ${PP:-8}
+    --context-parallel-size ${CP:-1}
     --decoder-first-pipeline-num-layers ${FIRST_STAGE_LAYERS:-3}
     --decoder-last-pipeline-num-layers ${LAST_STAGE_LAYERS:-3}
     --use-distributed-optimizer
