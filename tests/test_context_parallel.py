@@ -10,6 +10,7 @@ import pytest
 from distributed import (
     GQA_ROPE_SWIGLU,
     TINY_MODEL,
+    TRACKER,
     Plan,
     assert_close_series,
     assert_params_close,
@@ -35,7 +36,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 CASES = {
     # context parallelism alone: no pipeline, no splits (our executor's one-split program)
     "T_cp2_s1": ("T", 2, 1, "average", []),
-    "G_cp2_s3_uniform": ("G", 2, 3, "uniform_comp", []),
+    "G_cp2_s3_uniform": ("G", 2, 3, "uniform_comp", ["--calculate-per-token-loss"]),
     "M_cp2_s2": ("M", 2, 2, "average", []),
     "G_pp2_cp2_s2": ("G", 4, 2, "average", PP2 + ["--recompute-granularity", "full",
                                                  "--recompute-method", "uniform"]),
@@ -48,8 +49,14 @@ CASES = {
                                               "--use-distributed-optimizer"]),
     "G_dp2_cp2_s2": ("G", 4, 2, "average", ["--use-distributed-optimizer"]),
 }
+# cases whose reference trains with the same flag (per-token loss: the sum over the whole
+# batch's loss tokens, which megatron-core counts over the data- and context-parallel ranks)
+OWN_REFERENCE = {"G_cp2_s3_uniform": ["--calculate-per-token-loss"]}
 # microbatches per data-parallel rank, and model chunks per pipeline rank
 DATA_PARALLEL = {"G_dp2_cp2_s2": 2}
+# iteration 1's checkpoint of a CP run (distributed optimizer over DP x CP = 4 ranks)
+# resumed without CP (DP = 2, the optimizer state resharded): iteration 2 as uninterrupted
+RESUMED, SAVED = "G_dp2_cp2_resumed_at_dp2", "G_dp2_cp2_s2"
 CHUNKS = {"T_pp2_vp2_cp2_s2": 2}
 
 
@@ -62,11 +69,20 @@ def plan(tmp, corpus):
         inits.append(run)
     runs = {1: [{"name": f"ref_{model}", "argv": MODELS[model] + BATCH + data + starts[model],
                  "params": True} for model in MODELS]}
+    for name, flags in OWN_REFERENCE.items():
+        model = CASES[name][0]
+        runs[1].append({"name": f"ref_{name}", "params": True,
+                        "argv": MODELS[model] + BATCH + data + starts[model] + flags})
     for name, (model, world, splits, method, extra) in CASES.items():
+        save = ["--save", str(tmp / name), "--save-interval", "1"] if name == SAVED else []
         runs.setdefault(world, []).append({
             "name": name, "params": True,
-            "argv": MODELS[model] + BATCH + data + starts[model] + CP2 + extra + [
+            "argv": MODELS[model] + BATCH + data + starts[model] + CP2 + extra + save + [
                 "--seq1f1b-splits", str(splits), "--seq1f1b-balance-method", method]})
+    runs[2].append({"name": RESUMED, "params": True, "after": [str(tmp / SAVED / TRACKER)],
+                    "argv": MODELS["G"] + BATCH + data + [
+                        "--use-distributed-optimizer", "--load", str(tmp / SAVED),
+                        "--ckpt-step", "1"]})
     return Plan(inits, runs)
 
 
@@ -79,7 +95,8 @@ def results(exactness_runs):
 @pytest.mark.parametrize("name", CASES)
 def test_context_parallel_run_equals_one_process(results, name):
     model, _, splits, method, _ = CASES[name]
-    run, ref = results[name], results[f"ref_{model}"]
+    run = results[name]
+    ref = results[f"ref_{name}" if name in OWN_REFERENCE else f"ref_{model}"]
     assert len(run["losses"]) == ITERATIONS
     assert_close_series(run["losses"], ref["losses"], 1e-5, f"{name} loss")
     assert_close_series(run["grad_norms"], ref["grad_norms"], 1e-5, f"{name} grad norm")
@@ -93,6 +110,19 @@ def test_context_parallel_run_equals_one_process(results, name):
                       calls=ITERATIONS + 1,
                       microbatches=MICROBATCHES // DATA_PARALLEL.get(name, 1),
                       chunks=CHUNKS.get(name, 1))
+
+
+@pytest.mark.distributed
+def test_context_parallel_checkpoint_resumes_without_it(results):
+    """A checkpoint of DP 2 x CP 2 (its distributed optimizer sharded over 4 ranks) loads
+    into DP 2 without CP: iteration 2 trains as the uninterrupted runs did."""
+    run = results[RESUMED]
+    for other in ("ref_G", SAVED):
+        expected = results[other]
+        assert_close_series(run["losses"], expected["losses"][1:], 1e-5, f"loss vs {other}")
+        assert_close_series(run["grad_norms"], expected["grad_norms"][1:], 1e-5,
+                            f"grad norm vs {other}")
+        assert_params_close(run["params"], expected["params"])
 
 
 GOOD = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
