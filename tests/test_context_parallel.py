@@ -161,3 +161,18 @@ def test_context_parallel_layout_and_alignment():
 def test_context_parallel_refusals_name_the_flag(flags, message):
     with pytest.raises(ArgumentErrors, match=message):
         _parse(*flags)
+
+
+def test_each_rank_runs_its_contiguous_part_of_a_split():
+    from megatron.seqsplit.context_parallel import ContextParallel
+    from megatron.seqsplit.split_context import SplitContext
+
+    second = ContextParallel(group=None, size=2, rank=1)
+    assert second.part(10, 8) == (14, 4)
+    split = SplitContext(num_splits=3, offset=14, length=4, seq_length=30,
+                         context_parallel=second)
+    assert (split.cache_offset, split.cache_length) == (10, 8)  # the whole split
+    assert (SplitContext(offset=14, length=4).cache_offset, SplitContext(
+        offset=14, length=4).cache_length) == (14, 4)  # without CP: the split itself
+    with pytest.raises(ValueError, match="multiples of 2"):
+        second.part(0, 7)

@@ -255,6 +255,9 @@ class PipelineExecutor:
         self.offsets = split_offsets(self.lengths)
         # --context-parallel-size > 1: every unit runs this rank's part of its split
         self.context_parallel = ContextParallel.from_parallel_state()
+        if self.context_parallel is not None:  # a split the ranks cannot share stops here
+            for length in self.lengths:
+                self.context_parallel.part(0, length)
         self.kv_store = KVCacheStore(forward_only=forward_only)
         # MoE routers' per-split counts: their aux losses are over whole microbatches
         self.routing_stats = RoutingStatistics()

@@ -48,7 +48,8 @@ class ContextParallel:
         """(offset, length) of this rank's part of the split [offset, offset + length)."""
         if length % self.size:
             raise ValueError(f"a split of {length} positions cannot be divided over "
-                             f"{self.size} context-parallel ranks")
+                             f"{self.size} context-parallel ranks: give split lengths that "
+                             f"are multiples of {self.size} (--seq1f1b-split-alignment)")
         part = length // self.size
         return offset + self.rank * part, part
 
