@@ -23,13 +23,18 @@ ITERATIONS, MICROBATCHES, SEQ = 2, 4, 48
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
          "--eval-interval", "1000", "--eval-iters", "1", "--split", "969,31,0",
          "--eod-mask-loss"]
+# sliding windows of 10 keys in every other layer: shorter than a split and than a part
+# (48 tokens in 3 splits, each in 2 parts), so windows start in the same part, the other
+# rank's part or the previous split
+WINDOWS = ["--window-size", "10,0", "--window-attn-skip-freq", "2"]
 _TINY = [flag for flag in TINY_MODEL if flag != "--mock-data"]  # the corpus instead
 # multi-latent attention: query-key head 8 + 4 rotary, value head 6 (its own rotary
 # embedding takes the part's offset too)
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--position-embedding-type", "rope",
        "--rope-type", "rope"]
-MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA}
+MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA,
+          "W": _TINY + GQA_ROPE_SWIGLU + WINDOWS}
 CP2 = ["--context-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # name -> (model, world size, splits, balance method, extra flags)
@@ -37,6 +42,7 @@ CASES = {
     # context parallelism alone: no pipeline, no splits (our executor's one-split program)
     "T_cp2_s1": ("T", 2, 1, "average", []),
     "G_cp2_s3_uniform": ("G", 2, 3, "uniform_comp", ["--calculate-per-token-loss"]),
+    "W_cp2_s3_selective": ("W", 2, 3, "average", ["--recompute-granularity", "selective"]),
     "M_cp2_s2": ("M", 2, 2, "average", []),
     "G_pp2_cp2_s2": ("G", 4, 2, "average", PP2 + ["--recompute-granularity", "full",
                                                  "--recompute-method", "uniform"]),
