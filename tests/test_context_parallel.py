@@ -153,7 +153,8 @@ def test_context_parallel_layout_and_alignment():
 @pytest.mark.parametrize("flags, message", [
     (["--context-parallel-size", "3"], "not divisible by .* x --context-parallel-size \\(3\\)"),
     (["--context-parallel-size", "2", "--seq-length", "62", "--tensor-model-parallel-size",
-      "2", "--sequence-parallel"], "--seq-length \\(62\\) must be a multiple of 4"),
+      "2", "--sequence-parallel"], "--seq-length \\(62\\) must be a multiple of the split "
+                                   "alignment \\(4\\)"),
     (["--context-parallel-size", "2", "--seq1f1b-kv-cache", "chunked",
       "--attention-dropout", "0"], "--seq1f1b-kv-cache chunked is not supported with "
                                    "--context-parallel-size 2"),
@@ -182,3 +183,11 @@ def test_each_rank_runs_its_contiguous_part_of_a_split():
         offset=14, length=4).cache_length) == (14, 4)  # without CP: the split itself
     with pytest.raises(ValueError, match="multiples of 2"):
         second.part(0, 7)
+
+
+def test_every_combination_refused_with_context_parallelism_is_named_at_once():
+    with pytest.raises(ArgumentErrors) as error:
+        _parse("--context-parallel-size", "2", "--reset-attention-mask",
+               "--seq1f1b-kv-cache", "chunked", "--attention-dropout", "0")
+    named = [p.split(" is not supported")[0] for p in error.value.problems]
+    assert named == ["--seq1f1b-kv-cache chunked", "--reset-attention-mask"], error.value.problems

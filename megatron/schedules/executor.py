@@ -478,7 +478,7 @@ class PipelineExecutor:
     def _hidden_shape(self, unit: Unit):
         length = self.lengths[unit.split]
         if self.context_parallel is not None:  # each CP rank holds its part of the split
-            length //= self.context_parallel.size
+            length = self.context_parallel.part(0, length)[1]
         if self.config.sequence_parallel:  # each TP rank holds its share of the sequence
             length //= parallel_state.get_tensor_model_parallel_world_size()
         return (length, self.micro_batch_size, self.config.hidden_size)

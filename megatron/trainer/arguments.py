@@ -710,7 +710,8 @@ def _check_required(args):
         problems.append("give the training length: --train-iters N or --train-samples N")
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "micro_batch_size", "tensor_model_parallel_size",
-                "pipeline_model_parallel_size", "context_parallel_size", "log_interval", "seq1f1b_split_alignment",
+                "pipeline_model_parallel_size", "context_parallel_size", "log_interval",
+                "seq1f1b_split_alignment",
                 "make_vocab_size_divisible_by", "tensorboard_log_interval")
     for flag in positive:
         value = getattr(args, flag)
@@ -1563,11 +1564,14 @@ def _validate_seq1f1b(args):
     _require(args.seq1f1b_kv_cache != "chunked" or args.attention_dropout == 0.0,
              f"--seq1f1b-kv-cache chunked has no attention dropout: add --attention-dropout 0 "
              f"(got {args.attention_dropout}) or use --seq1f1b-kv-cache buffer")
+    if splits > 1 or args.context_parallel_size > 1:
+        _require(args.seq_length % alignment == 0,
+                 f"--seq-length ({args.seq_length}) must be a multiple of the split alignment "
+                 f"({alignment}) with --seq1f1b-splits or --context-parallel-size: every split "
+                 "is a multiple of --seq1f1b-split-alignment, divided equally over the "
+                 "context-parallel ranks and over the TP ranks under --sequence-parallel")
     if splits <= 1:
         return
-    _require(args.seq_length % alignment == 0,
-             f"--seq-length ({args.seq_length}) must be a multiple of the split alignment "
-             f"({alignment}) with --seq1f1b-splits")
     _require(splits <= args.seq_length // alignment,
              f"--seq1f1b-splits ({splits}) exceeds the {args.seq_length // alignment} aligned "
              f"positions of --seq-length {args.seq_length}; use fewer splits")
@@ -1584,12 +1588,7 @@ def _validate_context_parallel(args):
     the context-parallel ranks; what it is not built with yet is refused here."""
     cp = args.context_parallel_size
     if cp == 1:
-        return
-    _require(args.seq_length % args.seq1f1b_alignment == 0,
-             f"--seq-length ({args.seq_length}) must be a multiple of "
-             f"{args.seq1f1b_alignment} with --context-parallel-size {cp}: every split is "
-             "divided equally over the context-parallel ranks (and over the TP ranks under "
-             "--sequence-parallel, and in multiples of --seq1f1b-split-alignment)")
+        return  # the sequence's alignment to the ranks: _validate_seq1f1b
     not_yet = [flag for flag, used in (
         ("--pipeline-schedule slimpipe", args.pipeline_schedule == "slimpipe"),
         ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
@@ -1606,11 +1605,11 @@ def _validate_context_parallel(args):
          getattr(args, "softmax_type", "vanilla") != "vanilla"),
         ("--transformer-impl transformer_engine",
          args.transformer_impl == "transformer_engine")) if used]
-    for flag in not_yet:
-        _require(False, f"{flag} is not supported with --context-parallel-size {cp} yet: "
-                        "context parallelism here runs dense GPT layers (standard, "
-                        "grouped-query or multi-latent attention) with the buffer KV cache; "
-                        "drop one of them")
+    if not_yet:  # every one at once, as the other checks report theirs
+        raise ArgumentErrors([
+            f"{flag} is not supported with --context-parallel-size {cp} yet: context "
+            "parallelism here runs dense GPT layers (standard, grouped-query or multi-latent "
+            "attention) with the buffer KV cache; drop one of them" for flag in not_yet])
 
 
 def _validate_slimpipe(args):
