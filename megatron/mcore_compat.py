@@ -133,6 +133,20 @@ TABLE = (
     _mcore("models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.forward",
            "SeqSplitGPTModel calls rotary_pos_emb(length, offset=split offset)",
            "self", "max_seq_len", "offset"),
+    # both constructors take cp_group; SeqSplitGPTModel and SplitMLASelfAttention build
+    # them through these module names with none (context_parallel.py)
+    _mcore("models.gpt.gpt_model:RotaryEmbedding",
+           "GPTModel builds RoPE through this name (cp_group cleared while it builds)"),
+    _mcore("models.gpt.gpt_model:YarnRotaryEmbedding",
+           "GPTModel builds YaRN through this name (cp_group cleared while it builds)"),
+    _mcore("transformer.multi_latent_attention:RotaryEmbedding",
+           "MLA builds RoPE through this name (cp_group cleared while it builds)"),
+    _mcore("transformer.multi_latent_attention:YarnRotaryEmbedding",
+           "MLA builds YaRN through this name (cp_group cleared while it builds)"),
+    _mcore("models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.__init__",
+           "built with cp_group=None under --context-parallel-size", "self", "cp_group"),
+    _mcore("models.common.embeddings.yarn_rotary_pos_embedding:YarnRotaryEmbedding.__init__",
+           "built with cp_group=None under --context-parallel-size", "self", "cp_group"),
     _mcore("models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
            "the local (no Transformer Engine) layer spec we swap attention and norms in; "
            "multi_latent_attention=True gives MLASelfAttention's spec",

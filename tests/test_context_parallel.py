@@ -18,6 +18,8 @@ from distributed import (
 )
 from megatron.trainer.arguments import ArgumentErrors, parse_args
 from split_checks import check_split_units
+from test_moe_exactness import MODELS as MOE_MODELS
+from test_moe_exactness import MOE_LOSSES
 
 ITERATIONS, MICROBATCHES, SEQ = 2, 4, 48
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
@@ -33,10 +35,21 @@ _TINY = [flag for flag in TINY_MODEL if flag != "--mock-data"]  # the corpus ins
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--position-embedding-type", "rope",
        "--rope-type", "rope"]
+# mixture of experts (tests/test_moe_exactness.py's): X, Mixtral- / Qwen2-MoE-style with
+# aux_loss and z-loss; D, DeepSeek-V3-style with MLA and its YaRN, seq_aux_loss and
+# global_aux_loss, expert bias and group-limited routing (the auxiliary losses weigh each
+# token by counts over the whole microbatch: over the splits and the CP ranks' parts)
 MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA,
-          "W": _TINY + GQA_ROPE_SWIGLU + WINDOWS}
+          "W": _TINY + GQA_ROPE_SWIGLU + WINDOWS,
+          # Qwen3's long-context YaRN (standard attention): each part's table at its offset
+          "Y": [flag if flag != "rope" else "yarn" for flag in _TINY + GQA_ROPE_SWIGLU] + [
+              "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "12"],
+          "X": [flag for flag in MOE_MODELS["X"] if flag != "--mock-data"],
+          "D": [flag for flag in MOE_MODELS["D"] if flag != "--mock-data"]}
+LOGGED_MOE_LOSSES = {model: MOE_LOSSES[model] for model in ("X", "D")}
 CP2 = ["--context-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 # name -> (model, world size, splits, balance method, extra flags)
 CASES = {
     # context parallelism alone: no pipeline, no splits (our executor's one-split program)
@@ -54,12 +67,29 @@ CASES = {
                                               "--sequence-parallel",
                                               "--use-distributed-optimizer"]),
     "G_dp2_cp2_s2": ("G", 4, 2, "average", ["--use-distributed-optimizer"]),
+    # MoE: megatron-core's router on one split per part (s = 1), and the split router;
+    # experts over 2 expert-parallel ranks that are the CP ranks (all-to-all)
+    "Y_cp2_s3": ("Y", 2, 3, "average", []),
+    "X_cp2_ep2_s1": ("X", 2, 1, "average", EP2),
+    "X_cp2_ep2_s3": ("X", 2, 3, "average", EP2),
+    # DeepSeek-V3's selective recomputation (MLA's kernel, the MoE layers with the split)
+    "D_cp2_s2_selective": ("D", 2, 2, "average", ["--recompute-activations",
+                                                 "--moe-layer-recompute"]),
+    "D_pp2_cp2_s2": ("D", 4, 2, "average", PP2),
+    # experts over all 4 ranks of DP 2 x CP 2; global_aux_loss counts over both
+    "D_dp2_cp2_ep4_s2": ("D", 4, 2, "average", ["--expert-model-parallel-size", "4",
+                                               "--use-distributed-optimizer"]),
 }
 # cases whose reference trains with the same flag (per-token loss: the sum over the whole
-# batch's loss tokens, which megatron-core counts over the data- and context-parallel ranks)
-OWN_REFERENCE = {"G_cp2_s3_uniform": ["--calculate-per-token-loss"]}
+# batch's loss tokens, which megatron-core counts over the data- and context-parallel
+# ranks), or on the same data-parallel ranks: global_aux_loss weighs a microbatch by the
+# running mean of the counts over the DP ranks' microbatches so far, which one process
+# does not compute (a DP 2 run differs from one process in Megatron-LM too); its
+# reference: (world size, flags)
+OWN_REFERENCE = {"G_cp2_s3_uniform": (1, ["--calculate-per-token-loss"]),
+                 "D_dp2_cp2_ep4_s2": (2, [])}
 # microbatches per data-parallel rank, and model chunks per pipeline rank
-DATA_PARALLEL = {"G_dp2_cp2_s2": 2}
+DATA_PARALLEL = {"G_dp2_cp2_s2": 2, "D_dp2_cp2_ep4_s2": 2}
 # iteration 1's checkpoint of a CP run (distributed optimizer over DP x CP = 4 ranks)
 # resumed without CP (DP = 2, the optimizer state resharded): iteration 2 as uninterrupted
 RESUMED, SAVED = "G_dp2_cp2_resumed_at_dp2", "G_dp2_cp2_s2"
@@ -75,9 +105,9 @@ def plan(tmp, corpus):
         inits.append(run)
     runs = {1: [{"name": f"ref_{model}", "argv": MODELS[model] + BATCH + data + starts[model],
                  "params": True} for model in MODELS]}
-    for name, flags in OWN_REFERENCE.items():
+    for name, (world, flags) in OWN_REFERENCE.items():
         model = CASES[name][0]
-        runs[1].append({"name": f"ref_{name}", "params": True,
+        runs.setdefault(world, []).append({"name": f"ref_{name}", "params": True,
                         "argv": MODELS[model] + BATCH + data + starts[model] + flags})
     for name, (model, world, splits, method, extra) in CASES.items():
         save = ["--save", str(tmp / name), "--save-interval", "1"] if name == SAVED else []
@@ -109,6 +139,9 @@ def test_context_parallel_run_equals_one_process(results, name):
     assert_close_series([run["final_validation_loss"]], [ref["final_validation_loss"]], 1e-5,
                         f"{name} validation loss")
     assert_params_close(run["params"], ref["params"])
+    for loss in LOGGED_MOE_LOSSES.get(model, []):  # as Megatron-LM logs them, each iteration
+        assert_close_series([step[loss] for step in run["moe_losses"]],
+                            [step[loss] for step in ref["moe_losses"]], 1e-5, f"{name} {loss}")
     # the last rank (context-parallel rank 1) ran the second half of every split
     halves = [dict(unit, offset=unit["offset"] - unit["length"], length=2 * unit["length"])
               for unit in run["forward_units"]]
@@ -159,15 +192,30 @@ def test_context_parallel_layout_and_alignment():
       "--attention-dropout", "0"], "--seq1f1b-kv-cache chunked is not supported with "
                                    "--context-parallel-size 2"),
     (["--context-parallel-size", "2", "--reset-attention-mask"], "--reset-attention-mask"),
-    (["--context-parallel-size", "2", "--num-experts", "2"], "--num-experts"),
-    (["--context-parallel-size", "2", "--multi-latent-attention"],
-     "--rope-type yarn \\(MLA's default: give --rope-type rope\\) is not supported"),
+    (["--context-parallel-size", "2", "--mtp-num-layers", "1"], "--mtp-num-layers"),
+    # the expert-parallel ranks come from a stage's DP x CP x TP ranks (2 here)
+    (["--context-parallel-size", "2", "--num-experts", "8", "--expert-model-parallel-size",
+      "4", "--moe-token-dispatcher-type", "alltoall", "--world-size-2"],
+     "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 does not divide the 2 "
+     "ranks of a pipeline stage \\(data-parallel x context-parallel x tensor-parallel"),
     (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2"],
      "hierarchical context parallelism"),
 ])
 def test_context_parallel_refusals_name_the_flag(flags, message):
+    world = 2 if "--world-size-2" in flags else 4
     with pytest.raises(ArgumentErrors, match=message):
-        _parse(*flags)
+        _parse(*[flag for flag in flags if flag != "--world-size-2"], world_size=world)
+
+
+def test_experts_spread_over_the_context_parallel_ranks():
+    """Megatron-LM forms expert-parallel groups from a stage's DP x CP x TP ranks, so EP 2
+    at CP 2 needs no data parallelism; MLA's default YaRN is accepted under CP."""
+    args = _parse("--context-parallel-size", "2", "--num-experts", "8",
+                  "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                  "alltoall", "--multi-latent-attention", "--position-embedding-type", "rope",
+                  world_size=2)
+    assert (args.data_parallel_size, args.expert_model_parallel_size) == (1, 2)
+    assert args.rope_type == "yarn"
 
 
 def test_each_rank_runs_its_contiguous_part_of_a_split():

@@ -208,13 +208,21 @@ CONFIGS = {  # name -> (processes, flags after BASE)
         "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
         "mla_up_proj"] + NO_DROPOUT),
     # context parallelism: each rank's part of every split, the split's gathered K/V in
-    # every rank's cache (the probe's file is context-parallel rank 0's)
+    # every rank's cache (the probe's file is the last context-parallel rank's, whose
+    # queries see the most keys: the stage's peak, which the planner plans)
     "cp2_s3_rope_gqa": (4, PP2 + ["--context-parallel-size", "2", "--seq1f1b-splits", "3",
                                   "--seq1f1b-split-alignment", "2"] + ROPE + LLAMA
                         + NO_DROPOUT),
     "cp2_s1_selective_hidden_dropout": (4, PP2 + [
         "--context-parallel-size", "2", "--attention-dropout", "0",
         "--recompute-granularity", "selective"]),
+    # MoE with MLA (YaRN) under CP: each rank routes its part's tokens, the experts over
+    # 2 expert-parallel ranks that are the CP ranks
+    "cp2_moe_mla_ep2_s2_selective": (4, PP2 + MOE + MLA + [
+        "--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--seq1f1b-splits", "2",
+        "--recompute-granularity", "selective", "--moe-layer-freq", "[0]*1+[1]*3",
+        "--moe-shared-expert-intermediate-size", "64"] + NO_DROPOUT),
     "tp2_sp_layernorm_mlp_dropout_s2": (4, TP2PP2 + [
         "--sequence-parallel", "--global-batch-size", "4", "--seq1f1b-splits", "2",
         "--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"]

@@ -57,7 +57,7 @@ class Parallel:
     # a rank's chunks differ (--account-for-embedding/loss-in-pipeline-split with virtual
     # stages: the first / last chunk a layer short); None: a rank's layers / num_chunks
     chunk_layers: Optional[Tuple[int, ...]] = None
-    ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of TP x DP
+    ep: int = 1  # --expert-model-parallel-size: experts divided over ranks of TP x CP x DP
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
     etp: Optional[int] = None  # --expert-tensor-parallel-size; None: the TP size
     # --context-parallel-size: ranks that divide every split (each an equal contiguous
@@ -244,11 +244,12 @@ class CostModel:
     def static_memory(self, rank: int) -> Dict[str, float]:
         """Bytes of weights, gradients and optimizer states on one GPU of ``rank``: the
         distributed optimizer shards dense parameters over DP and expert parameters over
-        the expert-data-parallel group (DP x TP / (EP x ETP)), as megatron-core does."""
+        the expert-data-parallel group (DP x CP x TP / (EP x ETP)), as megatron-core
+        does."""
         parts = self.rank_param_parts(rank)
         params = parts["dense"] + parts["experts"]
         dense_shards = self.par.dp_cp if self.par.distributed_optimizer else 1
-        expert_dp = self.par.dp * self.par.tp // (self.par.ep * self.par.expert_tp)
+        expert_dp = self.par.dp_cp * self.par.tp // (self.par.ep * self.par.expert_tp)
         expert_shards = expert_dp if self.par.distributed_optimizer else 1
         per = static_bytes_per_param(self.act_bytes)
         return {
@@ -426,7 +427,7 @@ class CostModel:
         the padded copy of the whole prefix is saved, and so is the padded output
         (cut back to ``dv`` for the output projection, whose input is saved too)."""
         m, t, e = self.model, self.par.tp, self.act_bytes
-        b, l = self.par.micro_batch_size, self.split_lengths[split]
+        b, l = self.par.micro_batch_size, self.part_length(split)
         tokens = b * l
         heads = m.num_attention_heads / t
         dq = m.qk_head_dim + m.qk_pos_emb_head_dim
@@ -448,13 +449,14 @@ class CostModel:
         # up-projection checkpoint frees them after core attention until the backward
         # reruns it (what core attention made of them, a padded V, copies, stays)
         own = 0 if up_recomputed else tokens * q
-        split_kernel = self.num_splits > 1 and self.kv_layout in ("buffer", "chunked")
+        split_kernel = self.cached and self.kv_layout in ("buffer", "chunked")
         if split_kernel and self.kv_layout == "chunked":
             # the query, the output (at dv: the chunks merge unpadded) and the LSE
             return fixed + own + tokens * (out + lse)
         # the split kernel's K lives in the buffer (counted as K/V cache) and its padded
-        # V spans the prefix; unsplit, a fresh K and a padded V of the split alone
-        keys = b * (l + self.offsets[split]) if split_kernel else tokens
+        # V spans the prefix up to the part's end; unsplit, a fresh K and a padded V of
+        # the split alone
+        keys = b * (l + self.query_offset(split)) if split_kernel else tokens
         inputs = own + keys * q + (0 if split_kernel else own)
         if self.recompute.recomputes("core_attn"):  # the checkpoint keeps q, k, v
             return fixed + inputs + tokens * out

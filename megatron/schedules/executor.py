@@ -347,7 +347,9 @@ class PipelineExecutor:
     def _set_auxiliary_loss_scales(self) -> None:
         """The scale of the MoE auxiliary losses' and the multi-token prediction losses'
         gradient, as megatron-core's forward_step sets it on every stage: the main
-        loss's (1 / microbatches, times the fp16 loss scale)."""
+        loss's (1 / microbatches, times the fp16 loss scale); the MoE losses' also times
+        the context-parallel size, as the main loss: each CP rank's share of them is
+        summed over the ranks, and the gradient reduction averages over them."""
         scalers = [scaler for scaler, used in (
             (MoEAuxLossAutoScaler, getattr(self.config, "num_moe_experts", None) is not None),
             (MTPLossAutoScaler, getattr(self.config, "mtp_num_layers", None) is not None))
@@ -359,7 +361,9 @@ class PipelineExecutor:
         if not self.config.calculate_per_token_loss:
             scale = scale / self.num_microbatches
         for scaler in scalers:
-            scaler.set_loss_scale(scale)
+            moe_under_cp = (scaler is MoEAuxLossAutoScaler and self.context_parallel is not None
+                            and not self.config.calculate_per_token_loss)
+            scaler.set_loss_scale(scale * self.context_parallel.size if moe_under_cp else scale)
 
     def run_unit(self, unit: Unit) -> None:
         for observer in self.observers:

@@ -20,6 +20,7 @@ prefix, so it shrinks as splits are added (megatron-core's zigzag order, which b
 one unsplit sequence, is not used).
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,3 +60,41 @@ class ContextParallel:
         return gather_from_sequence_parallel_region(tensor.contiguous(),
                                                     tensor_parallel_output_grad=True,
                                                     group=self.group)
+
+
+class _OneRank:
+    """A context-parallel group of one rank, as a rotary embedding's constructor reads it
+    (given None it takes megatron-core's parallel state's group)."""
+
+    @staticmethod
+    def size():
+        return 1
+
+    @staticmethod
+    def rank():
+        return 0
+
+
+@contextlib.contextmanager
+def rotary_embeddings_without_context_parallel(module):
+    """Inside, the rotary embeddings ``module`` (megatron-core's GPT model or MLA module)
+    builds get no context-parallel group: each rank's part takes its positions from the
+    split (see the module docstring), never megatron-core's zigzag slice, which YaRN would
+    already take of its cos/sin table while it is built."""
+    originals = {name: getattr(module, name)
+                 for name in ("RotaryEmbedding", "YarnRotaryEmbedding") if hasattr(module, name)}
+
+    def built_without_cp(cls):
+        def build(*args, **kwargs):
+            rotary = cls(*args, **{**kwargs, "cp_group": _OneRank()})
+            rotary.cp_group = None  # its forward then slices nothing either
+            return rotary
+        return build
+
+    for name, cls in originals.items():
+        setattr(module, name, built_without_cp(cls))
+    try:
+        yield
+    finally:
+        for name, cls in originals.items():
+            setattr(module, name, cls)

@@ -41,6 +41,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from megatron.seqsplit.context_parallel import rotary_embeddings_without_context_parallel
 from megatron.seqsplit.recompute import checkpoint_kernel_not_core_attention
 from megatron.seqsplit.split_context import SplitContext
 
@@ -92,11 +93,9 @@ class SplitMLASelfAttention(MLASelfAttention):
 
     def __init__(self, *args, **kwargs):
         allow_mla_without_transformer_engine()
-        super().__init__(*args, **kwargs)
+        with rotary_embeddings_without_context_parallel(multi_latent_attention):
+            super().__init__(*args, **kwargs)
         checkpoint_kernel_not_core_attention(self)
-        # context parallelism is the split-aware attention's (context_parallel.py): each
-        # rank's part has the split's positions, not megatron-core's zigzag slice
-        self.rotary_pos_emb.cp_group = None
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,
@@ -123,7 +122,7 @@ class SplitMLASelfAttention(MLASelfAttention):
             # RotaryEmbedding / YarnRotaryEmbedding.forward(max_seq_len, offset, ...):
             # positions offset..offset+len-1 are the same floats as a slice of the
             # unsplit table (integer positions added before the product)
-            rest.pop("cp_group", None)  # no zigzag slice of the positions (see __init__)
+            rest.pop("cp_group", None)  # no zigzag slice (context_parallel.py)
             return unbound(rotary, max_seq_len, split.offset + offset, packed_seq, **rest)
 
         rotary.forward = at_offset  # instance attribute: nn.Module.__call__ reads it

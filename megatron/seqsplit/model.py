@@ -18,7 +18,7 @@ import functools
 import inspect
 
 import torch
-from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import GPTModel, gpt_model
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron.seqsplit.context_parallel import rotary_embeddings_without_context_parallel
 from megatron.seqsplit.core_attention import SplitCausalAttention
 from megatron.seqsplit.mla import SplitMLASelfAttention
 from megatron.seqsplit.mtp import begin_split_rolls, end_split_rolls, install_split_roll
@@ -239,12 +240,8 @@ class SeqSplitGPTModel(GPTModel):
 
     def __init__(self, config, *args, **kwargs):
         prepare_output_discarding_checkpoints(config)  # --recompute-modules layernorm, ...
-        super().__init__(config, *args, **kwargs)
-        if hasattr(self, "rotary_pos_emb"):
-            # context parallelism is the split-aware attention's here: each rank runs a
-            # contiguous part whose positions the split gives (context_parallel.py), so
-            # RoPE must not take megatron-core's zigzag slice of the sequence's positions
-            self.rotary_pos_emb.cp_group = None
+        with rotary_embeddings_without_context_parallel(gpt_model):
+            super().__init__(config, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         split = kwargs.get("packed_seq_params")

@@ -1593,14 +1593,7 @@ def _validate_context_parallel(args):
         ("--pipeline-schedule slimpipe", args.pipeline_schedule == "slimpipe"),
         ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
         ("--reset-attention-mask", args.reset_attention_mask),
-        ("--num-experts", getattr(args, "num_experts", None) is not None),
         ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
-        # YaRN's module builds a cos/sin cache at construction for megatron-core's own
-        # context-parallel slice of the positions
-        ("--position-embedding-type yarn", args.position_embedding_type == "yarn"),
-        ("--rope-type yarn (MLA's default: give --rope-type rope)",
-         getattr(args, "multi_latent_attention", False)
-         and getattr(args, "rope_type", None) == "yarn"),
         (f"--softmax-type {getattr(args, 'softmax_type', 'vanilla')}",
          getattr(args, "softmax_type", "vanilla") != "vanilla"),
         ("--transformer-impl transformer_engine",
@@ -1608,8 +1601,9 @@ def _validate_context_parallel(args):
     if not_yet:  # every one at once, as the other checks report theirs
         raise ArgumentErrors([
             f"{flag} is not supported with --context-parallel-size {cp} yet: context "
-            "parallelism here runs dense GPT layers (standard, grouped-query or multi-latent "
-            "attention) with the buffer KV cache; drop one of them" for flag in not_yet])
+            "parallelism here runs GPT layers (standard, grouped-query or multi-latent "
+            "attention, dense or mixture-of-experts) with the buffer KV cache; drop one of "
+            "them" for flag in not_yet])
 
 
 def _validate_slimpipe(args):

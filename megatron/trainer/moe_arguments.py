@@ -165,10 +165,10 @@ def check_moe_args(args, cuda_available):
                         f"megatron-core reduces the experts' gradients over data-parallel "
                         f"ranks only, so each TP rank's copy of an expert trains on its own "
                         f"tokens and the copies drift apart; give EP > 1 or drop the flag")
-    elif (args.data_parallel_size * tp) % (etp * ep):
+    elif (stage_ranks := args.data_parallel_size * tp * args.context_parallel_size) % (etp * ep):
         problems.append(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
-                        f"{etp} does not divide the {args.data_parallel_size * tp} ranks of a "
-                        f"pipeline stage (data-parallel x tensor-parallel size)")
+                        f"{etp} does not divide the {stage_ranks} ranks of a pipeline stage "
+                        f"(data-parallel x context-parallel x tensor-parallel size)")
     if args.num_experts % args.expert_model_parallel_size:
         problems.append(f"--num-experts {args.num_experts} is not divisible by "
                         f"--expert-model-parallel-size {args.expert_model_parallel_size}")

@@ -403,8 +403,12 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
             iterator.close()
     if recorder is not None:
         write_timeline(args, recorder)
+    # the last context-parallel rank's peaks: its parts' queries see the most keys
+    # (context_parallel.py), so its stage peak is the stage's (the planner's too)
     if (probe is not None
-            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+            and parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank()
+            == parallel_state.get_context_parallel_world_size() - 1
             and parallel_state.get_tensor_model_parallel_rank() == 0):
         write_stage_report(args.activation_memory_file, probe,
                            parallel_state.get_pipeline_model_parallel_rank(),
