@@ -18,8 +18,11 @@ from distributed import (
 )
 from megatron.trainer.arguments import ArgumentErrors, parse_args
 from split_checks import check_split_units
+from packed_documents import CASES as DOCUMENT_CASES
+from packed_documents import document_cases
 from test_moe_exactness import MODELS as MOE_MODELS
 from test_moe_exactness import MOE_LOSSES
+from test_mtp_exactness import MODELS as MTP_MODELS
 
 ITERATIONS, MICROBATCHES, SEQ = 2, 4, 48
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
@@ -44,9 +47,18 @@ MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA,
           # Qwen3's long-context YaRN (standard attention): each part's table at its offset
           "Y": [flag if flag != "rope" else "yarn" for flag in _TINY + GQA_ROPE_SWIGLU] + [
               "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "12"],
+          # packed documents: attention within each document, whose tokens may lie in
+          # the other rank's part, earlier splits or both
+          "Gd": _TINY + GQA_ROPE_SWIGLU + ["--reset-attention-mask", "--reset-position-ids"],
           "X": [flag for flag in MOE_MODELS["X"] if flag != "--mock-data"],
-          "D": [flag for flag in MOE_MODELS["D"] if flag != "--mock-data"]}
-LOGGED_MOE_LOSSES = {model: MOE_LOSSES[model] for model in ("X", "D")}
+          "D": [flag for flag in MOE_MODELS["D"] if flag != "--mock-data"],
+          # DeepSeek-V3's layers with 2 MTP depths (an MoE layer each): a part's shifted
+          # tokens, labels and loss mask reach into the next part (tests/test_mtp_exactness.py)
+          "V": [flag for flag in MTP_MODELS["V"] if flag != "--mock-data"]}
+# the MTP depths' logged losses of the models with MTP
+MTP_DEPTHS = {"V": ["mtp_1 loss", "mtp_2 loss"]}
+LOGGED_MOE_LOSSES = {"X": MOE_LOSSES["X"], "D": MOE_LOSSES["D"],
+                     "V": ["seq_load_balancing_loss"]}
 CP2 = ["--context-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
@@ -70,6 +82,8 @@ CASES = {
     # MoE: megatron-core's router on one split per part (s = 1), and the split router;
     # experts over 2 expert-parallel ranks that are the CP ranks (all-to-all)
     "Y_cp2_s3": ("Y", 2, 3, "average", []),
+    "Gd_cp2_s3": ("Gd", 2, 3, "average", []),
+    "Gd_pp2_cp2_s2_uniform": ("Gd", 4, 2, "uniform_comp", PP2),
     "X_cp2_ep2_s1": ("X", 2, 1, "average", EP2),
     "X_cp2_ep2_s3": ("X", 2, 3, "average", EP2),
     # DeepSeek-V3's selective recomputation (MLA's kernel, the MoE layers with the split)
@@ -79,6 +93,11 @@ CASES = {
     # experts over all 4 ranks of DP 2 x CP 2; global_aux_loss counts over both
     "D_dp2_cp2_ep4_s2": ("D", 4, 2, "average", ["--expert-model-parallel-size", "4",
                                                "--use-distributed-optimizer"]),
+    # multi-token prediction: one split per part (its shifts cross into the other rank's
+    # part), 3 splits, and the MTP layers on the last of 2 stages
+    "V_cp2_s1": ("V", 2, 1, "average", []),
+    "V_cp2_s3": ("V", 2, 3, "average", EP2),
+    "V_pp2_cp2_s2": ("V", 4, 2, "average", PP2),
 }
 # cases whose reference trains with the same flag (per-token loss: the sum over the whole
 # batch's loss tokens, which megatron-core counts over the data- and context-parallel
@@ -142,6 +161,10 @@ def test_context_parallel_run_equals_one_process(results, name):
     for loss in LOGGED_MOE_LOSSES.get(model, []):  # as Megatron-LM logs them, each iteration
         assert_close_series([step[loss] for step in run["moe_losses"]],
                             [step[loss] for step in ref["moe_losses"]], 1e-5, f"{name} {loss}")
+    for depth in MTP_DEPTHS.get(model, []):
+        assert [step[depth] > 0 for step in ref["mtp_losses"]] == [True] * ITERATIONS
+        assert_close_series([step[depth] for step in run["mtp_losses"]],
+                            [step[depth] for step in ref["mtp_losses"]], 1e-5, f"{name} {depth}")
     # the last rank (context-parallel rank 1) ran the second half of every split
     halves = [dict(unit, offset=unit["offset"] - unit["length"], length=2 * unit["length"])
               for unit in run["forward_units"]]
@@ -149,6 +172,8 @@ def test_context_parallel_run_equals_one_process(results, name):
                       calls=ITERATIONS + 1,
                       microbatches=MICROBATCHES // DATA_PARALLEL.get(name, 1),
                       chunks=CHUNKS.get(name, 1))
+    if "--reset-attention-mask" in MODELS[model]:
+        assert document_cases(halves) == set(DOCUMENT_CASES), name
 
 
 @pytest.mark.distributed
@@ -191,8 +216,11 @@ def test_context_parallel_layout_and_alignment():
     (["--context-parallel-size", "2", "--seq1f1b-kv-cache", "chunked",
       "--attention-dropout", "0"], "--seq1f1b-kv-cache chunked is not supported with "
                                    "--context-parallel-size 2"),
-    (["--context-parallel-size", "2", "--reset-attention-mask"], "--reset-attention-mask"),
-    (["--context-parallel-size", "2", "--mtp-num-layers", "1"], "--mtp-num-layers"),
+    (["--context-parallel-size", "2", "--softmax-type", "learnable"],
+     "--softmax-type learnable is not supported with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--pipeline-schedule", "slimpipe",
+      "--slimpipe-slices", "4", "--pipeline-model-parallel-size", "2"],
+     "--pipeline-schedule slimpipe is not supported with --context-parallel-size 2"),
     # the expert-parallel ranks come from a stage's DP x CP x TP ranks (2 here)
     (["--context-parallel-size", "2", "--num-experts", "8", "--expert-model-parallel-size",
       "4", "--moe-token-dispatcher-type", "alltoall", "--world-size-2"],
@@ -235,7 +263,8 @@ def test_each_rank_runs_its_contiguous_part_of_a_split():
 
 def test_every_combination_refused_with_context_parallelism_is_named_at_once():
     with pytest.raises(ArgumentErrors) as error:
-        _parse("--context-parallel-size", "2", "--reset-attention-mask",
+        _parse("--context-parallel-size", "2", "--softmax-type", "off-by-one",
                "--seq1f1b-kv-cache", "chunked", "--attention-dropout", "0")
     named = [p.split(" is not supported")[0] for p in error.value.problems]
-    assert named == ["--seq1f1b-kv-cache chunked", "--reset-attention-mask"], error.value.problems
+    assert named == ["--seq1f1b-kv-cache chunked", "--softmax-type off-by-one"], \
+        error.value.problems

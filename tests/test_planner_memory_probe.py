@@ -216,9 +216,10 @@ CONFIGS = {  # name -> (processes, flags after BASE)
     "cp2_s1_selective_hidden_dropout": (4, PP2 + [
         "--context-parallel-size", "2", "--attention-dropout", "0",
         "--recompute-granularity", "selective"]),
-    # MoE with MLA (YaRN) under CP: each rank routes its part's tokens, the experts over
-    # 2 expert-parallel ranks that are the CP ranks
-    "cp2_moe_mla_ep2_s2_selective": (4, PP2 + MOE + MLA + [
+    # MoE with MLA (YaRN) and an MTP depth under CP: each rank routes its part's tokens,
+    # the experts over 2 expert-parallel ranks that are the CP ranks
+    "cp2_mtp_moe_mla_ep2_s2_selective": (4, PP2 + MOE + MLA + [
+        "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1",
         "--context-parallel-size", "2", "--expert-model-parallel-size", "2",
         "--moe-token-dispatcher-type", "alltoall", "--seq1f1b-splits", "2",
         "--recompute-granularity", "selective", "--moe-layer-freq", "[0]*1+[1]*3",

@@ -347,9 +347,11 @@ class PipelineExecutor:
     def _set_auxiliary_loss_scales(self) -> None:
         """The scale of the MoE auxiliary losses' and the multi-token prediction losses'
         gradient, as megatron-core's forward_step sets it on every stage: the main
-        loss's (1 / microbatches, times the fp16 loss scale); the MoE losses' also times
-        the context-parallel size, as the main loss: each CP rank's share of them is
-        summed over the ranks, and the gradient reduction averages over them."""
+        loss's (1 / microbatches, times the fp16 loss scale), also times the
+        context-parallel size as the main loss's: each CP rank's share of these losses
+        (the MTP loss's over the whole microbatch's token count, mtp.py) is summed over
+        the ranks, and the gradient reduction averages over them. megatron-core scales
+        its MoE losses so too; its MTP losses are each rank's mean over its own tokens."""
         scalers = [scaler for scaler, used in (
             (MoEAuxLossAutoScaler, getattr(self.config, "num_moe_experts", None) is not None),
             (MTPLossAutoScaler, getattr(self.config, "mtp_num_layers", None) is not None))
@@ -360,10 +362,10 @@ class PipelineExecutor:
         scale = self.config.grad_scale_func(one) if self.config.grad_scale_func else one
         if not self.config.calculate_per_token_loss:
             scale = scale / self.num_microbatches
+            if self.context_parallel is not None:
+                scale = scale * self.context_parallel.size
         for scaler in scalers:
-            moe_under_cp = (scaler is MoEAuxLossAutoScaler and self.context_parallel is not None
-                            and not self.config.calculate_per_token_loss)
-            scaler.set_loss_scale(scale * self.context_parallel.size if moe_under_cp else scale)
+            scaler.set_loss_scale(scale)
 
     def run_unit(self, unit: Unit) -> None:
         for observer in self.observers:

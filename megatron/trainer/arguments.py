@@ -1592,8 +1592,6 @@ def _validate_context_parallel(args):
     not_yet = [flag for flag, used in (
         ("--pipeline-schedule slimpipe", args.pipeline_schedule == "slimpipe"),
         ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
-        ("--reset-attention-mask", args.reset_attention_mask),
-        ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
         (f"--softmax-type {getattr(args, 'softmax_type', 'vanilla')}",
          getattr(args, "softmax_type", "vanilla") != "vanilla"),
         ("--transformer-impl transformer_engine",

@@ -1,8 +1,9 @@
 """Megatron-LM's multi-token prediction loss logging (its ``training_log`` calls
 ``MTPLossLoggingHelper.track_mtp_metrics``): each iteration, per depth k, the MTP loss
 ``mtp_k loss`` that megatron-core's loss code added to its tracker (each microbatch's
-mean over its tokens; under splits each split's share of that mean, which add up to it),
-averaged over the data-parallel ranks, times 1 / microbatches, then cleared.
+mean over its tokens; under splits each split's share of that mean, which add up to it;
+under context parallelism each rank's part's share, summed over the ranks), averaged over
+the data-parallel ranks, times 1 / microbatches, then cleared.
 
 The reduction is ours: gloo has no AVG, which megatron-core's reduction uses. Only the
 last pipeline stage holds MTP layers and so the tracker's values; it prints them."""
@@ -32,8 +33,11 @@ class MTPLossLog:
         if values is None:
             return {}
         values = values.detach().float().clone()
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if group is not None and group.size() > 1:
+        context = parallel_state.get_context_parallel_group()
+        if context.size() > 1:  # each part's share of its microbatch's mean
+            torch.distributed.all_reduce(values, group=context)
+        group = parallel_state.get_data_parallel_group()
+        if group is not None and group.size() > 1:  # gloo has no AVG
             torch.distributed.all_reduce(values, group=group)
             values /= group.size()
         losses = {f"mtp_{depth + 1} loss": value / num_microbatches
