@@ -41,12 +41,17 @@
 # GPU has run this project yet). MLA under TP is exact
 # (megatron/seqsplit/mla.py sums the shared rotary key's gradient over TP ranks, which
 # megatron-core's local MLA spec does not: docs/megatron_lm.md#multi-latent-attention).
+# SEQ_LENGTH (16384) and CP (1, --context-parallel-size: each of CP ranks runs an equal part
+# of every split; MoE, MTP and YaRN run with it, the experts spread over DP x CP x TP / ETP
+# ranks) for longer sequences: at 65536 tokens on 16 GPUs tools/plan.py plans 89 GB at
+# the peak without CP (out of memory; DP=2) and 54 GB with CP=2 (NNODES=2 SEQ_LENGTH=65536
+# CP=2), at 131072 on 32 GPUs 58 GB with CP=4 (planned, not measured).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
-SEQ_LENGTH=16384
+SEQ_LENGTH=${SEQ_LENGTH:-16384}
 TP=${TP:-2}
 ETP=${ETP:-$TP}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/deepseek_v3_style_seq1f1b}
@@ -63,7 +68,7 @@ MODEL_ARGS=(
     --qk-pos-emb-head-dim 64
     --v-head-dim 128
     --qk-layernorm
-    --max-position-embeddings 16384
+    --max-position-embeddings $SEQ_LENGTH
     --normalization RMSNorm
     --norm-epsilon 1e-6
     --position-embedding-type rope
@@ -127,6 +132,7 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size $TP
     $([ "$TP" -gt 1 ] && echo --sequence-parallel || true)
     --pipeline-model-parallel-size 4
+    --context-parallel-size ${CP:-1}
     ${LAYOUT:+--pipeline-model-parallel-layout "$LAYOUT"}
     --use-distributed-optimizer
     --seq1f1b-splits 4

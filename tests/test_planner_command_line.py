@@ -275,6 +275,13 @@ def test_moe_examples_are_planned_as_they_are(capsys):
     tp1 = plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", TP="1"))
     assert (tp1.config.parallel.tp, tp1.config.parallel.ep) == (1, 2) and not tp1.oom
     assert not tp1.config.parallel.sequence_parallel
+    # 64k tokens on 16 GPUs: out of memory with DP=2, fits with CP=2 (its comment's numbers;
+    # the experts over the stage's DP x CP x TP / ETP ranks: EP 2 either way)
+    long = {cp: plan(_example_argv("train_deepseek_v3_style_seq1f1b.sh", NNODES="2",
+                                   SEQ_LENGTH="65536", CP=cp)) for cp in ("1", "2")}
+    assert long["1"].oom and not long["2"].oom
+    assert [long[cp].config.parallel.ep for cp in ("1", "2")] == [2, 2]
+    assert (round(long["1"].peak_memory_gb), round(long["2"].peak_memory_gb)) == (89, 54)
 
     mixtral = plan(_example_argv("train_mixtral_style_seq1f1b.sh"))
     shape = mixtral.config.model
