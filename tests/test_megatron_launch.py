@@ -432,6 +432,47 @@ def test_checkpoint_flags_finetune_and_checkpoint_args(tmp_path):
     assert not any("optimizer" in name for name in files), files
 
 
+@pytest.mark.distributed
+def test_pretrained_checkpoint_starts_a_run_that_then_resumes_from_its_own(tmp_path):
+    """Megatron-LM's continued training (e.g. extending a model's context):
+    --pretrained-checkpoint BASE --load RUN --save RUN. The first start finds no checkpoint
+    in RUN and takes BASE's weights as --finetune does (the losses of --load BASE
+    --finetune); after it saved and stopped, the same command resumes from RUN at its
+    iteration (the uninterrupted run's next loss), not from BASE again. A BASE without a
+    checkpoint stops before any work, naming the flag."""
+    from distributed import TINY_MODEL, one_error_line, pretrain
+
+    base = TINY_MODEL + ["--global-batch-size", "2", "--log-interval", "1",
+                         "--train-iters", "3"]
+    pretrained, run = tmp_path / "pretrained", tmp_path / "run"
+    saved = pretrain(base + ["--save", str(pretrained), "--save-interval", "3"])
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    continued = base + ["--pretrained-checkpoint", str(pretrained), "--load", str(run),
+                        "--save", str(run), "--save-interval", "1"]
+    started = pretrain(continued + ["--exit-interval", "2"])
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert (f"--load {run} holds no checkpoint: starting from the weights of "
+            f"--pretrained-checkpoint {pretrained}") in started.stdout
+    assert f"loaded the weights of {pretrained / 'iter_0000003'} (--finetune)" in started.stdout
+    uninterrupted = pretrain(base + ["--load", str(pretrained), "--finetune"])
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    expected = [m[2] for m in ITERATION.findall(uninterrupted.stdout)]
+    assert [m[2] for m in ITERATION.findall(started.stdout)] == expected[:2]
+    resumed = pretrain(continued)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded checkpoint from {run / 'iter_0000002'} at iteration 2" in resumed.stdout
+    assert [(m[0], m[2]) for m in ITERATION.findall(resumed.stdout)] == [("3", expected[2])]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = pretrain(base + ["--pretrained-checkpoint", str(empty), "--load", str(run / "x")])
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --pretrained-checkpoint {empty}: no checkpoint there "
+        f"(latest_checkpointed_iteration.txt missing), and --load {run / 'x'} holds none "
+        f"either: give the directory a run saved into (its --save)")
+
+
 def _without(argv, *flags):
     """argv without the given flags and their values."""
     out, skip = [], False

@@ -570,11 +570,19 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "has but the model does not ask for (missing); with log_*, "
                         "return_* and ignore_all the weights the checkpoint lacks keep "
                         "their initial values")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None,
+                   help="as Megatron-LM: where --load holds no checkpoint (or is not "
+                        "given), start from the weights of this directory's latest "
+                        "checkpoint as --finetune does (iteration 0, a fresh optimizer); "
+                        "once this run has saved into --load, a restart resumes from "
+                        "there (e.g. extending a model's context: --pretrained-checkpoint "
+                        "BASE --load RUN --save RUN)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load; start at iteration 0 "
                         "without optimizer or RNG state")
     g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model-shape flags from the checkpoint in --load")
+                   help="take the model-shape flags from the checkpoint in --load (or "
+                        "--pretrained-checkpoint's, when --load holds none)")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch", "zarr", "torch_dcp",
                                              "fsdp_dtensor"], default="torch_dist",
                    help="only torch_dist (megatron-core distributed checkpoints) is written "
@@ -675,12 +683,15 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
 def _apply_checkpoint_args(args, check_files):
     """--use-checkpoint-args: the model shape of the checkpoint in --load replaces the
     command line's (as Megatron-LM), before anything is derived from it."""
-    if not (args.use_checkpoint_args and args.load and check_files):
+    if not (args.use_checkpoint_args and check_files):
         return
-    from megatron.trainer.checkpointing import CheckpointError, saved_model_shape
+    from megatron.trainer.checkpointing import CheckpointError, load_source, saved_model_shape
 
+    source, flag = load_source(args)
+    if source is None:
+        return  # --use-checkpoint-args without a directory: _check_checkpoint_flags says so
     try:
-        shape = saved_model_shape(args.load)
+        shape = saved_model_shape(source, flag)
     except CheckpointError as error:
         raise ArgumentError(str(error))
     # as Megatron-LM: the checkpoint's vocabulary size unless the command line gives one
@@ -1322,9 +1333,20 @@ def _check_checkpoint_flags(args, check_files):
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
     for flag in ("finetune", "use_checkpoint_args"):
-        _require(not getattr(args, flag) or args.load is not None,
-                 f"--{flag.replace('_', '-')} needs --load DIR")
-    if args.load is not None and args.exit_on_missing_checkpoint and check_files:
+        _require(not getattr(args, flag) or args.load is not None
+                 or args.pretrained_checkpoint is not None,
+                 f"--{flag.replace('_', '-')} needs --load DIR (or --pretrained-checkpoint DIR)")
+    if args.pretrained_checkpoint is not None and check_files:
+        from megatron.trainer.checkpointing import TRACKER_FILE, load_source
+
+        source, flag = load_source(args)
+        _require(flag == "--load" or os.path.isfile(os.path.join(source, TRACKER_FILE)),
+                 f"--pretrained-checkpoint {source}: no checkpoint there ({TRACKER_FILE} "
+                 f"missing), and " + (f"--load {args.load} holds none either"
+                                      if args.load else "no --load is given")
+                 + ": give the directory a run saved into (its --save)")
+    if (args.load is not None and args.exit_on_missing_checkpoint and check_files
+            and args.pretrained_checkpoint is None):
         _require(os.path.isdir(args.load), f"--load {args.load}: no such directory "
                                            "(--exit-on-missing-checkpoint)")
     # megatron-core asserts this pair; say which flags and what each does

@@ -613,7 +613,7 @@ def _unverified_problem(path, allow):
     return None
 
 
-def _verify(root, path, allow_unverified=False):
+def _verify(root, path, allow_unverified=False, flag="--load"):
     """Collective: check the checkpoint's files before any rank reads them; every rank
     stops together on a damaged one."""
     found = [None]
@@ -627,18 +627,18 @@ def _verify(root, path, allow_unverified=False):
     files, problem = found[0]
     names = sorted(files)
     problems = [p for p in (_file_problem(path, n, files[n]) for n in _my_share(names)) if p]
-    _agree(_damaged(root, path, problem or (problems[0] if problems else None)))
+    _agree(_damaged(root, path, problem or (problems[0] if problems else None), flag))
 
 
-def _damaged(root, path, problem):
+def _damaged(root, path, problem, flag="--load"):
     if problem is None:
         return None
     others = [str(int(_ITER_DIR.match(n).group(1))) for n in _iteration_dirs(root)
               if n != os.path.basename(path)]
     choice = (f"write another saved iteration ({', '.join(others)}) into "
               f"{os.path.join(root, TRACKER_FILE)}" if others else
-              "start again without this --load")
-    return f"--load {root}: checkpoint {path} is damaged: {problem}; {choice}"
+              f"start again without this {flag}")
+    return f"{flag} {root}: checkpoint {path} is damaged: {problem}; {choice}"
 
 
 # ---------------------------------------------------------------- save
@@ -832,7 +832,7 @@ def _warn_of_newer(args, iteration):
               f"{os.path.join(args.load, TRACKER_FILE)})", flush=True)
 
 
-def _check_model_shape(args, path, common):
+def _check_model_shape(args, path, common, flag="--load"):
     saved_shape, now = with_legacy_gelu(common.get("model_shape", {})), model_shape(args)
     changed = [flag for flag in now if flag in saved_shape and saved_shape[flag] != now[flag]]
     differ = [f"--{flag.replace('_', '-')} saved {saved_shape[flag]!r}, now {now[flag]!r}"
@@ -844,7 +844,7 @@ def _check_model_shape(args, path, common):
         "rope", "yarn"}
     if rescaled and getattr(args, "finetune", False):
         if _rank() == 0:
-            print(f"  note: --load {path}: RoPE reads positions differently from that "
+            print(f"  note: {flag} {path}: RoPE reads positions differently from that "
                   f"checkpoint's run ({'; '.join(differ)}): its weights start this run "
                   f"(--finetune), as when extending the context", flush=True)
         return
@@ -856,7 +856,7 @@ def _check_model_shape(args, path, common):
         hint = (" (only RoPE's position scaling differs: to extend the context from this "
                 "checkpoint, start a run from its weights with --finetune; to resume it, "
                 "give its settings or --use-checkpoint-args)")
-    _exit(f"--load {path} holds another model shape: " + "; ".join(differ) + hint)
+    _exit(f"{flag} {path} holds another model shape: " + "; ".join(differ) + hint)
 
 
 def _check_optimizer_kind(args, path, common):
@@ -941,14 +941,14 @@ def _key_mismatch(path, error, strictness):
     return None
 
 
-def _unreadable(root, path, error, strictness=None):
+def _unreadable(root, path, error, strictness=None, flag="--load"):
     if strictness is not None:
         mismatch = _key_mismatch(path, error, strictness)
         if mismatch:
             return mismatch
     detail = str(error).strip().splitlines()
     detail = detail[-1] if detail else type(error).__name__
-    return _damaged(root, path, f"{type(error).__name__}: {detail[:300]}")
+    return _damaged(root, path, f"{type(error).__name__}: {detail[:300]}", flag)
 
 
 def _note_mismatch(path, missing, unexpected):
@@ -960,23 +960,43 @@ def _note_mismatch(path, missing, unexpected):
               f"checkpoint the model does not use: {sorted(missing)}", flush=True)
 
 
+def load_source(args):
+    """(directory, flag) a run loads from: --load, or --pretrained-checkpoint where --load
+    holds no checkpoint (its tracker file) or is not given, as Megatron-LM decides."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained is not None and not (
+            args.load and os.path.isfile(os.path.join(args.load, TRACKER_FILE))):
+        return pretrained, "--pretrained-checkpoint"
+    return args.load, "--load"
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists."""
+    load_dir, flag = load_source(args)
+    if flag == "--pretrained-checkpoint":
+        args.finetune = True  # as Megatron-LM: its weights start this run
+        if _rank() == 0:
+            where = f"--load {args.load} holds no checkpoint" if args.load else "no --load"
+            print(f"  {where}: starting from the weights of --pretrained-checkpoint "
+                  f"{load_dir}", flush=True)
     try:
-        iteration = _latest_iteration(args.load) if os.path.isdir(args.load) else None
+        iteration = _latest_iteration(load_dir) if os.path.isdir(load_dir) else None
     except CheckpointError as error:
         if args.ckpt_step is None:
             _exit(str(error))
     if args.ckpt_step is not None:  # as Megatron-LM: this iteration, whatever the tracker
         iteration = args.ckpt_step
-        if not os.path.isdir(checkpoint_dir(args.load, iteration)):
+        if not os.path.isdir(checkpoint_dir(load_dir, iteration)):
             saved = ", ".join(str(int(_ITER_DIR.match(n).group(1)))
-                              for n in _iteration_dirs(args.load)) or "none"
-            _exit(f"--ckpt-step {iteration}: {checkpoint_dir(args.load, iteration)} does not "
-                  f"exist (iterations saved in --load {args.load}: {saved})")
+                              for n in _iteration_dirs(load_dir)) or "none"
+            _exit(f"--ckpt-step {iteration}: {checkpoint_dir(load_dir, iteration)} does not "
+                  f"exist (iterations saved in {flag} {load_dir}: {saved})")
     if iteration is None:
-        if _iteration_dirs(args.load):
-            _exit(f"--load {_no_tracker(args.load)}")
+        if _iteration_dirs(load_dir):
+            _exit(f"{flag} {_no_tracker(load_dir)}")
+        if flag == "--pretrained-checkpoint":  # checked before start; deleted since?
+            _exit(f"--pretrained-checkpoint {load_dir}: no checkpoint there ({TRACKER_FILE} "
+                  f"missing)")
         # as Megatron-LM: a warning and a start from random (its CI's first runs rely on
         # it), fatal with --exit-on-missing-checkpoint; claim_save_dir has already refused
         # a --save whose checkpoints this run would overwrite
@@ -989,17 +1009,18 @@ def load_checkpoint(args, model, optimizer, scheduler):
                   f"{os.path.join(args.load, TRACKER_FILE)}: no checkpoint is loaded and "
                   f"training starts from random", flush=True)
         return 0, 0
-    path = checkpoint_dir(args.load, iteration)
+    path = checkpoint_dir(load_dir, iteration)
     if not os.path.isdir(path):
-        _exit(f"--load {args.load}: {TRACKER_FILE} names iteration "
+        _exit(f"{flag} {load_dir}: {TRACKER_FILE} names iteration "
               f"{iteration} but {path} does not exist")
-    _verify(args.load, path, args.load_unverified_checkpoint)
-    _warn_of_newer(args, iteration)
+    _verify(load_dir, path, args.load_unverified_checkpoint, flag)
+    if flag == "--load":
+        _warn_of_newer(args, iteration)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as error:  # verified files that still do not load: say which
-        _exit(_unreadable(args.load, path, error))
-    _check_model_shape(args, path, common)
+        _exit(_unreadable(load_dir, path, error, flag=flag))
+    _check_model_shape(args, path, common, flag)
     # --finetune: the weights only, from iteration 0 (as Megatron-LM)
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim and not common.get("has_optimizer", True):
@@ -1026,7 +1047,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
     try:
         state = dist_checkpointing.load(template, path, strict=strictness)
     except (Exception, CheckpointException) as error:  # the latter is a BaseException
-        _exit(_unreadable(args.load, path, error, strictness))
+        _exit(_unreadable(load_dir, path, error, strictness, flag))
     if strictness.startswith("return_"):  # the keys come back instead of being logged
         state, missing, unexpected = state
         _note_mismatch(path, missing, unexpected)
@@ -1059,12 +1080,12 @@ def load_checkpoint(args, model, optimizer, scheduler):
     return state["iteration"], state["consumed_samples"]
 
 
-def saved_model_shape(load_dir):
+def saved_model_shape(load_dir, flag="--load"):
     """The model-shape flags of the latest checkpoint in ``load_dir`` (for
     --use-checkpoint-args, before any process group exists); raises CheckpointError."""
     iteration = _latest_iteration(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
-        raise CheckpointError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint "
+        raise CheckpointError(f"--use-checkpoint-args: {flag} {load_dir} holds no checkpoint "
                               f"({TRACKER_FILE} missing)")
     path = checkpoint_dir(load_dir, iteration)
     try:

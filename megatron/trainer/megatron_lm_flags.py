@@ -386,7 +386,7 @@ for _reason, _flags in (
                "--dump-param-to-param-group-map --save-params-interval "
                "--save-activations-interval --save-tokens-per-expert-interval "
                "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "
-               "--pretrained-checkpoint --use-mp-args-from-checkpoint-args "
+               "--use-mp-args-from-checkpoint-args "
                "--ckpt-convert- --dist-ckpt-save-pre-mcore-014 "
                "--override-ckpt-iteration --lazy-mpu-init "
                "--ddp-reduce-scatter-with-fp32-accumulation "

@@ -334,7 +334,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     if not args.skip_train:  # --skip-train saves nothing
         checkpointing.claim_save_dir(args)
     iteration, consumed_samples = 0, 0
-    if args.load is not None:
+    if args.load is not None or args.pretrained_checkpoint is not None:
         progress.step = "checkpoint load"
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args, model, optimizer, scheduler)
