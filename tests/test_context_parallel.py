@@ -51,17 +51,21 @@ MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA,
           # the other rank's part, earlier splits or both
           "Gd": _TINY + GQA_ROPE_SWIGLU + ["--reset-attention-mask", "--reset-position-ids"],
           "X": [flag for flag in MOE_MODELS["X"] if flag != "--mock-data"],
+          # gpt-oss-style: learnable attention sinks, 20-key windows in every other layer,
+          # YaRN, biased experts (tests/test_moe_exactness.py's G)
+          "O": [flag for flag in MOE_MODELS["G"] if flag != "--mock-data"],
           "D": [flag for flag in MOE_MODELS["D"] if flag != "--mock-data"],
           # DeepSeek-V3's layers with 2 MTP depths (an MoE layer each): a part's shifted
           # tokens, labels and loss mask reach into the next part (tests/test_mtp_exactness.py)
           "V": [flag for flag in MTP_MODELS["V"] if flag != "--mock-data"]}
 # the MTP depths' logged losses of the models with MTP
 MTP_DEPTHS = {"V": ["mtp_1 loss", "mtp_2 loss"]}
-LOGGED_MOE_LOSSES = {"X": MOE_LOSSES["X"], "D": MOE_LOSSES["D"],
+LOGGED_MOE_LOSSES = {"X": MOE_LOSSES["X"], "D": MOE_LOSSES["D"], "O": MOE_LOSSES["G"],
                      "V": ["seq_load_balancing_loss"]}
 CP2 = ["--context-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+CHUNKED = ["--seq1f1b-kv-cache", "chunked"]
 # name -> (model, world size, splits, balance method, extra flags)
 CASES = {
     # context parallelism alone: no pipeline, no splits (our executor's one-split program)
@@ -83,6 +87,12 @@ CASES = {
     # experts over 2 expert-parallel ranks that are the CP ranks (all-to-all)
     "Y_cp2_s3": ("Y", 2, 3, "average", []),
     "Gd_cp2_s3": ("Gd", 2, 3, "average", []),
+    # the chunked KV cache: each chunk the whole split, a part's queries seeing its own
+    # split's chunk up to their end (kv_chunks.py); with windows, documents and sinks
+    "W_cp2_s3_chunked": ("W", 2, 3, "average", CHUNKED),
+    "Gd_cp2_s2_chunked": ("Gd", 2, 2, "average", CHUNKED),
+    "O_cp2_ep2_s2_chunked": ("O", 2, 2, "average", CHUNKED + EP2),
+    "O_cp2_s1": ("O", 2, 1, "average", []),  # CPU: the sinks in the buffer cache's kernel
     "Gd_pp2_cp2_s2_uniform": ("Gd", 4, 2, "uniform_comp", PP2),
     "X_cp2_ep2_s1": ("X", 2, 1, "average", EP2),
     "X_cp2_ep2_s3": ("X", 2, 3, "average", EP2),
@@ -213,11 +223,11 @@ def test_context_parallel_layout_and_alignment():
     (["--context-parallel-size", "2", "--seq-length", "62", "--tensor-model-parallel-size",
       "2", "--sequence-parallel"], "--seq-length \\(62\\) must be a multiple of the split "
                                    "alignment \\(4\\)"),
-    (["--context-parallel-size", "2", "--seq1f1b-kv-cache", "chunked",
-      "--attention-dropout", "0"], "--seq1f1b-kv-cache chunked is not supported with "
-                                   "--context-parallel-size 2"),
-    (["--context-parallel-size", "2", "--softmax-type", "learnable"],
-     "--softmax-type learnable is not supported with --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--transformer-impl", "transformer_engine"],
+     "--transformer-impl transformer_engine is not supported with --context-parallel-size 2"),
+    # on CUDA the sinks' kernel is the chunked cache's, as with splits
+    (["--context-parallel-size", "2", "--softmax-type", "learnable", "--attention-dropout",
+      "0", "--cuda"], "--softmax-type learnable on CUDA needs --seq1f1b-kv-cache chunked"),
     (["--context-parallel-size", "2", "--pipeline-schedule", "slimpipe",
       "--slimpipe-slices", "4", "--pipeline-model-parallel-size", "2"],
      "--pipeline-schedule slimpipe is not supported with --context-parallel-size 2"),
@@ -230,9 +240,10 @@ def test_context_parallel_layout_and_alignment():
      "hierarchical context parallelism"),
 ])
 def test_context_parallel_refusals_name_the_flag(flags, message):
-    world = 2 if "--world-size-2" in flags else 4
+    world, cuda = (2 if "--world-size-2" in flags else 4), "--cuda" in flags
+    flags = [flag for flag in flags if flag not in ("--world-size-2", "--cuda")]
     with pytest.raises(ArgumentErrors, match=message):
-        _parse(*[flag for flag in flags if flag != "--world-size-2"], world_size=world)
+        parse_args(GOOD + flags, world_size=world, cuda_available=cuda)
 
 
 def test_experts_spread_over_the_context_parallel_ranks():
@@ -263,8 +274,10 @@ def test_each_rank_runs_its_contiguous_part_of_a_split():
 
 def test_every_combination_refused_with_context_parallelism_is_named_at_once():
     with pytest.raises(ArgumentErrors) as error:
-        _parse("--context-parallel-size", "2", "--softmax-type", "off-by-one",
-               "--seq1f1b-kv-cache", "chunked", "--attention-dropout", "0")
-    named = [p.split(" is not supported")[0] for p in error.value.problems]
-    assert named == ["--seq1f1b-kv-cache chunked", "--softmax-type off-by-one"], \
+        _parse("--context-parallel-size", "2", "--pipeline-schedule", "slimpipe",
+               "--slimpipe-slices", "4", "--pipeline-model-parallel-size", "2",
+               "--transformer-impl", "transformer_engine")
+    named = [p.split(" is not supported")[0] for p in error.value.problems
+             if " is not supported with --context-parallel-size" in p]
+    assert named == ["--pipeline-schedule slimpipe", "--transformer-impl transformer_engine"], \
         error.value.problems

@@ -216,6 +216,11 @@ CONFIGS = {  # name -> (processes, flags after BASE)
     "cp2_s1_selective_hidden_dropout": (4, PP2 + [
         "--context-parallel-size", "2", "--attention-dropout", "0",
         "--recompute-granularity", "selective"]),
+    # the chunked cache under CP: each chunk the whole split, on every rank
+    "cp2_s3_chunked_rope_gqa": (4, PP2 + ["--context-parallel-size", "2", "--seq1f1b-splits",
+                                          "3", "--seq1f1b-split-alignment", "2",
+                                          "--seq1f1b-kv-cache", "chunked"] + ROPE + LLAMA
+                                + NO_DROPOUT),
     # MoE with MLA (YaRN) and an MTP depth under CP: each rank routes its part's tokens,
     # the experts over 2 expert-parallel ranks that are the CP ranks
     "cp2_mtp_moe_mla_ep2_s2_selective": (4, PP2 + MOE + MLA + [

@@ -339,9 +339,6 @@ def split_causal_attention(
             return _from_bhld(out).contiguous()
         k_all, v_all = key, value
     elif kv_cache == "chunked":
-        if context_parallel is not None:
-            raise ValueError("context parallelism runs with the buffer KV cache: use "
-                             "--seq1f1b-kv-cache buffer")
         if dropout_p > 0.0:
             raise ValueError("the chunked KV cache has no attention dropout: set "
                              "--attention-dropout 0 or use --seq1f1b-kv-cache buffer")

@@ -90,14 +90,27 @@ def _own_copy(tensor):
     return tensor.detach().permute(1, 2, 0, 3).clone(memory_format=torch.contiguous_format)
 
 
-def _store_own(entry: _ChunkEntry, split_index: int, key, value):
-    """Keep this split's K/V as chunk `split_index`; return chunks 0..split_index."""
+def _store_own(entry: _ChunkEntry, split_index: int, key, value, visible=None):
+    """Keep this split's K/V as chunk `split_index`; return chunks 0..split_index, the
+    last one cut to its first ``visible`` positions (context parallelism: the chunk is
+    the whole split's, this rank's queries end inside it)."""
     # [l, b, g, d] -> [b, g, l, d]: one compact copy of the split's own K/V (it also stops
     # the chunk from pinning the fused QKV projection output it may be a view of)
     entry.keys[split_index] = _own_copy(key)
     entry.values[split_index] = _own_copy(value)
     chunks = range(split_index + 1)
-    return [entry.keys[c] for c in chunks], [entry.values[c] for c in chunks]
+    keys = [entry.keys[c] for c in chunks]
+    values = [entry.values[c] for c in chunks]
+    if visible is not None:
+        keys[-1], values[-1] = keys[-1][:, :, :visible], values[-1][:, :, :visible]
+    return keys, values
+
+
+def _whole_chunk(grad, length):
+    """The gradient of a chunk's first positions, zero-padded to the chunk's ``length``
+    (the positions no query of this rank saw)."""
+    missing = length - grad.shape[2]
+    return grad if missing == 0 else torch.nn.functional.pad(grad, (0, 0, 0, missing))
 
 
 def _accumulate(grads: dict, index: int, grad):
@@ -162,8 +175,8 @@ class _ChunkedSplitAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, entry, split_index, softmax_scale, documents,
-                on_first_split_done, max_block_elements, store, window, sink):
-        keys, values = _store_own(entry, split_index, key, value)
+                on_first_split_done, max_block_elements, store, window, sink, visible):
+        keys, values = _store_own(entry, split_index, key, value, visible)
         ctx.kwargs = _kernel_kwargs(softmax_scale, documents, max_block_elements, window)
         out, lse = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
                            keys, values, ctx.kwargs)
@@ -194,8 +207,9 @@ class _ChunkedSplitAttention(torch.autograd.Function):
         for c in range(j):  # prefix chunks: their own splits' backwards return these
             _accumulate(entry.grad_keys, c, dks[c])
             _accumulate(entry.grad_values, c, dvs[c])
-        dk = dks[j] + entry.grad_keys.pop(j, 0)
-        dv = dvs[j] + entry.grad_values.pop(j, 0)
+        length = entry.keys[j].shape[2]  # under CP: the whole split, beyond the queries
+        dk = _whole_chunk(dks[j], length) + entry.grad_keys.pop(j, 0)
+        dv = _whole_chunk(dvs[j], length) + entry.grad_values.pop(j, 0)
         if j == 0:
             ctx.on_first_split_done()
         ctx.chunks = None
@@ -204,7 +218,7 @@ class _ChunkedSplitAttention(torch.autograd.Function):
             return x.permute(2, 0, 1, 3).to(ctx.kv_dtype)
 
         return (dq.permute(2, 0, 1, 3), megatron_layout(dk), megatron_layout(dv),
-                None, None, None, None, None, None, None, None, dsink)
+                None, None, None, None, None, None, None, None, dsink, None)
 
 
 def _kernel_kwargs(softmax_scale, documents, max_block_elements, window):
@@ -248,13 +262,20 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
                             sink=None):
     """Split attention over the microbatch's K/V chunks; same contract as
     `kv_cache.split_causal_attention` (query [l, b, hq, d], key/value [l, b, g, d],
-    returns [l, b, hq, d]) for a split with `num_splits > 1`. `store`: a
-    `kv_cache.KVCacheStore`, used through its public methods and `unit_exchange` (the
-    running unit's attention exchange)."""
-    if key.shape[0] != split.length or split.offset + split.length > split.seq_length:
+    returns [l, b, hq, d]) for a split with `num_splits > 1` or a context-parallel part
+    (`split.context_parallel`: key/value are then the whole split's, gathered over the
+    ranks, and the query is this rank's part: the chunk holds the whole split, the
+    part's queries see it up to their own end). `store`: a `kv_cache.KVCacheStore`, used
+    through its public methods and `unit_exchange` (the running unit's attention
+    exchange)."""
+    context_parallel = getattr(split, "context_parallel", None)
+    offset, length = ((split.offset, split.length) if context_parallel is None
+                      else (split.cache_offset, split.cache_length))
+    if key.shape[0] != length or offset + length > split.seq_length:
         raise ValueError(
             f"split {split.split_index}: K/V length {key.shape[0]} does not match "
-            f"length {split.length} at offset {split.offset} of {split.seq_length}")
+            f"length {length} at offset {offset} of {split.seq_length}")
+    visible = None if context_parallel is None else split.offset + split.length - offset
     entry_id = (split.microbatch_id, layer_key)
     entry = _entry(store, entry_id, split)
     documents = key_documents(split, split.offset + split.length, query.device)
@@ -268,9 +289,9 @@ def chunked_split_attention(query, key, value, *, split, store, layer_key, softm
         release = partial(store.release, entry_id)
         out = _ChunkedSplitAttention.apply(
             query, key, value, entry, split.split_index, softmax_scale, documents, release,
-            max_block_elements, store, window, sink)
+            max_block_elements, store, window, sink, visible)
     else:
-        keys, values = _store_own(entry, split.split_index, key, value)
+        keys, values = _store_own(entry, split.split_index, key, value, visible)
         out, lse = _attend(store.unit_exchange.current(True), query.permute(1, 2, 0, 3),
                            keys, values, _kernel_kwargs(softmax_scale, documents,
                                                         max_block_elements, window))

@@ -1613,17 +1613,13 @@ def _validate_context_parallel(args):
         return  # the sequence's alignment to the ranks: _validate_seq1f1b
     not_yet = [flag for flag, used in (
         ("--pipeline-schedule slimpipe", args.pipeline_schedule == "slimpipe"),
-        ("--seq1f1b-kv-cache chunked", args.seq1f1b_kv_cache == "chunked"),
-        (f"--softmax-type {getattr(args, 'softmax_type', 'vanilla')}",
-         getattr(args, "softmax_type", "vanilla") != "vanilla"),
         ("--transformer-impl transformer_engine",
          args.transformer_impl == "transformer_engine")) if used]
     if not_yet:  # every one at once, as the other checks report theirs
         raise ArgumentErrors([
             f"{flag} is not supported with --context-parallel-size {cp} yet: context "
-            "parallelism here runs GPT layers (standard, grouped-query or multi-latent "
-            "attention, dense or mixture-of-experts) with the buffer KV cache; drop one of "
-            "them" for flag in not_yet])
+            "parallelism here runs under the Seq1F1B schedules with the split-aware local "
+            "layers; drop one of them" for flag in not_yet])
 
 
 def _validate_slimpipe(args):

@@ -89,7 +89,9 @@ def _sink_problems(args):
         return []
     flag = f"--softmax-type {kind}"
     problems = []
-    splits = (args.seq1f1b_splits or 1) > 1 or args.slimpipe_slices is not None
+    # context-parallel parts run the split kernels too, one split or more
+    splits = ((args.seq1f1b_splits or 1) > 1 or args.slimpipe_slices is not None
+              or args.context_parallel_size > 1)
     if (getattr(args, "device", None) == "cuda" and splits
             and args.seq1f1b_kv_cache != "chunked"):
         problems.append(f"{flag} on CUDA needs --seq1f1b-kv-cache chunked: its kernel has "
