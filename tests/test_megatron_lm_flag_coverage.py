@@ -89,10 +89,10 @@ def outcome(flag, values):
         problems = error.problems
         if any(p.startswith(f"unknown flag {flag}") for p in problems):
             return "unknown"
-        if any(p.startswith(f"{flag} ") and " is refused: " in p for p in problems):
-            return "refused"
         if flag in OUR_FLAGS:  # implemented: a check refused this value (or this layout)
             return "implemented"
+        if any(p.startswith(f"{flag} ") and " is refused: " in p for p in problems):
+            return "refused"
         return "broken: " + "; ".join(problems)
     noted = {given for given, _ in args.no_op_flags}
     if noted - {flag}:
