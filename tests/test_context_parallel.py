@@ -93,6 +93,9 @@ CASES = {
     "Gd_cp2_s2_chunked": ("Gd", 2, 2, "average", CHUNKED),
     "O_cp2_ep2_s2_chunked": ("O", 2, 2, "average", CHUNKED + EP2),
     "O_cp2_s1": ("O", 2, 1, "average", []),  # CPU: the sinks in the buffer cache's kernel
+    # SlimPipe's 4 uniform slices (the `average` plan) under CP, its own unit order; MoE
+    "X_pp2_cp2_slimpipe_n4": ("X", 4, 4, "average", PP2 + ["--pipeline-schedule", "slimpipe",
+                                                         "--slimpipe-slices", "4"]),
     "Gd_pp2_cp2_s2_uniform": ("Gd", 4, 2, "uniform_comp", PP2),
     "X_cp2_ep2_s1": ("X", 2, 1, "average", EP2),
     "X_cp2_ep2_s3": ("X", 2, 3, "average", EP2),
@@ -140,10 +143,12 @@ def plan(tmp, corpus):
                         "argv": MODELS[model] + BATCH + data + starts[model] + flags})
     for name, (model, world, splits, method, extra) in CASES.items():
         save = ["--save", str(tmp / name), "--save-interval", "1"] if name == SAVED else []
+        schedule = ([] if "slimpipe" in extra else  # SlimPipe: its slices
+                    ["--seq1f1b-splits", str(splits), "--seq1f1b-balance-method", method])
         runs.setdefault(world, []).append({
             "name": name, "params": True,
-            "argv": MODELS[model] + BATCH + data + starts[model] + CP2 + extra + save + [
-                "--seq1f1b-splits", str(splits), "--seq1f1b-balance-method", method]})
+            "argv": MODELS[model] + BATCH + data + starts[model] + CP2 + extra + save
+            + schedule})
     runs[2].append({"name": RESUMED, "params": True, "after": [str(tmp / SAVED / TRACKER)],
                     "argv": MODELS["G"] + BATCH + data + [
                         "--use-distributed-optimizer", "--load", str(tmp / SAVED),
@@ -216,6 +221,10 @@ def test_context_parallel_layout_and_alignment():
     assert args.data_parallel_size == 1 and args.seq1f1b_alignment == 8
     args = _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a")
     assert [flag for flag, _ in args.no_op_flags] == ["--cp-comm-type"]
+    args = _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p",
+                  "--hierarchical-context-parallel-sizes", "1", "2")
+    assert [flag for flag, _ in args.no_op_flags] == ["--cp-comm-type",
+                                                      "--hierarchical-context-parallel-sizes"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -229,15 +238,19 @@ def test_context_parallel_layout_and_alignment():
     (["--context-parallel-size", "2", "--softmax-type", "learnable", "--attention-dropout",
       "0", "--cuda"], "--softmax-type learnable on CUDA needs --seq1f1b-kv-cache chunked"),
     (["--context-parallel-size", "2", "--pipeline-schedule", "slimpipe",
-      "--slimpipe-slices", "4", "--pipeline-model-parallel-size", "2"],
-     "--pipeline-schedule slimpipe is not supported with --context-parallel-size 2"),
+      "--slimpipe-slices", "4", "--pipeline-model-parallel-size", "2",
+      "--slimpipe-attention-balance", "--seq1f1b-kv-cache", "chunked"],
+     "--slimpipe-attention-balance is not supported with --context-parallel-size 2"),
     # the expert-parallel ranks come from a stage's DP x CP x TP ranks (2 here)
     (["--context-parallel-size", "2", "--num-experts", "8", "--expert-model-parallel-size",
       "4", "--moe-token-dispatcher-type", "alltoall", "--world-size-2"],
      "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 does not divide the 2 "
      "ranks of a pipeline stage \\(data-parallel x context-parallel x tensor-parallel"),
-    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2"],
-     "hierarchical context parallelism"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "2"],
+     "--hierarchical-context-parallel-sizes 2 2: their product \\(4\\) must be "
+     "--context-parallel-size \\(2\\)"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
+     "--cp-comm-type a2a\\+p2p needs --hierarchical-context-parallel-sizes"),
 ])
 def test_context_parallel_refusals_name_the_flag(flags, message):
     world, cuda = (2 if "--world-size-2" in flags else 4), "--cuda" in flags
@@ -276,8 +289,9 @@ def test_every_combination_refused_with_context_parallelism_is_named_at_once():
     with pytest.raises(ArgumentErrors) as error:
         _parse("--context-parallel-size", "2", "--pipeline-schedule", "slimpipe",
                "--slimpipe-slices", "4", "--pipeline-model-parallel-size", "2",
+               "--slimpipe-attention-balance", "--seq1f1b-kv-cache", "chunked",
                "--transformer-impl", "transformer_engine")
     named = [p.split(" is not supported")[0] for p in error.value.problems
              if " is not supported with --context-parallel-size" in p]
-    assert named == ["--pipeline-schedule slimpipe", "--transformer-impl transformer_engine"], \
+    assert named == ["--slimpipe-attention-balance", "--transformer-impl transformer_engine"], \
         error.value.problems

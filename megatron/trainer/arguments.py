@@ -5,6 +5,7 @@ exists, and reported as one line naming the flag and the fix.
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -663,6 +664,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: problems.extend(check_attention_args(args)),
         lambda: _validate_slimpipe(args),
         lambda: _validate_context_parallel(args),
+        lambda: _check_context_parallel_communication(args),
         lambda: _check_rampup_layouts(args),
     )
     for check in checks:
@@ -1612,7 +1614,8 @@ def _validate_context_parallel(args):
     if cp == 1:
         return  # the sequence's alignment to the ranks: _validate_seq1f1b
     not_yet = [flag for flag, used in (
-        ("--pipeline-schedule slimpipe", args.pipeline_schedule == "slimpipe"),
+        # SlimPipe's exchange moves K/V chunks between pipeline ranks, one split's each
+        ("--slimpipe-attention-balance", args.slimpipe_attention_balance),
         ("--transformer-impl transformer_engine",
          args.transformer_impl == "transformer_engine")) if used]
     if not_yet:  # every one at once, as the other checks report theirs
@@ -1620,6 +1623,26 @@ def _validate_context_parallel(args):
             f"{flag} is not supported with --context-parallel-size {cp} yet: context "
             "parallelism here runs under the Seq1F1B schedules with the split-aware local "
             "layers; drop one of them" for flag in not_yet])
+
+
+def _check_context_parallel_communication(args):
+    """Megatron-LM's checks of its CP communication flags, which here change nothing
+    (every type computes the same attention) but stop a command line Megatron-LM stops."""
+    sizes = getattr(args, "noop--hierarchical-context-parallel-sizes", None)
+    types = getattr(args, "noop--cp-comm-type", None) or ["p2p"]
+    if sizes is not None:
+        try:
+            product = math.prod(int(size) for size in sizes)
+        except ValueError:
+            raise ArgumentError(f"--hierarchical-context-parallel-sizes {' '.join(sizes)}: "
+                                f"give integers (group sizes)")
+        _require(product == args.context_parallel_size,
+                 f"--hierarchical-context-parallel-sizes {' '.join(sizes)}: their product "
+                 f"({product}) must be --context-parallel-size ({args.context_parallel_size}),"
+                 f" as Megatron-LM checks")
+    _require(sizes is not None or "a2a+p2p" not in types,
+             "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (as "
+             "Megatron-LM checks)")
 
 
 def _validate_slimpipe(args):

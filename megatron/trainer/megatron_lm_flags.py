@@ -64,6 +64,10 @@ NO_OP_FLAGS = {
         "+", "context parallelism here always all-gathers each split's keys and values over "
              "the context-parallel ranks (and reduce-scatters their gradients); every "
              "communication type computes the same attention"),
+    "--hierarchical-context-parallel-sizes": (
+        "+", "the group sizes of the a2a+p2p communication type (checked as Megatron-LM "
+             "does: their product is --context-parallel-size); each split's keys and values "
+             "are all-gathered over the context-parallel ranks here, the same attention"),
     "--enable-experimental": (
         False, "megatron-core's experimental switch gates only paths not built here (fused "
                "permutation with fp8 padding, experimental inference and FSDP APIs); the "
@@ -221,9 +225,6 @@ REFUSED_FLAGS = {
         "token dropping decides by the expert load of one forward call; under "
         "--seq1f1b-splits a call is one split, so other tokens would be dropped than "
         "unsplit: not supported, drop it (every token reaches its experts)"),
-    "--hierarchical-context-parallel-sizes": (
-        "hierarchical context parallelism (a2a+p2p) is not built: each split's K/V are "
-        "all-gathered over the --context-parallel-size ranks here; drop it"),
     "--fp8-": ("fp8 needs Transformer Engine layers, which the sequence-split schedules do "
                "not support yet; use --bf16"),
     "--no-fp8-wgrad": ("fp8 is not supported here; use --bf16"),
