@@ -493,6 +493,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="the wandb entity (team or user) the run goes to")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--start-eval-at-iter", type=int, default=None,
+                   help="as Megatron-LM: the periodic evaluations start at this iteration "
+                        "(those of earlier iterations are skipped and read no validation "
+                        "data); the evaluation after training is unchanged")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
@@ -1397,6 +1401,8 @@ def _check_exit_flags(args):
     _require(args.exit_interval is None or args.exit_interval >= 1,
              f"--exit-interval must be >= 1, got {args.exit_interval}")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    _require(args.start_eval_at_iter is None or args.start_eval_at_iter >= 0,
+             f"--start-eval-at-iter must be >= 0, got {args.start_eval_at_iter}")
     bad = [i for i in args.iterations_to_skip if i < 1]
     _require(not bad, f"--iterations-to-skip counts iterations from 1, got {bad}")
     _require(args.manual_gc_interval >= 0,

@@ -29,12 +29,14 @@ def datasets_provider(args):
     mock; test is None where --split gives it nothing."""
     from megatron.dataprep.gpt_datasets import build_gpt_datasets
     from megatron.dataprep.tokenizer import build_tokenizer
+    from megatron.trainer.evaluation_schedule import evaluations_through
 
     tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                                 merge_file=args.merge_file,
                                 tokenizer_model=args.tokenizer_model,
                                 vocab_size=args.vocab_size)
-    evaluations = args.train_iters // args.eval_interval + 1
+    # the periodic evaluations and the one after training
+    evaluations = evaluations_through(args, args.train_iters) + 1
     # as Megatron-LM: the test set is evaluated once, --eval-iters batches, after training
     num_samples = [args.train_samples_total,
                    evaluations * args.eval_iters * args.global_batch_size,

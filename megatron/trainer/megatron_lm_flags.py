@@ -367,7 +367,7 @@ for _reason, _flags in (
      "--allow-ambiguous-pad-tokens"),
     ("evaluation here runs --eval-iters batches of the training batch shape every "
      "--eval-interval iterations; this evaluation option is not implemented",
-     "--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size "
+     "--eval-global-batch-size --eval-micro-batch-size "
      "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
     ("the MLP in sequence chunks (megatron-core's mlp_chunks_for_training) is not run "
      "here; drop it: --seq1f1b-splits runs every layer one split of the sequence at a time, "

@@ -43,6 +43,7 @@ from megatron.trainer import (
 )
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator, skip_microbatches
+from megatron.trainer.evaluation_schedule import evaluates_at, evaluations_through
 from megatron.trainer.metrics import (
     format_iteration_line,
     memory_label,
@@ -364,7 +365,8 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         num_microbatches=args.num_microbatches, num_workers=args.num_workers))
     # a resumed run evaluates on the validation samples the uninterrupted run would reach
     # (Megatron-LM's consumed_valid_samples, derived from the iteration)
-    consumed_valid = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+    consumed_valid = (evaluations_through(args, iteration) * args.eval_iters
+                      * args.global_batch_size)
     valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
         valid_ds, args.micro_batch_size, consumed_valid, num_microbatches=args.num_microbatches,
         num_workers=args.num_workers))
@@ -640,7 +642,7 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
             window_samples = 0
         paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
-        if valid_iterator is not None and iteration % args.eval_interval == 0:
+        if valid_iterator is not None and evaluates_at(args, iteration):
             progress.step = f"evaluation at iteration {iteration}"
             param_gather.pause()  # evaluation reads whole parameters
             valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func,
