@@ -294,7 +294,7 @@ def test_every_problem_is_reported_at_once():
     """Unknown flags, bad choices, refused features and failed checks together, one line
     each, from the real entry point; exit 2 before any work."""
     argv = BASE + ["--moe-expert-capacity-factor", "2", "--lr-decay-style", "bogus",
-                   "--lr-warmup-fractoin", "0.1", "--hierarchical-context-parallel-sizes", "2",
+                   "--lr-warmup-fractoin", "0.1", "--main-grads-dtype", "bf16",
                    "--save", "/tmp/never", "--micro-batch-size", "two", "--min-lr", "1"]
     proc = distributed.pretrain(argv, timeout=120)
     assert proc.returncode == 2
@@ -302,7 +302,7 @@ def test_every_problem_is_reported_at_once():
     expected = ["--moe-expert-capacity-factor is refused", "argument --lr-decay-style: invalid choice",
                 "unknown flag --lr-warmup-fractoin", "did you mean --lr-warmup-fraction?",
                 "argument --micro-batch-size: invalid int value: 'two'",
-                "--hierarchical-context-parallel-sizes is refused", "--save needs --save-interval",
+                "--main-grads-dtype is refused", "--save needs --save-interval",
                 "--min-lr (1.0) must not exceed --lr"]
     for text in expected:
         assert sum(text in line for line in errors) == 1, (text, errors)
@@ -498,6 +498,35 @@ def test_start_eval_at_iter_skips_the_earlier_evaluations(tmp_path):
                                "--ckpt-step", "3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert validation.findall(resumed.stdout) == evaluated[1:]
+
+
+@pytest.mark.distributed
+def test_evaluation_batch_flags_read_the_same_samples(tmp_path):
+    """--eval-global-batch-size / --eval-micro-batch-size: an evaluation of 2 steps of 2
+    samples, or of 1 step of 4 in microbatches of 2, reads the 4 samples 1 step of 4
+    microbatches of 1 reads, so every validation loss is the same (each sample holds as
+    many loss tokens); at pp = 2 with Seq1F1B splits the executor's messages take the
+    evaluation's micro-batch size. A batch that does not divide stops before work."""
+    from distributed import TINY_MODEL, assert_close_series, run_configs
+
+    base = TINY_MODEL + ["--global-batch-size", "4", "--train-iters", "2", "--eval-interval",
+                         "1", "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "2"]
+    results = run_configs(tmp_path, 2, [
+        {"name": "default", "argv": base + ["--eval-iters", "1"]},
+        {"name": "two_steps", "argv": base + ["--eval-iters", "2",
+                                              "--eval-global-batch-size", "2"]},
+        {"name": "mbs2", "argv": base + ["--eval-iters", "1", "--eval-micro-batch-size", "2"]},
+    ])
+    expected = results["default"]
+    assert len(expected["validation_losses"]) == 2
+    for name in ("two_steps", "mbs2"):
+        assert_close_series(results[name]["losses"], expected["losses"], 1e-6, name)
+        assert_close_series(results[name]["validation_losses"] + [
+            results[name]["final_validation_loss"]], expected["validation_losses"] + [
+            expected["final_validation_loss"]], 1e-6, f"{name} validation")
+    with pytest.raises(ArgumentErrors, match=r"--eval-global-batch-size \(3\) must be "
+                                             r"divisible by --eval-micro-batch-size \(2\)"):
+        parse("--eval-global-batch-size", "3", "--eval-micro-batch-size", "2")
 
 
 def _without(argv, *flags):

@@ -493,6 +493,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="the wandb entity (team or user) the run goes to")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="as Megatron-LM: the micro-batch size of evaluations (default "
+                        "--micro-batch-size)")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="as Megatron-LM: the samples of one evaluation step, --eval-iters "
+                        "of which make an evaluation (default --global-batch-size)")
     g.add_argument("--start-eval-at-iter", type=int, default=None,
                    help="as Megatron-LM: the periodic evaluations start at this iteration "
                         "(those of earlier iterations are skipped and read no validation "
@@ -670,6 +676,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _validate_context_parallel(args),
         lambda: _check_context_parallel_communication(args),
         lambda: _check_rampup_layouts(args),
+        lambda: _derive_eval_batch(args),
     )
     for check in checks:
         try:
@@ -968,26 +975,59 @@ def _derive_batch_rampup(args):
     args.rampup_global_batch_sizes = list(range(start, args.global_batch_size + 1, increment))
 
 
+def _check_schedule_shape(args, num_microbatches):
+    """Raise ValueError where the pipeline schedule cannot run this many microbatches
+    (SlimPipe's and the interleaved schedule's rules; the others run any count)."""
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if args.pipeline_schedule == "slimpipe":
+        from megatron.schedules.slimpipe import check_slimpipe_shape
+
+        check_slimpipe_shape(pp, num_microbatches, vp or 1, args.slimpipe_slices)
+    elif vp:
+        from megatron.schedules.interleaved import check_interleaved_shape
+
+        check_interleaved_shape(pp, num_microbatches, vp,
+                                args.microbatch_group_size_per_virtual_pipeline_stage)
+
+
 def _check_rampup_layouts(args):
     """Every global batch of the ramp-up must suit the schedule, not only the last."""
     unit = args.micro_batch_size * args.data_parallel_size
-    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     for batch in args.rampup_global_batch_sizes[:-1]:
         try:
-            if args.pipeline_schedule == "slimpipe":
-                from megatron.schedules.slimpipe import check_slimpipe_shape
-
-                check_slimpipe_shape(pp, batch // unit, vp or 1, args.slimpipe_slices)
-            elif vp:
-                from megatron.schedules.interleaved import check_interleaved_shape
-
-                check_interleaved_shape(pp, batch // unit, vp,
-                                        args.microbatch_group_size_per_virtual_pipeline_stage)
+            _check_schedule_shape(args, batch // unit)
         except ValueError as err:
             flag = ("--step-batch-size-schedule" if args.step_batch_schedule is not None
                     else "--rampup-batch-size")
             raise ArgumentError(f"{flag}: the global batch {batch} on the way "
                                 f"does not suit the schedule: {err}")
+
+
+def _derive_eval_batch(args):
+    """--eval-micro-batch-size and --eval-global-batch-size (Megatron-LM's defaults: the
+    training ones). ``args.eval_num_microbatches`` is None where neither is given: the
+    evaluations then run the training batch shape of their iteration, as before."""
+    given = args.eval_micro_batch_size is not None or args.eval_global_batch_size is not None
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    args.eval_num_microbatches = None
+    if not given:
+        return
+    mbs, gbs, dp = args.eval_micro_batch_size, args.eval_global_batch_size, args.data_parallel_size
+    _require(mbs >= 1 and gbs >= 1, f"--eval-micro-batch-size ({mbs}) and "
+                                    f"--eval-global-batch-size ({gbs}) must be >= 1")
+    _require(gbs % (mbs * dp) == 0,
+             f"--eval-global-batch-size ({gbs}) must be divisible by --eval-micro-batch-size "
+             f"({mbs}) x data-parallel size ({dp}), as Megatron-LM checks")
+    args.eval_num_microbatches = gbs // (mbs * dp)
+    try:
+        _check_schedule_shape(args, args.eval_num_microbatches)
+    except ValueError as err:
+        raise ArgumentError(f"--eval-global-batch-size {gbs} / --eval-micro-batch-size {mbs}:"
+                            f" {args.eval_num_microbatches} microbatches per evaluation step "
+                            f"do not suit the schedule: {err}")
 
 
 def _check_model_shape(args):

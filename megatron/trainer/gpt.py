@@ -39,8 +39,9 @@ def datasets_provider(args):
     evaluations = evaluations_through(args, args.train_iters) + 1
     # as Megatron-LM: the test set is evaluated once, --eval-iters batches, after training
     num_samples = [args.train_samples_total,
-                   evaluations * args.eval_iters * args.global_batch_size,
-                   args.eval_iters * args.global_batch_size if _has_test_split(args) else 0]
+                   evaluations * args.eval_iters * args.eval_global_batch_size,
+                   args.eval_iters * args.eval_global_batch_size if _has_test_split(args)
+                   else 0]
     train, valid, test = build_gpt_datasets(
         data_path=args.data_path, data_path_per_split=args.data_path_per_split,
         split=args.split, seq_length=args.seq_length,

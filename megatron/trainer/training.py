@@ -172,15 +172,17 @@ def reduce_losses(losses_reduced):
 
 
 def _run_schedule(args, forward_backward_func, forward_step_func, data_iterator, model,
-                  forward_only):
-    """One call of the pipeline schedule over the iteration's microbatches."""
+                  forward_only, evaluation=False):
+    """One call of the pipeline schedule over the iteration's microbatches (an
+    evaluation step's: --eval-micro-batch-size, --eval-global-batch-size)."""
     return forward_backward_func(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=model,
-        num_microbatches=args.num_microbatches,
+        num_microbatches=(args.eval_num_microbatches or args.num_microbatches) if evaluation
+        else args.num_microbatches,
         seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.eval_micro_batch_size if evaluation else args.micro_batch_size,
         forward_only=forward_only,
     )
 
@@ -257,7 +259,7 @@ def evaluate(args, forward_step_func, data_iterator, model, forward_backward_fun
                            else contextlib.nullcontext()):
         for _ in range(args.eval_iters):
             totals += _run_schedule(args, forward_backward_func, forward_step_func,
-                                    data_iterator, model, forward_only=True)
+                                    data_iterator, model, forward_only=True, evaluation=True)
             if monitor is not None:
                 monitor.empty_unused_memory(level=1)
     for chunk in model:
@@ -366,14 +368,15 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     # a resumed run evaluates on the validation samples the uninterrupted run would reach
     # (Megatron-LM's consumed_valid_samples, derived from the iteration)
     consumed_valid = (evaluations_through(args, iteration) * args.eval_iters
-                      * args.global_batch_size)
+                      * args.eval_global_batch_size)
+    eval_microbatches = args.eval_num_microbatches or args.num_microbatches
     valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
-        valid_ds, args.micro_batch_size, consumed_valid, num_microbatches=args.num_microbatches,
-        num_workers=args.num_workers))
+        valid_ds, args.eval_micro_batch_size, consumed_valid,
+        num_microbatches=eval_microbatches, num_workers=args.num_workers))
                       if valid_ds is not None and args.eval_iters > 0 else None)
     # as Megatron-LM: the test set is read from its start, once, after training
     test_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
-        test_ds, args.micro_batch_size, 0, num_microbatches=args.num_microbatches,
+        test_ds, args.eval_micro_batch_size, 0, num_microbatches=eval_microbatches,
         num_workers=args.num_workers))
                      if test_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
