@@ -26,6 +26,7 @@ from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
+    no_op_value,
     take_refused,
 )
 
@@ -1383,10 +1384,10 @@ def _check_checkpoint_flags(args, check_files):
                  or args.pretrained_checkpoint is not None,
                  f"--{flag.replace('_', '-')} needs --load DIR (or --pretrained-checkpoint DIR)")
     if args.pretrained_checkpoint is not None and check_files:
-        from megatron.trainer.checkpointing import TRACKER_FILE, load_source
+        from megatron.trainer.checkpointing import TRACKER_FILE, has_checkpoint, load_source
 
         source, flag = load_source(args)
-        _require(flag == "--load" or os.path.isfile(os.path.join(source, TRACKER_FILE)),
+        _require(flag == "--load" or has_checkpoint(source),
                  f"--pretrained-checkpoint {source}: no checkpoint there ({TRACKER_FILE} "
                  f"missing), and " + (f"--load {args.load} holds none either"
                                       if args.load else "no --load is given")
@@ -1674,8 +1675,8 @@ def _validate_context_parallel(args):
 def _check_context_parallel_communication(args):
     """Megatron-LM's checks of its CP communication flags, which here change nothing
     (every type computes the same attention) but stop a command line Megatron-LM stops."""
-    sizes = getattr(args, "noop--hierarchical-context-parallel-sizes", None)
-    types = getattr(args, "noop--cp-comm-type", None) or ["p2p"]
+    sizes = no_op_value(args, "--hierarchical-context-parallel-sizes")
+    types = no_op_value(args, "--cp-comm-type") or ["p2p"]
     if sizes is not None:
         try:
             product = math.prod(int(size) for size in sizes)

@@ -960,12 +960,16 @@ def _note_mismatch(path, missing, unexpected):
               f"checkpoint the model does not use: {sorted(missing)}", flush=True)
 
 
+def has_checkpoint(directory) -> bool:
+    """Whether ``directory`` (None: no) names a latest checkpoint (its tracker file)."""
+    return bool(directory) and os.path.isfile(os.path.join(directory, TRACKER_FILE))
+
+
 def load_source(args):
     """(directory, flag) a run loads from: --load, or --pretrained-checkpoint where --load
-    holds no checkpoint (its tracker file) or is not given, as Megatron-LM decides."""
+    holds no checkpoint or is not given, as Megatron-LM decides."""
     pretrained = getattr(args, "pretrained_checkpoint", None)
-    if pretrained is not None and not (
-            args.load and os.path.isfile(os.path.join(args.load, TRACKER_FILE))):
+    if pretrained is not None and not has_checkpoint(args.load):
         return pretrained, "--pretrained-checkpoint"
     return args.load, "--load"
 
@@ -1136,7 +1140,7 @@ def _overwrite_problem(args):
     found = _iteration_dirs(args.save)
     if not found:
         return None
-    if not os.path.isfile(os.path.join(args.save, TRACKER_FILE)):
+    if not has_checkpoint(args.save):
         return f"--save {_no_tracker(args.save)}"
     if not _same_dir(args.load, args.save):
         loads = f"--load {args.load}" if args.load else "no --load"

@@ -466,11 +466,16 @@ def _no_op_dest(flag):
     return "noop" + flag  # the flag itself: --local-rank and --local_rank stay apart
 
 
+def no_op_value(args, flag):
+    """The value(s) a no-op flag was given on the command line (None: not given)."""
+    return getattr(args, _no_op_dest(flag), None)
+
+
 def no_op_flags_given(args):
     """(flag, reason) for every no-op flag on the command line."""
     given = []
     for flag, (takes_value, reason) in NO_OP_FLAGS.items():
-        value = getattr(args, _no_op_dest(flag), None)
+        value = no_op_value(args, flag)
         if (value is not None) if takes_value else value:
             given.append((flag, reason))
     return given

@@ -171,6 +171,12 @@ def reduce_losses(losses_reduced):
     return out
 
 
+def _eval_microbatches(args):
+    """Microbatches of an evaluation step: --eval-global-batch-size's, else the training
+    step's of this iteration (which --rampup-batch-size changes)."""
+    return args.eval_num_microbatches or args.num_microbatches
+
+
 def _run_schedule(args, forward_backward_func, forward_step_func, data_iterator, model,
                   forward_only, evaluation=False):
     """One call of the pipeline schedule over the iteration's microbatches (an
@@ -179,8 +185,7 @@ def _run_schedule(args, forward_backward_func, forward_step_func, data_iterator,
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=model,
-        num_microbatches=(args.eval_num_microbatches or args.num_microbatches) if evaluation
-        else args.num_microbatches,
+        num_microbatches=_eval_microbatches(args) if evaluation else args.num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.eval_micro_batch_size if evaluation else args.micro_batch_size,
         forward_only=forward_only,
@@ -369,7 +374,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     # (Megatron-LM's consumed_valid_samples, derived from the iteration)
     consumed_valid = (evaluations_through(args, iteration) * args.eval_iters
                       * args.eval_global_batch_size)
-    eval_microbatches = args.eval_num_microbatches or args.num_microbatches
+    eval_microbatches = _eval_microbatches(args)
     valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
         valid_ds, args.eval_micro_batch_size, consumed_valid,
         num_microbatches=eval_microbatches, num_workers=args.num_workers))
