@@ -29,6 +29,14 @@ def test_good_flags_parse():
     assert not parse(["--no-check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad
 
 
+def test_sgd_as_in_megatron_lm():
+    """--optimizer sgd with Megatron-LM's --sgd-momentum (default 0.9)."""
+    assert parse([]).optimizer == "adam"
+    args = parse(["--optimizer", "sgd"])
+    assert (args.optimizer, args.sgd_momentum) == ("sgd", 0.9)
+    assert parse(["--optimizer", "sgd", "--sgd-momentum", "0"]).sgd_momentum == 0.0
+
+
 def test_every_attention_backend_is_a_choice():
     for name in ("auto", "sdpa", "flash", "flex"):
         assert parse(["--attention-backend", name]).attention_backend == name
@@ -90,6 +98,10 @@ def test_aliases_from_the_original_seq1f1b_code():
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--virtual-pipeline-model-parallel-size", "2"], 2,
      "--num-layers-per-virtual-pipeline-stage"),
+    (["--optimizer", "muon"], 1, "--optimizer muon is not supported here"),
+    (["--optimizer", "sgd", "--use-distributed-optimizer"], 2,
+     "--optimizer sgd does not run with --use-distributed-optimizer"),
+    (["--sgd-momentum", "x"], 1, "--sgd-momentum"),
 ])
 def test_mistakes_name_the_flag(extra, world, flag):
     with pytest.raises(ArgumentError, match=flag):

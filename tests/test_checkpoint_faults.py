@@ -290,6 +290,18 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_pa
         f"--no-load-optim to load the weights only")
 
 
+def test_optimizer_state_of_another_optimizer_is_refused(pristine, tmp_path):
+    """Adam's state does not load into SGD: one line names both and the way out."""
+    ckpt = _copy(pristine, tmp_path)
+    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
+                                "--optimizer", "sgd"])
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --load {ckpt / ITER2} holds the state of --optimizer adam and this run uses "
+        f"--optimizer sgd: it does not load; use --optimizer adam, or pass --no-load-optim "
+        f"to load the weights only")
+
+
 def _mismatch_keys(directory, gone, kept, extra):
     """Rewrite a checkpoint's torch_dist index: `gone` disappears (the model asks for a
     key the checkpoint lacks) and `extra` appears, stored as `kept` (a key the model does

@@ -51,6 +51,18 @@ def test_dtype_follows_the_precision_flags():
     assert fp32.stages[-1]["activations"] / bf16.stages[-1]["activations"] < 1.8
 
 
+def test_optimizer_states_follow_the_optimizer():
+    """Adam keeps m and v per parameter, SGD its momentum buffer (none at momentum 0),
+    beside the fp32 master weights of a --bf16 run."""
+    params = plan(TRAINING).cost.rank_params(1)
+    for flags, states in (([], 2), (["--optimizer", "sgd"], 1),
+                          (["--optimizer", "sgd", "--sgd-momentum", "0"], 0)):
+        static = plan(TRAINING + ["--bf16"] + flags).cost.static_memory(1)
+        assert static["optimizer"] == pytest.approx((4 + 4 * states) * params)
+        assert plan(TRAINING + flags).cost.static_memory(1)["optimizer"] == \
+            pytest.approx(4 * states * params)  # fp32: no master copy
+
+
 def test_gpu_cpu_models_the_cpu_kernels():
     """Dropout masks in the activation dtype, and attention dropout on SDPA's math
     kernel (scores stored) on CPU; neither on a GPU."""

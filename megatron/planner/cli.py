@@ -13,6 +13,7 @@ from megatron.planner.predict import PlanConfig, PlanError, Prediction, predict
 from megatron.planner.presets import PRESETS, get_preset
 from megatron.schedules import registry
 from megatron.trainer.arguments import ArgumentError, validate_args
+from megatron.trainer.optimizers import optimizer_states
 from megatron.trainer.arguments import build_parser as training_parser
 
 
@@ -297,6 +298,7 @@ def config_from_args(args) -> PlanConfig:
         tp=tp, pp=pp, dp=dp, num_chunks=chunks, micro_batch_size=micro,
         global_batch_size=gbs, sequence_parallel=t.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
+        optimizer_states=optimizer_states(args),
         stage_layers=(None if len(set(t.stage_layer_counts)) == 1
                       else tuple(t.stage_layer_counts)),
         chunk_layers=chunk_layers,

@@ -21,18 +21,19 @@ from megatron.schedules.actions import FORWARD, Unit
 BF16 = 2
 FP32 = 4
 # Megatron-LM with bf16/fp16: half-precision weights, fp32 main gradients
-# (accumulate_allreduce_grads_in_fp32), fp32 master weights and Adam m, v. In fp32
-# (no --bf16/--fp16) there is no master copy: weights, gradients, m and v.
+# (accumulate_allreduce_grads_in_fp32), fp32 master weights and the optimizer's fp32
+# states (Adam m, v; SGD its momentum, none at momentum 0). In fp32 (no --bf16/--fp16)
+# there is no master copy: weights, gradients and the states.
 WEIGHT_BYTES = BF16
 GRAD_BYTES = FP32
-OPTIMIZER_BYTES = 3 * FP32
 
 
-def static_bytes_per_param(act_bytes: int) -> Dict[str, int]:
-    """Weight, gradient and optimizer bytes per parameter for the training dtype."""
-    if act_bytes >= FP32:
-        return {"weights": FP32, "gradients": FP32, "optimizer": 2 * FP32}
-    return {"weights": act_bytes, "gradients": FP32, "optimizer": 3 * FP32}
+def static_bytes_per_param(act_bytes: int, optimizer_states: int = 2) -> Dict[str, int]:
+    """Weight, gradient and optimizer bytes per parameter for the training dtype;
+    ``optimizer_states``: fp32 tensors the optimizer keeps per parameter."""
+    master = 0 if act_bytes >= FP32 else FP32
+    return {"weights": min(act_bytes, FP32), "gradients": FP32,
+            "optimizer": master + optimizer_states * FP32}
 
 # buffer / chunked: --seq1f1b-kv-cache of this project's executor; concat: the original
 # Seq1F1B code's (each split saves a concatenated copy of its prefix)
@@ -51,6 +52,7 @@ class Parallel:
     global_batch_size: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    optimizer_states: int = 2  # fp32 tensors per parameter (trainer.optimizers.optimizer_states)
     # layers of each pipeline rank (--decoder-first/last-pipeline-num-layers); None: even
     stage_layers: Optional[Tuple[int, ...]] = None
     # layers of each model chunk in pipeline order (chunk c of rank r at c * pp + r), where
@@ -251,7 +253,7 @@ class CostModel:
         dense_shards = self.par.dp_cp if self.par.distributed_optimizer else 1
         expert_dp = self.par.dp_cp * self.par.tp // (self.par.ep * self.par.expert_tp)
         expert_shards = expert_dp if self.par.distributed_optimizer else 1
-        per = static_bytes_per_param(self.act_bytes)
+        per = static_bytes_per_param(self.act_bytes, self.par.optimizer_states)
         return {
             "weights": per["weights"] * params,
             "gradients": per["gradients"] * params,
@@ -997,9 +999,12 @@ class CostModel:
         return (dp - 1) / dp * size / bw + 2 * self.gpu.collective_latency_s
 
     def optimizer_time(self, rank: int) -> float:
-        """Adam step: memory bound over the parameters this GPU owns."""
+        """The optimizer step: memory bound over the parameters this GPU owns."""
         params = self.rank_params(rank)
         owned = params / (self.par.dp_cp if self.par.distributed_optimizer else 1)
-        touched = 30 * owned + GRAD_BYTES * params  # read/write master, m, v, grad; zero grads
+        # Adam (2 states): read/write master, m, v, read the gradient = 30 bytes; then
+        # zero the gradients
+        per_owned = 14 + 8 * self.par.optimizer_states
+        touched = per_owned * owned + GRAD_BYTES * params
         return touched / (self.gpu.hbm_bw * self.gpu.hbm_efficiency)
 

@@ -23,6 +23,7 @@ from megatron.trainer.mtp_arguments import add_mtp_arguments, check_mtp_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
+from megatron.trainer.optimizers import UNSUPPORTED_OPTIMIZERS, optimizer_problems
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
@@ -255,8 +256,13 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--end-weight-decay", type=float, default=None)
     g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"],
                    default="constant")
-    g.add_argument("--optimizer", choices=["adam"], default="adam",
-                   help="Adam(W) as megatron-core builds it (sgd is not supported here)")
+    g.add_argument("--optimizer", choices=["adam", "sgd"] + list(UNSUPPORTED_OPTIMIZERS),
+                   default="adam",
+                   help="adam: Adam(W); sgd: SGD with --sgd-momentum (weight decay added to "
+                        "the gradient), both as megatron-core builds them; "
+                        + ", ".join(UNSUPPORTED_OPTIMIZERS) + " stop the run")
+    g.add_argument("--sgd-momentum", type=float, default=0.9,
+                   help="momentum factor of --optimizer sgd (Megatron-LM ignores it with adam)")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -839,6 +845,7 @@ def _check_megatron_compat(args, cuda_available):
                         "contradict each other; keep one")
     if args.grad_reduce_in_bf16 and not args.bf16:
         problems.append("--grad-reduce-in-bf16 needs --bf16")
+    problems.extend(optimizer_problems(args))
     args.no_op_flags = no_op_flags_given(args)
     if problems:
         raise ArgumentErrors(problems)

@@ -462,6 +462,7 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "model_shape": model_shape(args),
         "layout": list(_layout()),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
+        "optimizer_type": args.optimizer,
         # megatron-core chains one optimizer per parameter kind with expert parallelism;
         # its sharded keys then carry a chained_<i> prefix that another chain cannot load
         "optimizer_parts": optimizer_parts(optimizer),
@@ -860,6 +861,12 @@ def _check_model_shape(args, path, common, flag="--load"):
 
 
 def _check_optimizer_kind(args, path, common):
+    # checkpoints saved before --optimizer sgd existed here are Adam's
+    saved_type = common.get("optimizer_type", "adam")
+    if not args.no_load_optim and saved_type != args.optimizer:
+        _exit(f"--load {path} holds the state of --optimizer {saved_type} and this run uses "
+              f"--optimizer {args.optimizer}: it does not load; use --optimizer "
+              f"{saved_type}, or pass --no-load-optim to load the weights only")
     saved = bool(common.get("distributed_optimizer", False))
     if args.no_load_optim or saved == bool(args.use_distributed_optimizer):
         return

@@ -142,9 +142,9 @@ for _reason, _flags in (
      "--distributed-timeout-seconds-after-init=N"),
     ("a debugging check that is not run here", "--check-weight-hash-across-dp-replicas-interval=N "
      "--gpu-sniff-test-interval=N"),
-    ("only used by --optimizer sgd/muon/lion, which are not supported here (--optimizer "
-     "adam); Megatron-LM ignores it with adam too",
-     "--sgd-momentum=X --muon-momentum=X --muon-no-split-qkv --muon-nesterov "
+    ("only used by --optimizer muon/lion, which are not supported here (--optimizer "
+     "adam or sgd); Megatron-LM ignores it with adam and sgd too",
+     "--muon-momentum=X --muon-no-split-qkv --muon-nesterov "
      "--muon-scale-mode=V --muon-fp32-matmul-prec=V --muon-coefficient-type=V "
      "--muon-num-ns-steps=N --muon-tp-mode=V --muon-extra-scale-factor=X "
      "--muon-scalar-optimizer=V --lion-beta1=X --lion-beta2=X --no-use-layer-wise-param-layout"),

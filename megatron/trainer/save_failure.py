@@ -27,18 +27,20 @@ _STORE_PREFIX = "seq1f1b/save_failed"
 
 def checkpoint_bytes(args, model, latest):
     """About how many bytes a checkpoint of this run takes (collective: every rank calls
-    it): the parameters' bytes times what Adam keeps per parameter; on rank 0 the size of
+    it): the parameters' bytes times what the optimizer keeps per parameter; on rank 0 the size of
     the latest checkpoint (``latest``, a directory) instead where there is one."""
     from megatron.core import parallel_state
 
     from megatron.trainer import device
+    from megatron.trainer.optimizers import optimizer_states
 
     local = 0
     # data- and context-parallel replicas save once
     if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         params = sum(p.numel() for chunk in model for p in chunk.parameters())
-        # weights as trained, plus fp32 Adam moments (and fp32 main weights with bf16/fp16)
-        per_param = 2 + 12 if (args.bf16 or args.fp16) else 4 + 8
+        # weights as trained, the optimizer's fp32 states (and fp32 main weights with
+        # bf16/fp16)
+        per_param = (2 + 4 if (args.bf16 or args.fp16) else 4) + 4 * optimizer_states(args)
         local = params * per_param
     total = torch.tensor([float(local)], dtype=torch.float64, device=device.compute_device())
     torch.distributed.all_reduce(total)

@@ -39,6 +39,7 @@ from megatron.trainer import (
     initialize,
     monitoring,
     norms,
+    optimizers,
     rerun,
 )
 from megatron.trainer.arguments import parse_args_or_exit
@@ -110,7 +111,8 @@ def build_optimizer(args, model):
     """megatron-core's optimizer and learning-rate schedule from Megatron-LM's flags
     (schedule lengths in samples, as validate_args derived them)."""
     optimizer_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
         lr=args.lr,
         min_lr=args.min_lr,
         decoupled_lr=args.decoupled_lr,
@@ -134,6 +136,8 @@ def build_optimizer(args, model):
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
     optimizer = get_megatron_optimizer(optimizer_config, model)
+    if args.optimizer == "sgd":
+        optimizers.give_sgd_momentum_buffers(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
