@@ -193,6 +193,8 @@ def main(spec_path, out_path):
                           on_finish=on_finish)
         entry = {"losses": result.losses, "validation_losses": result.validation_losses,
                  "final_validation_loss": result.final_validation_loss,
+                 "validation_losses_by_set": result.validation_losses_by_set,
+                 "final_validation_losses": result.final_validation_losses,
                  "test_loss": result.test_loss, "learning_rates": result.learning_rates,
                  "grad_norms": [None if g is None else float(g) for g in result.grad_norms],
                  "forward_units": units, "reports": reports,

@@ -75,6 +75,30 @@ def test_megatron_lm_data_source_flags(corpora):
     assert _parse("--data-path", a, "--split", "90,10,0").split == "90,10,0"
 
 
+def test_full_validation_flags(corpora):
+    """--full-validation, --multiple-validation-sets and --validation-set-names (run in
+    tests/test_full_validation.py): their mistakes stop while parsing, naming the flag."""
+    tmp, a, b = corpora
+    two = ["--train-data-path", a, "--valid-data-path", a, b, "--full-validation",
+           "--multiple-validation-sets"]
+    args = _parse(*two, "--validation-set-names", "web", "code", "--eval-iters", "0")
+    assert args.validation_set_names == ["web", "code"] and args.full_validation
+    for flags, match in (
+            (two[:-2] + ["--multiple-validation-sets"], "--multiple-validation-sets needs "
+                                                        "--full-validation"),
+            (two[:-1] + ["--validation-set-names", "web"], "--validation-set-names needs "
+                                                            "--multiple-validation-sets"),
+            (two + ["--validation-set-names", "web"], "gives 1 names for 2 validation set"),
+            (["--train-data-path", a, "--valid-data-path", "1", a, "3", b,
+              "--full-validation"], "--full-validation reads each validation prefix whole, "
+                                    "which a weighted blend"),
+            (["--data-path", "1", a, "3", b, "--split", "90,10,0", "--full-validation"],
+             "weighted blend \\(--data-path"),
+            (["--mock-data", "--full-validation"], "--mock-data's is megatron-core's mock")):
+        with pytest.raises(ArgumentError, match=match):
+            _parse(*flags)
+
+
 def test_data_source_mistakes_name_the_flag(corpora):
     tmp, a, b = corpora
     bad_json = tmp / "bad.json"

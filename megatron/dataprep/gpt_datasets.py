@@ -21,7 +21,16 @@ class DataPathError(ValueError):
 def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
                     ) -> Tuple[List[str], Optional[List[float]]]:
     """(prefixes, weights or None). Weights must be all given or all omitted. `flag` is the
-    option the list came from, named in the errors."""
+    option the list came from, named in the errors. Each prefix's files are checked."""
+    prefixes, weights = blend_of(data_path, flag)
+    for prefix in prefixes:
+        _check_prefix(prefix, flag)
+    return prefixes, weights
+
+
+def blend_of(data_path: Sequence[str], flag: str = "--data-path"
+             ) -> Tuple[List[str], Optional[List[float]]]:
+    """(prefixes, weights or None) of a data-path list, without reading any file."""
     items = [str(x) for x in (data_path or [])]
     if not items:
         raise DataPathError(f"{flag}: no dataset given (a prefix, or 'w1 p1 w2 p2 ...')")
@@ -38,8 +47,6 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
         raise DataPathError(f"{flag}: {' '.join(items)} mixes weights and prefixes; give "
                             f"either prefixes only or pairs 'weight prefix' (found {numeric[0]} "
                             f"where a prefix belongs)")
-    for prefix in prefixes:
-        _check_prefix(prefix, flag)
     return prefixes, weights
 
 
@@ -231,12 +238,16 @@ def build_gpt_datasets(
     create_attention_mask: bool = True,
     mmap_bin_files: bool = True,
     data_path_per_split: Optional[Sequence[Optional[Sequence[str]]]] = None,
+    multiple_validation_sets: bool = False,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
     data_path_per_split (instead of data_path and split): the train, valid and test blends,
     each read whole (None: that part is not built), as Megatron-LM's --train-data-path,
     --valid-data-path and --test-data-path.
+    A part of None samples is built as one pass over its data (Megatron-LM's
+    --full-validation); with multiple_validation_sets, a validation blend of several
+    prefixes in data_path_per_split comes back as a list of one such dataset per prefix.
     mock=True ignores data_path and builds megatron-core's MockGPTDataset. Under
     torch.distributed every rank must call this (the builder synchronises); pass
     is_built_on_rank to build on some ranks only (default: all).
@@ -259,6 +270,8 @@ def build_gpt_datasets(
             if path and part.name in used else None
             for part, path in zip(Split, data_path_per_split)]
         split = None  # megatron-core: each part's blend is read whole
+        if not any(blend_per_split):  # nothing read (--train-iters 0): megatron-core would
+            return None, None, None   # take the missing blends for mock data
     elif not mock:
         blend = parse_data_path(data_path)
         check_splits(blend[0], split, used)
@@ -282,6 +295,8 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
         mmap_bin_files=mmap_bin_files,
+        multiple_validation_sets=multiple_validation_sets,
+        full_validation=train_valid_test_num_samples[1] is None,
     )
     if blend_per_split is None:
         # a part nobody reads (0 samples) is not built: an empty one would never finish

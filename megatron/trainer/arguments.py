@@ -24,6 +24,11 @@ from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_ro
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
 from megatron.trainer.optimizers import UNSUPPORTED_OPTIMIZERS, optimizer_problems
+from megatron.trainer.validation_arguments import (
+    add_validation_arguments,
+    check_validation_args,
+    validates,
+)
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
@@ -506,6 +511,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--eval-global-batch-size", type=int, default=None,
                    help="as Megatron-LM: the samples of one evaluation step, --eval-iters "
                         "of which make an evaluation (default --global-batch-size)")
+    add_validation_arguments(g)
     g.add_argument("--start-eval-at-iter", type=int, default=None,
                    help="as Megatron-LM: the periodic evaluations start at this iteration "
                         "(those of earlier iterations are skipped and read no validation "
@@ -684,6 +690,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_context_parallel_communication(args),
         lambda: _check_rampup_layouts(args),
         lambda: _derive_eval_batch(args),
+        lambda: problems.extend(check_validation_args(args)),
     )
     for check in checks:
         try:
@@ -1310,7 +1317,7 @@ def _check_data_flags(args, check_files):
                  "(nothing is downloaded: give a local tokenizer.json or its directory)")
     if args.data_path and check_files:
         args.flag_notes = getattr(args, "flag_notes", []) + _check_data(args.data_path, args.split,
-                                       ["train"] + (["valid"] if args.eval_iters > 0 else []),
+                                       ["train"] + (["valid"] if validates(args) else []),
                                        args.seq_length)
     if args.data_path_per_split is not None and check_files:
         args.flag_notes = getattr(args, "flag_notes", []) + _check_data_per_split(

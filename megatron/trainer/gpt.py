@@ -38,7 +38,9 @@ def datasets_provider(args):
     # the periodic evaluations and the one after training
     evaluations = evaluations_through(args, args.train_iters) + 1
     # as Megatron-LM: the test set is evaluated once, --eval-iters batches, after training
+    # --full-validation: one pass over the validation data (megatron-core sizes it)
     num_samples = [args.train_samples_total,
+                   None if args.full_validation else
                    evaluations * args.eval_iters * args.eval_global_batch_size,
                    args.eval_iters * args.eval_global_batch_size if _has_test_split(args)
                    else 0]
@@ -49,10 +51,14 @@ def datasets_provider(args):
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
-        create_attention_mask=False)  # the kernels mask causally
+        create_attention_mask=False,  # the kernels mask causally
+        multiple_validation_sets=args.multiple_validation_sets)
     if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
-        train, valid, test = (DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
-                              for ds in (train, valid, test))
+        def with_ids(ds):
+            return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
+
+        train, test = with_ids(train), with_ids(test)
+        valid = [with_ids(ds) for ds in valid] if isinstance(valid, list) else with_ids(valid)
     return train, valid, test, tokenizer
 
 

@@ -365,9 +365,9 @@ for _reason, _flags in (
      "--tokenizer-hf-no-include-special-tokens --trust-remote-code "
      "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template "
      "--allow-ambiguous-pad-tokens"),
-    ("evaluation here runs --eval-iters batches (of --eval-global-batch-size samples) "
-     "every --eval-interval iterations; this evaluation option is not implemented",
-     "--test-mode --full-validation --multiple-validation-sets --validation-set-names"),
+    ("evaluation here runs --eval-iters batches (of --eval-global-batch-size samples), or "
+     "the whole validation set with --full-validation, every --eval-interval iterations; "
+     "this evaluation option is not implemented", "--test-mode"),
     ("the MLP in sequence chunks (megatron-core's mlp_chunks_for_training) is not run "
      "here; drop it: --seq1f1b-splits runs every layer one split of the sequence at a time, "
      "and --recompute-modules mlp frees the MLP's activations",

@@ -358,15 +358,16 @@ class Monitor:
             self.config.timers = self.timers
             self.gc.after_eval()
 
-    def log_validation(self, loss, iteration, consumed_samples):
+    def log_validation(self, loss, iteration, consumed_samples, suffix=""):
+        """A validation set's loss; ``suffix``: the set's ('-NAME' with
+        --multiple-validation-sets), in the keys as Megatron-LM puts it."""
         ppl = math.exp(min(20.0, loss))
-        self.writers.add("lm loss validation", loss, iteration)
-        self.writers.add("lm loss validation vs samples", loss, consumed_samples,
-                         to_wandb=False)
+        key = f"lm loss validation{suffix}"
+        self.writers.add(key, loss, iteration)
+        self.writers.add(f"{key} vs samples", loss, consumed_samples, to_wandb=False)
         if self.args.log_validation_ppl_to_tensorboard:
-            self.writers.add("lm loss validation ppl", ppl, iteration)
-            self.writers.add("lm loss validation ppl vs samples", ppl, consumed_samples,
-                             to_wandb=False)
+            self.writers.add(f"{key} ppl", ppl, iteration)
+            self.writers.add(f"{key} ppl vs samples", ppl, consumed_samples, to_wandb=False)
         return ppl
 
     # --- logging --------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from megatron.trainer import (
     norms,
     optimizers,
     rerun,
+    validation_sets,
 )
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator, skip_microbatches
@@ -257,16 +258,20 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     return losses, grad_norm, update_successful, exit_reason, num_zeros
 
 
-def evaluate(args, forward_step_func, data_iterator, model, forward_backward_func,
+def evaluate(args, forward_step_func, data_set, model, forward_backward_func,
              monitor=None):
-    """Validation losses; ``monitor`` collects garbage around it (--manual-gc), keeps it
-    out of the timers and empties the CUDA cache after each step."""
+    """The losses of one set (``validation_sets``: what it reads and how many steps);
+    ``monitor`` collects garbage around it (--manual-gc), keeps it out of the timers and
+    empties the CUDA cache after each step."""
     for chunk in model:
         chunk.eval()
     totals = []
+    batch = (_eval_microbatches(args) * args.eval_micro_batch_size
+             * args.data_parallel_size)
     with torch.no_grad(), (monitor.evaluation() if monitor is not None
-                           else contextlib.nullcontext()):
-        for _ in range(args.eval_iters):
+                           else contextlib.nullcontext()), \
+            data_set.read(batch) as (data_iterator, steps):
+        for _ in range(steps):
             totals += _run_schedule(args, forward_backward_func, forward_step_func,
                                     data_iterator, model, forward_only=True, evaluation=True)
             if monitor is not None:
@@ -290,6 +295,10 @@ class TrainingResult:
     consumed_samples: int = 0
     exit_reason: str = None  # why the loop stopped before --train-iters, if it did
     final_validation_loss: float = None
+    # every evaluation's {set suffix: loss} ('' for the one set, '-NAME' with
+    # --multiple-validation-sets), and the final evaluation's
+    validation_losses_by_set: list = field(default_factory=list)
+    final_validation_losses: dict = field(default_factory=dict)
     test_loss: float = None
     params_norms: list = field(default_factory=list)
     num_zeros: list = field(default_factory=list)
@@ -378,16 +387,15 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     # (Megatron-LM's consumed_valid_samples, derived from the iteration)
     consumed_valid = (evaluations_through(args, iteration) * args.eval_iters
                       * args.eval_global_batch_size)
-    eval_microbatches = _eval_microbatches(args)
-    valid_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
-        valid_ds, args.eval_micro_batch_size, consumed_valid,
-        num_microbatches=eval_microbatches, num_workers=args.num_workers))
-                      if valid_ds is not None and args.eval_iters > 0 else None)
+    def eval_iterators(dataset, consumed=0):
+        return chunk_iterators(model, lambda: MicrobatchIterator(
+            dataset, args.eval_micro_batch_size, consumed,
+            num_microbatches=_eval_microbatches(args), num_workers=args.num_workers))
+
+    valid_sets = _validation_sets(args, valid_ds, eval_iterators, consumed_valid)
     # as Megatron-LM: the test set is read from its start, once, after training
-    test_iterator = (chunk_iterators(model, lambda: MicrobatchIterator(
-        test_ds, args.eval_micro_batch_size, 0, num_microbatches=eval_microbatches,
-        num_workers=args.num_workers))
-                     if test_ds is not None and args.eval_iters > 0 else None)
+    test_set = (validation_sets.ContinuingSet(eval_iterators(test_ds), args.eval_iters)
+                if test_ds is not None and args.eval_iters > 0 else None)
     print_rank_0(f"> setup done in {time.time() - start:.1f}s: tp={args.tensor_model_parallel_size}"
                  f" pp={args.pipeline_model_parallel_size} dp={args.data_parallel_size}"
                  f" microbatches={args.num_microbatches} seq1f1b-splits={args.seq1f1b_splits}"
@@ -408,13 +416,14 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     if rerun.enabled(args):  # as Megatron-LM: a rerun replays the iteration's microbatches
         train_iterator = rerun.wrap(train_iterator)
     try:
-        result = train(args, step_func, train_iterator, valid_iterator, model, optimizer,
+        result = train(args, step_func, train_iterator, valid_sets, model, optimizer,
                        scheduler, forward_backward_func, iteration, consumed_samples, guard,
-                       progress, observers, test_iterator)
+                       progress, observers, test_set)
     finally:  # --num-workers: end the reader processes whichever way training ends
-        for iterator in (_as_list(readers) + _as_list(valid_iterator)
-                         + _as_list(test_iterator)):
+        for iterator in _as_list(readers):
             iterator.close()
+        for data_set in valid_sets + ([test_set] if test_set is not None else []):
+            data_set.close()
     if recorder is not None:
         write_timeline(args, recorder)
     # the last context-parallel rank's peaks: its parts' queries see the most keys
@@ -431,6 +440,25 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         on_finish(args, model)
     initialize.destroy_model_parallel()
     return result
+
+
+def _validation_sets(args, valid_ds, eval_iterators, consumed_valid):
+    """What each evaluation reads: --eval-iters steps of the validation set, read on, or
+    with --full-validation every set whole (validation_sets.py)."""
+    if valid_ds is None:
+        return []
+    if not args.full_validation:
+        return ([validation_sets.ContinuingSet(eval_iterators(valid_ds, consumed_valid),
+                                               args.eval_iters)]
+                if args.eval_iters > 0 else [])
+    datasets = valid_ds if isinstance(valid_ds, list) else [valid_ds]
+    sets = [validation_sets.WholeSet(suffix, dataset, eval_iterators)
+            for suffix, dataset in zip(validation_sets.suffixes(args, len(datasets)),
+                                       datasets)]
+    for data_set in sets:
+        print_rank_0(f"> full validation{data_set.suffix}: {len(data_set.dataset)} sequences "
+                     f"per evaluation")
+    return sets
 
 
 def _as_list(iterators):
@@ -486,9 +514,9 @@ class Progress:
     step = "setup"
 
 
-def train(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
+def train(args, step_func, train_iterator, valid_sets, model, optimizer, scheduler,
           forward_backward_func, iteration, consumed_samples, guard, progress,
-          observers=(), test_iterator=None):
+          observers=(), test_set=None):
     """Train (unless --skip-train), then evaluate on the validation and test sets as
     Megatron-LM does after its training loop."""
     monitor = monitoring.Monitor(args, model, optimizer)
@@ -498,39 +526,43 @@ def train(args, step_func, train_iterator, valid_iterator, model, optimizer, sch
             print_rank_0("skipping training (--skip-train is on) ...")
             history = TrainingResult(iteration=iteration, consumed_samples=consumed_samples)
         else:
-            history = _train_loop(args, step_func, train_iterator, valid_iterator, model,
+            history = _train_loop(args, step_func, train_iterator, valid_sets, model,
                                   optimizer, scheduler, forward_backward_func, iteration,
                                   consumed_samples, guard, progress, observers, monitor)
         if history.exit_reason is None:  # as Megatron-LM: an early exit evaluates nothing
-            final_evaluation(args, step_func, valid_iterator, test_iterator, model,
+            final_evaluation(args, step_func, valid_sets, test_set, model,
                              forward_backward_func, history, monitor, progress)
         return history
     finally:  # also after a deliberate stop: gc back on, profile and writers flushed
         monitor.close()
 
 
-def final_evaluation(args, step_func, valid_iterator, test_iterator, model,
+def final_evaluation(args, step_func, valid_sets, test_set, model,
                      forward_backward_func, history, monitor, progress):
-    """--eval-iters batches of the validation set (where the periodic evaluations left
-    off) and of the test set (from its start), each printed in Megatron-LM's box."""
+    """The validation sets (--eval-iters batches where the periodic evaluations left
+    off, or whole) and --eval-iters batches of the test set (from its start), each
+    printed in Megatron-LM's box."""
     iteration = history.iteration
-    for name, iterator in (("validation", valid_iterator), ("test", test_iterator)):
-        if iterator is None:
-            continue
-        progress.step = f"evaluation on the {name} set after iteration {iteration}"
-        loss = evaluate(args, step_func, iterator, model, forward_backward_func,
+    for name, data_set in ([("validation", s) for s in valid_sets]
+                           + ([("test", test_set)] if test_set is not None else [])):
+        progress.step = (f"evaluation on the {name}{data_set.suffix} set after iteration "
+                         f"{iteration}")
+        loss = evaluate(args, step_func, data_set, model, forward_backward_func,
                         monitor).get("lm loss")
         if loss is None:  # not the last pipeline stage
             continue
         ppl = math.exp(min(20.0, loss))
         if name == "validation":
-            history.final_validation_loss = loss
+            history.final_validation_losses[data_set.suffix] = loss
+            if not data_set.suffix:
+                history.final_validation_loss = loss
             if not args.skip_train:  # as Megatron-LM: --skip-train writes no TensorBoard
-                monitor.log_validation(loss, iteration, history.consumed_samples)
+                monitor.log_validation(loss, iteration, history.consumed_samples,
+                                       data_set.suffix)
         else:
             history.test_loss = loss
-        line = (f" validation loss at iteration {iteration} on {name} set | lm loss value: "
-                f"{loss:.6g} | lm loss PPL: {ppl:.6g} |")
+        line = (f" validation{data_set.suffix} loss at iteration {iteration} on {name} set | "
+                f"lm loss value: {loss:.6g} | lm loss PPL: {ppl:.6g} |")
         print_last_rank("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
 
 
@@ -550,7 +582,7 @@ def _stop_for_rerun(args, decision, iteration, consumed_samples, model, optimize
     raise rerun.RerunStop(decision.code, decision.message)
 
 
-def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimizer, scheduler,
+def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, scheduler,
                 forward_backward_func, iteration, consumed_samples, guard, progress,
                 observers, monitor):
     # per sample: under --rampup-batch-size the global batch changes between iterations
@@ -654,19 +686,27 @@ def _train_loop(args, step_func, train_iterator, valid_iterator, model, optimize
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
             window_samples = 0
         paused = time.time()  # as Megatron-LM's interval timer, skip eval and saving
-        if valid_iterator is not None and evaluates_at(args, iteration):
+        if valid_sets and evaluates_at(args, iteration):
             progress.step = f"evaluation at iteration {iteration}"
             param_gather.pause()  # evaluation reads whole parameters
-            valid = evaluate(args, step_func, valid_iterator, model, forward_backward_func,
-                             monitor)
+            losses = {}
+            for data_set in valid_sets:
+                valid = evaluate(args, step_func, data_set, model, forward_backward_func,
+                                 monitor)
+                if "lm loss" not in valid:  # not the last pipeline stage
+                    continue
+                loss = losses[data_set.suffix] = valid["lm loss"]
+                ppl = monitor.log_validation(loss, iteration, consumed_samples,
+                                             data_set.suffix)
+                print_last_rank(f" validation{data_set.suffix} loss at iteration {iteration} "
+                                f"| lm loss value: {loss:.6g} | lm loss PPL: {ppl:.6g} |")
             param_gather.resume()
             moe_losses.clear()  # as Megatron-LM, after an evaluation
             mtp_losses.clear()
-            if "lm loss" in valid:
-                ppl = monitor.log_validation(valid["lm loss"], iteration, consumed_samples)
-                print_last_rank(f" validation loss at iteration {iteration} | lm loss value: "
-                                f"{valid['lm loss']:.6g} | lm loss PPL: {ppl:.6g} |")
-                history.validation_losses.append(valid["lm loss"])
+            if losses:
+                history.validation_losses_by_set.append(losses)
+                if "" in losses:
+                    history.validation_losses.append(losses[""])
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             progress.step = f"checkpoint save at iteration {iteration}"
             param_gather.sync()  # the saved parameters are those of the last step
