@@ -90,6 +90,47 @@ def test_reset_position_ids_and_eod_mask_loss(tmp_path):
         assert (loss[s["tokens"] == tok.eod] == 0).all()
 
 
+def test_pad_equal_to_eod_is_masked_only_when_allowed(tmp_path):
+    """--allow-ambiguous-pad-tokens: a tokenizer whose pad id is its EOD's (as some HF
+    tokenizers set pad = EOS). megatron-core masks no pad by default then (EOD stays a
+    token and a target); with the flag the pad id is masked out of the loss, in each
+    sample at its own positions (megatron-core's cached loss mask carried the first
+    sample's masked positions into every later one: gpt_datasets.py turns the cache off)."""
+    tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB)
+    tok.__class__ = type("PadIsEod", (type(tok),), {"pad": property(lambda self: self.eod)})
+    prefix, _ = null_prefix(tmp_path, "a", 0, 20, seed=2)
+
+    def build(allow):
+        train = build_gpt_datasets([prefix], "1", 24, 7, tok, [10, 0, 0],
+                                   allow_ambiguous_pad_tokens=allow)[0]
+        assert train.config.allow_ambiguous_pad_tokens == allow
+        return [train[i] for i in range(len(train))]
+
+    eod_targets = 0
+    for kept, masked in zip(build(False), build(True)):  # the same samples (same seed)
+        at_eod = kept["labels"] == tok.eod
+        eod_targets += int(at_eod.sum())
+        assert (kept["loss_mask"][at_eod] == 1).all()
+        # megatron-core masks the pad id out of the loss (and writes 0 in its place)
+        assert (masked["loss_mask"][at_eod] == 0).all() and (masked["labels"][at_eod] == 0).all()
+        assert (masked["loss_mask"][~at_eod] == 1).all()
+    assert eod_targets > 0
+
+
+def test_mid_level_dataset_surplus_reaches_the_blend(tmp_path):
+    tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB)
+    a, _ = null_prefix(tmp_path, "a", 0, 25, seed=3)
+    b, _ = null_prefix(tmp_path, "b", HALF, 25, seed=4)
+    sizes = {}
+    for surplus in (0.005, 0.5):
+        train = build_gpt_datasets(["0.25", a, "0.75", b], "100,0,0", 8, 5, tok, [400, 0, 0],
+                                   mid_level_dataset_surplus=surplus)[0]
+        assert train.config.mid_level_dataset_surplus == surplus
+        sizes[surplus] = [len(dataset) for dataset in train.datasets]
+    # each prefix's dataset is built that much larger than its share of the blend
+    assert all(big > small for big, small in zip(sizes[0.5], sizes[0.005])), sizes
+
+
 def test_weighted_blend_of_two_prefixes(tmp_path):
     tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB)
     a, docs_a = null_prefix(tmp_path, "a", 0, 25, seed=3)

@@ -239,6 +239,8 @@ def build_gpt_datasets(
     mmap_bin_files: bool = True,
     data_path_per_split: Optional[Sequence[Optional[Sequence[str]]]] = None,
     multiple_validation_sets: bool = False,
+    mid_level_dataset_surplus: float = 0.005,
+    allow_ambiguous_pad_tokens: bool = False,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
@@ -296,6 +298,8 @@ def build_gpt_datasets(
         create_attention_mask=create_attention_mask,
         mmap_bin_files=mmap_bin_files,
         multiple_validation_sets=multiple_validation_sets,
+        mid_level_dataset_surplus=mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=allow_ambiguous_pad_tokens,
         full_validation=train_valid_test_num_samples[1] is None,
     )
     if blend_per_split is None:
@@ -309,4 +313,24 @@ def build_gpt_datasets(
         config,
     )
     train, valid, test = builder.build()
+    for dataset in _low_level_datasets([train, valid, test]):
+        # megatron-core (0.16.1 to 0.19.2) caches the first sample's loss mask, then
+        # zeroes that cached tensor in place where the sample's labels are the pad id, so
+        # every later sample inherited the first one's masked positions (with a pad id
+        # that occurs in the data: --allow-ambiguous-pad-tokens, pad = EOD). Each sample's
+        # masks are computed afresh instead (a row of ones and a position range).
+        dataset.masks_and_position_ids_are_cacheable = False
     return train, valid, test
+
+
+def _low_level_datasets(datasets):
+    """The GPT datasets inside ``datasets`` (blends' parts, lists of validation sets)."""
+    for dataset in datasets:
+        if dataset is None:
+            continue
+        if isinstance(dataset, list):
+            yield from _low_level_datasets(dataset)
+        elif hasattr(dataset, "datasets"):  # megatron-core's BlendedDataset
+            yield from _low_level_datasets(dataset.datasets)
+        else:
+            yield dataset

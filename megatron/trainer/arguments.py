@@ -424,6 +424,13 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "memory-mapped files is cheap next to a long-sequence step")
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                    help="read .bin files with plain reads instead of memory maps")
+    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                   help="as Megatron-LM: the share of extra samples megatron-core builds for "
+                        "each dataset of a weighted blend")
+    g.add_argument("--allow-ambiguous-pad-tokens", action="store_true",
+                   help="as Megatron-LM: where the tokenizer's pad id is also another special "
+                        "token's (e.g. pad = EOS), still mask tokens of that id out of the "
+                        "loss (megatron-core's default then masks no pad)")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader",
                    help="accepted; no attention mask is ever built in the data loader here "
@@ -1287,6 +1294,8 @@ def _check_data_flags(args, check_files):
     else:
         args.split = args.split or "969,30,1"  # Megatron-LM's legacy default
         args.split = args.split.strip("'\"")  # launch scripts sometimes pass the quotes along
+    _require(args.mid_level_dataset_surplus >= 0,
+             f"--mid-level-dataset-surplus must be >= 0, got {args.mid_level_dataset_surplus}")
     _require(args.dataloader_type in (None, "single"),
              f"--dataloader-type {args.dataloader_type} is not supported: the data here is one "
              f"pass over megatron-core's shuffled GPT samples (Megatron-LM's 'single'; 'cyclic' "

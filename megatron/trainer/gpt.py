@@ -52,7 +52,9 @@ def datasets_provider(args):
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
         create_attention_mask=False,  # the kernels mask causally
-        multiple_validation_sets=args.multiple_validation_sets)
+        multiple_validation_sets=args.multiple_validation_sets,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
     if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
         def with_ids(ds):
             return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None

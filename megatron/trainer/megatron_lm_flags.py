@@ -353,7 +353,7 @@ for _reason, _flags in (
     ("this trainer's datasets come from --data-path with --split, or --train-data-path, "
      "--valid-data-path and --test-data-path (or the files naming them) only; give the "
      "blend there", "--per-dataset-sequences-path --phase-transition-iterations "
-     "--mid-level-dataset-surplus --sample-rate --object-storage-cache-path --enable-msc"),
+     "--sample-rate --object-storage-cache-path --enable-msc"),
     ("documents are separated in attention by --reset-attention-mask here",
      "--dataloader-inter-document-masking"),
     ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
@@ -363,8 +363,7 @@ for _reason, _flags in (
      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast "
      "--tokenizer-hf-no-include-special-tokens --trust-remote-code "
-     "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template "
-     "--allow-ambiguous-pad-tokens"),
+     "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template"),
     ("evaluation here runs --eval-iters batches (of --eval-global-batch-size samples), or "
      "the whole validation set with --full-validation, every --eval-interval iterations; "
      "this evaluation option is not implemented", "--test-mode"),
