@@ -22,6 +22,9 @@ FLAGS = TINY_MODEL + ["--global-batch-size", "8", "--micro-batch-size", "2",
                       "--train-iters", "3", "--clip-grad", "1.0", "--weight-decay", "0.01"]
 
 
+DROPOUT = ["--hidden-dropout", "0.1"]
+
+
 def plan(tmp, corpus):
     """The runs (tests/conftest.py's `exactness_runs` trains them with the other
     exactness suites')."""
@@ -36,7 +39,12 @@ def plan(tmp, corpus):
         2: [run("pp2", ["--pipeline-model-parallel-size", "2"]),
             run("tp2", ["--tensor-model-parallel-size", "2"]),
             run("dp2", []),
-            run("dp2_distopt", ["--use-distributed-optimizer"])],
+            run("dp2_distopt", ["--use-distributed-optimizer"]),
+            # the data-parallel ranks seed differently: without dropout nothing changes
+            run("dp2_random_init", ["--data-parallel-random-init"]),
+            # ... with dropout rank 1 draws other masks (rank 0's seed is --seed's)
+            run("dp2_dropout", DROPOUT),
+            run("dp2_dropout_random_init", DROPOUT + ["--data-parallel-random-init"])],
         4: [run("pp4", ["--pipeline-model-parallel-size", "4"]),
             run("tp2pp2", ["--tensor-model-parallel-size", "2",
                            "--pipeline-model-parallel-size", "2"]),
@@ -52,8 +60,8 @@ def layouts(exactness_runs):
     return exactness_runs[__name__]
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2", "dp2", "dp2_distopt", "pp4", "tp2pp2",
-                                    "pp2dp2", "pp2dp2_tp_pp_dp_mapping"])
+@pytest.mark.parametrize("layout", ["pp2", "tp2", "dp2", "dp2_distopt", "dp2_random_init",
+                                    "pp4", "tp2pp2", "pp2dp2", "pp2dp2_tp_pp_dp_mapping"])
 def test_layout_matches_single_process(layouts, layout):
     reference, run = layouts["pp1"], layouts[layout]
     assert len(reference["losses"]) == 3
@@ -73,3 +81,11 @@ def test_rank_orders_as_megatron_lm(layouts):
     (0, 1, 0, 1), as Megatron-LM orders them. Both train like one process (above)."""
     assert layouts["pp2dp2"]["pipeline_ranks"] == [0, 0, 1, 1]
     assert layouts["pp2dp2_tp_pp_dp_mapping"]["pipeline_ranks"] == [0, 1, 0, 1]
+
+
+def test_data_parallel_random_init_seeds_each_rank(layouts):
+    """--data-parallel-random-init: data-parallel rank 1 draws other dropout masks than
+    without the flag (the weights still start equal: the runs without dropout agree)."""
+    plain, seeded = layouts["dp2_dropout"]["losses"], layouts["dp2_dropout_random_init"]["losses"]
+    assert plain[0] != seeded[0] and len(plain) == len(seeded) == 3
+    assert plain != layouts["dp2"]["losses"]  # dropout is on

@@ -290,6 +290,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="accumulate and reduce gradients in fp32 (on with --bf16 unless "
                         "--grad-reduce-in-bf16)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="as Megatron-LM: each data-parallel rank seeds its random streams "
+                        "with --seed + 10 x its rank (its dropout differs); the weights are "
+                        "data-parallel rank 0's, broadcast to the others")
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)

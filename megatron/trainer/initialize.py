@@ -50,9 +50,13 @@ def initialize_distributed(args):
     args.rank = rank
 
 
-def set_seeds(seed: int):
-    """Megatron-LM's seeding: pipeline stages differ, TP ranks get their own stream."""
+def set_seeds(seed: int, data_parallel_random_init: bool = False):
+    """Megatron-LM's seeding: pipeline stages differ, TP ranks get their own stream; with
+    --data-parallel-random-init data-parallel ranks differ too (their dropout; the weights
+    are data-parallel rank 0's, broadcast after the model is built)."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

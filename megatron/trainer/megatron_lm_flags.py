@@ -275,7 +275,6 @@ _FP8 = REFUSED_FLAGS["--fp8-"]
 # reads or saves, so it is refused rather than ignored
 for _reason, _flags in (
     (_NOT_YET, "--fp32-residual-connection "
-               "--data-parallel-random-init "
                "--embedding-weights-in-fp32 "
                "--relative-attention-"),
     ("Transformer Engine's RNG tracker (for CUDA graphs) is not used here; drop it",

@@ -103,6 +103,8 @@ def build_model(args, config, model_provider):
         # as Megatron-LM: only the first chunk's gradient buffer is bucketed
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                         disable_bucketing=index > 0)
+        # every data-parallel rank starts from rank 0's weights (with
+        # --data-parallel-random-init the ranks initialised others)
         model.broadcast_params()
         chunks.append(model)
     return chunks
@@ -335,7 +337,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, extra_args_pr
 
 def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
               forward_step_func, on_finish):
-    initialize.set_seeds(args.seed)
+    initialize.set_seeds(args.seed, args.data_parallel_random_init)
     rerun.initialize(args)  # before the load: a checkpoint may hold a rerun to resume
     # (train, valid, tokenizer), or (train, valid, test, tokenizer) with a test set
     datasets = datasets_provider(args)
