@@ -380,6 +380,14 @@ def test_huggingface_tokenizer(tmp_path, gpt2, gpt2_files):
          "--output-prefix"),
         (lambda a, t: a.update({"--dataset-impl": "lazy"}), "--dataset-impl"),
         (lambda a, t: a.update({"--workers": "0"}), "--workers"),
+        (lambda a, t: a.update({"--partitions": "2"}), "--keep-sequential-samples"),
+        (lambda a, t: a.update({"--tokenizer-hf-no-use-fast": None}),
+         "--tokenizer-hf-no-use-fast: only HF tokenizers' fast tokenizer"),
+        (lambda a, t: a.update({"--find-optimal-num-workers": None}),
+         "--find-optimal-num-workers"),
+        (lambda a, t: a.update({"--vocab-extra-ids": "100"}), "--vocab-extra-ids"),
+        (lambda a, t: a.update({"--split-sentences": None, "--lang": "german"}),
+         "--lang german: nltk's Punkt model for german (punkt_tab) is not installed"),
     ],
 )
 def test_user_mistakes(tmp_path, gpt2_files, change, flag, capsys):
@@ -388,11 +396,49 @@ def test_user_mistakes(tmp_path, gpt2_files, change, flag, capsys):
             "--tokenizer-type": "GPT2BPETokenizer", "--vocab-file": gpt2_files[0],
             "--merge-file": gpt2_files[1]}
     change(args, tmp_path)
-    argv = [x for kv in args.items() for x in kv]
+    argv = [x for kv in args.items() for x in kv if x is not None]
     assert run_preprocess(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0], err
     assert outputs(tmp_path) == ["in.jsonl"]
+
+
+def test_megatron_lm_flags_that_change_nothing_here(tmp_path, gpt2, gpt2_args, capsys):
+    """A Megatron-LM command line with --partitions/--keep-sequential-samples, --lang
+    english, the vocabulary-padding flags, --trust-remote-code and the defaults of the
+    worker-timing flags: the same documents in input order, a note for each no-op."""
+    pytest.importorskip("nltk", reason=NO_NLTK)
+    texts = [f"Document {i}. It has two sentences." for i in range(7)]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    rc = run_preprocess("--input", src, "--output-prefix", tmp_path / "out", *gpt2_args,
+                        "--workers", 2, "--partitions", 2, "--keep-sequential-samples",
+                        "--split-sentences", "--lang", "english", "--padded-vocab-size", 512,
+                        "--no-pad-vocab-size", "--trust-remote-code", "--vocab-extra-ids", 0,
+                        "--workers-to-check", 16, 32, "--max-documents", 100)
+    assert rc == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if ": note: " in line]
+    assert [line.split(": note: ")[1].split(" ")[0] for line in notes] == [
+        "--padded-vocab-size", "--no-pad-vocab-size", "--trust-remote-code",
+        "--workers-to-check", "--max-documents"]
+    docs = documents(tmp_path / "out_text_sentence")
+    assert docs == [[gpt2.tokenize(f"Document {i}."), gpt2.tokenize("It has two sentences.")]
+                    for i in range(7)]
+
+
+def test_hf_special_tokens_only_without_the_flag(tmp_path, gpt2_files):
+    """--tokenizer-hf-no-include-special-tokens: no BOS from the post-processor."""
+    from test_dataprep_tokenizer import bos_tokenizer_dir
+
+    directory, bos = bos_tokenizer_dir(tmp_path, gpt2_files)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in UNICODE_SAMPLES])
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "with", *hf) == 0
+    assert run_preprocess("--input", src, "--output-prefix", tmp_path / "without", *hf,
+                          "--tokenizer-hf-no-include-special-tokens") == 0
+    with_bos = documents(tmp_path / "with_text_document")
+    without = documents(tmp_path / "without_text_document")
+    assert all(d[0][0] == bos for d in with_bos)
+    assert [d[0] for d in without] == [d[0][1:] for d in with_bos]
 
 
 def test_append_eod_without_an_eod_token(tmp_path, gpt2, capsys):

@@ -109,7 +109,8 @@ def test_null_tokenizer_follows_megatron_lm():
         tok.tokenize("10")
 
 
-def test_huggingface_tokenizer_from_a_directory(tmp_path, gpt2_files):
+def bos_tokenizer_dir(tmp_path, gpt2_files):
+    """(a directory holding a tokenizer.json whose post-processor adds a BOS, its BOS id)."""
     hf = Tokenizer.from_file(_gpt2_tokenizer_json(tmp_path, gpt2_files))
     hf.add_special_tokens(["<s>", "</s>"])
     hf.post_processor = processors.TemplateProcessing(
@@ -117,7 +118,12 @@ def test_huggingface_tokenizer_from_a_directory(tmp_path, gpt2_files):
     )
     hf.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return str(tmp_path), hf.token_to_id("<s>")
 
+
+def test_huggingface_tokenizer_from_a_directory(tmp_path, gpt2_files):
+    bos_tokenizer_dir(tmp_path, gpt2_files)
+    hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     assert tok.eod == hf.token_to_id("</s>")
     assert tok.vocab_size == 302
@@ -126,6 +132,10 @@ def test_huggingface_tokenizer_from_a_directory(tmp_path, gpt2_files):
     assert tok.tokenize(text)[0] == hf.token_to_id("<s>")
     assert tok.tokenize_batch([text]) == [tok.tokenize(text)]
     assert tok.detokenize(tok.tokenize(text)[1:]) == text
+    plain = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path),
+                            include_special_tokens=False)  # --tokenizer-hf-no-include-...
+    assert plain.tokenize(text) == tok.tokenize(text)[1:]
+    assert plain.tokenize_batch([text]) == [tok.tokenize(text)[1:]]
 
 
 def test_huggingface_tokenizer_file_without_config_finds_endoftext(tmp_path, gpt2_files):

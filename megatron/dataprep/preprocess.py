@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
+from megatron.dataprep import preprocess_flags
 from megatron.dataprep.inputs import InputError, check_columns, iter_chunks, resolve_inputs
 from megatron.dataprep.names import TOKENIZER_TYPES
 
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split documents into sentences (nltk Punkt, no download)")
     g.add_argument("--keep-newlines", action="store_true",
                    help="with --split-sentences, keep the whitespace between sentences")
+    g.add_argument("--lang", default="english",
+                   help="the language of --split-sentences' Punkt model: english is built in "
+                        "(default); another needs nltk's punkt_tab data for it installed")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True,
                    help=f"one of {', '.join(TOKENIZER_TYPES)}")
@@ -59,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, eod = N")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_false",
+                   dest="include_special_tokens",
+                   help="as Megatron-LM: HF tokenizers encode without their special tokens "
+                        "(e.g. no BOS from the tokenizer's post-processor)")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True,
                    help="writes <prefix>_<key>_document.bin/.idx (or _sentence)")
@@ -73,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "ends at 256 KB of input)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every this many documents (default 1000)")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="as Megatron-LM with --keep-sequential-samples: the documents keep the "
+                        "input order; --workers alone sets the parallelism here")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="as Megatron-LM: the documents keep the input order (always so here)")
+    preprocess_flags.add_to(p)
     return p
 
 
@@ -83,6 +97,18 @@ def output_prefix(args, key: str) -> str:
 
 def check_args(args):
     """Everything a user can get wrong, before reading any input. Returns the sources."""
+    refused = preprocess_flags.refused(args)
+    if args.partitions > 1 and not args.keep_sequential_samples:
+        refused.append(f"--partitions {args.partitions}: Megatron-LM then merges its partitions "
+                       f"in round-robin order of the input lines; this tool writes the input "
+                       f"order (Megatron-LM's --keep-sequential-samples) and parallelises with "
+                       f"--workers: add --keep-sequential-samples or drop --partitions")
+    if refused:
+        raise UsageError("; ".join(refused))
+    if args.partitions < 1:
+        raise UsageError(f"--partitions: must be at least 1, got {args.partitions}")
+    for note in preprocess_flags.noted(args):
+        print(f"{PROG}: note: {note}", file=sys.stderr)
     if args.tokenizer_type not in TOKENIZER_TYPES:
         raise UsageError(f"--tokenizer-type: unknown {args.tokenizer_type!r}; choose one of "
                          f"{', '.join(TOKENIZER_TYPES)}")
@@ -99,7 +125,7 @@ def check_args(args):
         print(f"{PROG}: warning: --keep-newlines has no effect without --split-sentences "
               f"(documents keep their newlines anyway)", file=sys.stderr)
     if args.split_sentences:
-        _check_sentence_splitter()
+        _check_sentence_splitter(args.lang)
     if args.tokenizer_type == "GPT2BPETokenizer":
         _need_file(args.vocab_file, "--vocab-file", "GPT-2 vocab.json")
         _need_file(args.merge_file, "--merge-file", "GPT-2 merges.txt")
@@ -119,16 +145,21 @@ def check_args(args):
     return sources
 
 
-def _check_sentence_splitter():
-    """--split-sentences needs nltk: say so here, in one line, rather than let every worker
-    fail to import it (which reads as "a preprocessing worker died")."""
+def _check_sentence_splitter(lang):
+    """--split-sentences needs nltk (and, for a --lang other than english, its data): say
+    so here, in one line, rather than let every worker fail to load it (which reads as "a
+    preprocessing worker died")."""
     try:
         from megatron.dataprep.sentences import SentenceSplitter
 
-        SentenceSplitter()
+        SentenceSplitter(lang=lang)
     except ImportError as exc:
         raise UsageError(f"--split-sentences needs the nltk package (Punkt sentence "
                          f"splitting): pip install nltk ({exc})") from None
+    except LookupError:
+        raise UsageError(f"--lang {lang}: nltk's Punkt model for {lang} (punkt_tab) is not "
+                         f"installed and nothing is downloaded here; install nltk_data's "
+                         f"punkt_tab offline, or use --lang english (built in)") from None
 
 
 def _need_file(path, flag, what):
@@ -142,7 +173,7 @@ def _need_file(path, flag, what):
 def _tokenizer_args(args) -> dict:
     return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                 merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                vocab_size=args.vocab_size)
+                vocab_size=args.vocab_size, include_special_tokens=args.include_special_tokens)
 
 
 def load_tokenizer(args):
@@ -193,7 +224,7 @@ def _make_encoder(spec: dict):
     if spec["split_sentences"]:
         from megatron.dataprep.sentences import SentenceSplitter
 
-        splitter = SentenceSplitter(keep_newlines=spec["keep_newlines"])
+        splitter = SentenceSplitter(keep_newlines=spec["keep_newlines"], lang=spec["lang"])
     return ChunkEncoder(build_tokenizer(**spec["tokenizer"]), spec["keys"], spec["dtype"],
                         append_eod=spec["append_eod"], splitter=splitter)
 
@@ -356,7 +387,7 @@ def run(args, sources, tokenizer):
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     spec = dict(tokenizer=_tokenizer_args(args), keys=args.json_keys, dtype=dtype,
                 append_eod=args.append_eod, split_sentences=args.split_sentences,
-                keep_newlines=args.keep_newlines)
+                keep_newlines=args.keep_newlines, lang=args.lang)
     report = Report(args.json_keys, args.log_interval)
     for key in args.json_keys:
         _remove_leftovers(output_prefix(args, key))

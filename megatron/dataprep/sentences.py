@@ -1,9 +1,10 @@
 """Sentence splitting for `--split-sentences`, with nltk's Punkt and no data download.
 
 Megatron-LM loads the pretrained English Punkt model (`nltk.download("punkt")`). Machines
-here have no network, so the Punkt algorithm runs with its default parameters plus a
-short built-in list of English abbreviations; the split is then the same on every
-machine, whatever nltk data happens to be installed.
+here have no network, so for `--lang english` (the default) the Punkt algorithm runs with
+its default parameters plus a short built-in list of English abbreviations; the split is
+then the same on every machine, whatever nltk data happens to be installed. Another
+`--lang` loads nltk's trained model for it (punkt_tab data, installed beforehand).
 """
 
 from typing import List
@@ -24,12 +25,17 @@ class SentenceSplitter:
     after a sentence stays with it, so the sentences concatenate back to the document.
     """
 
-    def __init__(self, keep_newlines: bool = False):
-        from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+    def __init__(self, keep_newlines: bool = False, lang: str = "english"):
+        """``lang`` other than english: nltk's trained Punkt model for it (punkt_tab data,
+        which must be installed: LookupError otherwise)."""
+        from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer, PunktTokenizer
 
-        params = PunktParameters()
-        params.abbrev_types = set(_ABBREVIATIONS)
-        self._punkt = PunktSentenceTokenizer(params)
+        if lang == "english":
+            params = PunktParameters()
+            params.abbrev_types = set(_ABBREVIATIONS)
+            self._punkt = PunktSentenceTokenizer(params)
+        else:
+            self._punkt = PunktTokenizer(lang)
         self.keep_newlines = keep_newlines
 
     def split(self, text: str) -> List[str]:

@@ -268,8 +268,18 @@ def build_tokenizer(
     merge_file: Optional[str] = None,
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    include_special_tokens: bool = True,
 ):
-    """Build one of TOKENIZER_TYPES; raises TokenizerError naming the flag to fix."""
+    """Build one of TOKENIZER_TYPES; raises TokenizerError naming the flag to fix.
+    ``include_special_tokens=False`` (--tokenizer-hf-no-include-special-tokens): HF
+    tokenizers encode without their special tokens."""
+    tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
+    if isinstance(tokenizer, _HFTokenizer):
+        tokenizer._add_special = include_special_tokens
+    return tokenizer
+
+
+def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size):
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
             raise TokenizerError(

@@ -172,6 +172,10 @@ for _reason, _flags in (
      "--disable-use-tokenizer-model-from-checkpoint-args"),
     ("the Multi-Storage Client is never used (Megatron-LM: deprecated, no effect)",
      "--disable-msc"),
+    ("how an HF tokenizer encodes text: training reads the token ids tools/preprocess_data.py "
+     "wrote (which takes these flags) and the tokenizer gives only its vocabulary size and "
+     "special ids, the same either way",
+     "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --trust-remote-code"),
     # the original Seq1F1B fork's (Megatron-LM of 2023) flags that Megatron-LM dropped
     ("gradients are reduced by megatron-core's DistributedDataParallel, with contiguous "
      "buffers", "--DDP-impl=V --no-contiguous-buffers-in-local-ddp"),
@@ -360,8 +364,7 @@ for _reason, _flags in (
      "--vocab-extra-ids --tokenizer-metadata --tokenizer-special-tokens "
      "--tiktoken-num-special-tokens --tokenizer-sentencepiece-legacy "
      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
-     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast "
-     "--tokenizer-hf-no-include-special-tokens --trust-remote-code "
+     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template"),
     ("evaluation here runs --eval-iters batches (of --eval-global-batch-size samples), or "
      "the whole validation set with --full-validation, every --eval-interval iterations; "
