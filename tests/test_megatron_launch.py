@@ -1,5 +1,6 @@
 """Megatron-LM users' launch scripts run unchanged (tests/launch_scripts/: the original
-Seq1F1B run.sh and three Megatron-LM examples, their flags kept except shapes, data
+Seq1F1B run.sh and Megatron-LM examples (GPT-3, Llama-3, Mixtral, the classic
+model-parallel one) and CI configs, their flags kept except shapes, data
 paths and precision), each training 2 iterations with Seq1F1B on 2 CPU processes; and
 the no-op and refused Megatron-LM flags, checked flag by flag."""
 
@@ -604,23 +605,40 @@ def test_transformer_engine_default_only_where_it_runs(monkeypatch):
     assert "does not run with --seq1f1b-splits > 1 here" in args.transformer_impl_note
 
 
+def _sentencepiece_model(directory):
+    """A 300-piece BPE .model trained on the standard library's argparse.py (bos 1, eos 2),
+    with the sentencepiece package (skips without it)."""
+    sentencepiece = pytest.importorskip(
+        "sentencepiece", reason="sentencepiece is not installed (pip install sentencepiece)")
+    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read()
+    lines = directory / "lines.txt"
+    lines.write_text("\n".join(line for line in text.splitlines() if line.strip()))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(lines), model_prefix=str(directory / "sp"), vocab_size=300,
+        model_type="bpe", bos_id=1, eos_id=2, unk_id=0, minloglevel=2)
+    return str(directory / "sp.model")
+
+
+@pytest.mark.distributed
+def test_megatron_mixtral_example(tmp_path):
+    """Megatron-LM's Mixtral example (Llama-2 tokenizer, mock data, 2 experts over EP 2
+    with the all-to-all dispatcher, distributed optimizer, both overlaps) with Seq1F1B."""
+    proc, output = run_script("megatron_mixtral_8x7b.sh", _sentencepiece_model(tmp_path))
+    assert_trained(proc, output, printed=[2])  # Megatron-LM's --log-interval 100
+    assert "load_balancing_loss:" in output and "seq1f1b-splits=2" in output
+    assert "validation loss at iteration 2 on test set" in output
+
+
 @pytest.mark.distributed
 def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
     """--tokenizer-type SentencePieceTokenizer / Llama2Tokenizer (with the sentencepiece
     package): a .model trained here on the standard library, data preprocessed with it,
     and 2 iterations trained on that data; vocabulary and end-of-document as Megatron-LM."""
-    sentencepiece = pytest.importorskip(
-        "sentencepiece", reason="sentencepiece is not installed (pip install sentencepiece)")
     from distributed import TINY_MODEL, pretrain
     from megatron.dataprep.tokenizer import build_tokenizer
 
+    model = _sentencepiece_model(tmp_path)
     text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read()
-    lines = tmp_path / "lines.txt"
-    lines.write_text("\n".join(line for line in text.splitlines() if line.strip()))
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(lines), model_prefix=str(tmp_path / "sp"), vocab_size=300,
-        model_type="bpe", bos_id=1, eos_id=2, unk_id=0, minloglevel=2)
-    model = str(tmp_path / "sp.model")
     llama = build_tokenizer("Llama2Tokenizer", tokenizer_model=model)
     plain = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
     assert (llama.vocab_size, llama.eod) == (300, 2)
