@@ -246,6 +246,10 @@ TABLE = (
     _mcore("transformer.moe.router:TopKRouter.apply_z_loss",
            "overridden by SplitRouter (z-loss as the whole microbatch's mean)",
            "self", "logits", "padding_mask"),
+    _mcore("transformer.moe.router:TopKRouter.attach_and_log_load_balancing_loss",
+           "read (its source) by per_token_router_loss_counts_tp_cp: how megatron-core "
+           "scales the load-balancing losses under --calculate-per-token-loss",
+           "self", "activation", "aux_loss_coeff", "aux_loss"),
     _mcore("transformer.moe.router:TopKRouter.get_aux_loss_coeff",
            "SplitRouter reads each load-balancing type's coefficient", "self", "aux_loss_type"),
     _mcore("transformer.moe.moe_utils:compute_routing_scores_for_aux_loss",
@@ -615,6 +619,23 @@ def reset_moe_losses() -> None:
         get(_MOE_LOGGING + "get_moe_metrics_tracker")().metrics.clear()
     else:
         get(_MOE_UTILS + "get_moe_layer_wise_logging_tracker")().clear()
+
+
+@functools.lru_cache(maxsize=None)
+def per_token_router_loss_counts_tp_cp() -> bool:
+    """Whether megatron-core's router, under --calculate-per-token-loss, multiplies its
+    load-balancing and z-losses by the tokens of its forward call times the TP x CP size
+    (0.19.2) or by the call's tokens alone (0.16.1): read from both methods' source,
+    which must agree."""
+    router = "transformer.moe.router:TopKRouter."
+    found = {name: "num_local_tokens * self.tp_cp_group.size()"
+             in inspect.getsource(get(router + name))
+             for name in ("attach_and_log_load_balancing_loss", "apply_z_loss")}
+    if len(set(found.values())) != 1:
+        raise CompatError(f"megatron-core's router scales its per-token losses by the TP x "
+                          f"CP size in some methods only ({found}): a version whose scaling "
+                          f"megatron/seqsplit/moe.py does not know")
+    return found["apply_z_loss"]
 
 
 def mtp_loss_values():

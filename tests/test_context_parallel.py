@@ -16,6 +16,7 @@ from distributed import (
     assert_params_close,
     init_run,
 )
+from megatron import mcore_compat
 from megatron.trainer.arguments import ArgumentErrors, parse_args
 from split_checks import check_split_units
 from packed_documents import CASES as DOCUMENT_CASES
@@ -120,6 +121,14 @@ CASES = {
 # reference: (world size, flags)
 OWN_REFERENCE = {"G_cp2_s3_uniform": (1, ["--calculate-per-token-loss"]),
                  "D_dp2_cp2_ep4_s2": (2, [])}
+if mcore_compat.per_token_router_loss_counts_tp_cp():
+    # Megatron-LM's MoE recipes' per-token loss: the router losses weigh by the whole
+    # microbatch's tokens times TP x CP (megatron-core >= 0.19; 0.16.1 stops on it,
+    # tests/test_moe_flags.py)
+    for _splits in (1, 2):
+        _name = f"X_cp2_s{_splits}_per_token"
+        CASES[_name] = ("X", 2, _splits, "average", ["--calculate-per-token-loss"])
+        OWN_REFERENCE[_name] = (1, ["--calculate-per-token-loss"])
 # microbatches per data-parallel rank, and model chunks per pipeline rank
 DATA_PARALLEL = {"G_dp2_cp2_s2": 2, "D_dp2_cp2_ep4_s2": 2}
 # iteration 1's checkpoint of a CP run (distributed optimizer over DP x CP = 4 ranks)

@@ -58,6 +58,7 @@ from distributed import (
     assert_params_close,
     init_run,
 )
+from megatron import mcore_compat
 from packed_documents import CASES as DOCUMENT_CASES
 from packed_documents import DOCUMENT_FLAGS, document_cases, with_corpus
 from split_checks import check_split_units
@@ -107,6 +108,9 @@ MODELS = {
                              # gpt-oss's attention: windows in every other layer, sinks
                              "--window-size", "20,0", "--window-attn-skip-freq", "2",
                              "--softmax-type", "learnable"],
+    # --calculate-per-token-loss (Megatron-LM's MoE recipes): megatron-core multiplies
+    # each router loss by its call's tokens, the whole microbatch's under splits
+    "Xp": None, "Dp": None,
     # dense MLA, no query compression, plain RoPE; init std 0.25: positions matter
     "M": TINY_MODEL + ROPE_SWIGLU + MLA + ["--rope-type", "rope", "--disable-bias-linear",
                                           "--init-method-std", "0.25"],
@@ -116,6 +120,8 @@ MODELS = {
                                           "--init-method-std", "0.25", "--q-lora-rank", "16",
                                           "--qk-layernorm"],
 }
+MODELS["Xp"] = MODELS["X"] + ["--calculate-per-token-loss"]
+MODELS["Dp"] = MODELS["D"] + ["--calculate-per-token-loss"]
 ITERATIONS, MICROBATCHES = 2, 4
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
@@ -174,6 +180,8 @@ CASES = {
                                               "--seq1f1b-kv-cache", "chunked"] + SELECTIVE + [
         "core_attn", "layernorm", "mla_up_proj"], 2, 2),
     "M_pp2_s3_chunked": ("M", 3, ["--seq1f1b-kv-cache", "chunked"], 2, 1),
+    "Xp_pp2_s3": ("Xp", 3, [], 2, 1),
+    "Dp_pp2_s4_slimpipe": ("Dp", 4, SLIMPIPE_4, 2, 1),
     # Megatron-LM's --pipeline-model-parallel-layout (DeepSeek-V3's recipes): 2 virtual
     # stages per rank, the first chunk holding the embedding alone and the last the loss
     # alone (chunks of 0, 2, 2 and 0 layers); loaded from the even layout's iteration-0
@@ -190,6 +198,10 @@ CASES = {
     "X_pp2_slimpipe_n4": ("X", 4, SLIMPIPE_4, 2, 1),
     "D_pp2_slimpipe_n4": ("D", 4, SLIMPIPE_4, 2, 1),
 }
+if mcore_compat.per_token_router_loss_counts_tp_cp():
+    # per-token router losses under TP with sequence parallelism: each TP rank's share
+    # of the split (megatron-core >= 0.19; 0.16.1 stops on it, tests/test_moe_flags.py)
+    CASES["Xp_pp2_tp2_sp_s2"] = ("Xp", 2, TP2_SP, 4, 1)
 # a model trained on packed documents: name -> the model it is, started from its init
 DOCUMENT_MODELS = {"Xd": "X", "Dd": "D"}
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS
@@ -198,6 +210,8 @@ DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + D
 # the MoE losses each model logs per iteration (Megatron-LM's names), compared split
 # against unsplit; one split run also writes them to TensorBoard
 MOE_LOSSES = {"N": [], "X": ["load_balancing_loss", "z_loss"],
+              "Xp": ["load_balancing_loss", "z_loss"],
+              "Dp": ["seq_load_balancing_loss", "global_load_balancing_loss"],
               "G": ["load_balancing_loss", "z_loss"],
               "D": ["seq_load_balancing_loss", "global_load_balancing_loss"], "M": [], "Q": []}
 TENSORBOARD_CASE, TENSORBOARD_DIR = "X_pp2_s3", []
@@ -399,7 +413,7 @@ def test_the_models_are_the_intended_ones(results):
         sinks = [n for n in params if n.endswith("core_attention.softmax_offset")]
         # G, gpt-oss-style: both expert matrices biased in 8 experts of 4 layers; sinks
         assert (len(expert_biases), len(sinks)) == ((64, 4) if model == "G" else (0, 0)), model
-        if model == "X":  # Qwen2-MoE's gated shared expert in every layer
+        if model in ("X", "Xp"):  # Qwen2-MoE's gated shared expert in every layer
             assert len(routers) == 4 and not biases, model
             assert len([n for n in shared if n.endswith("shared_experts.gate_weight")]) == 4
         elif model == "G":

@@ -234,6 +234,28 @@ def test_mistakes_are_named(flags, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("layout", [["--context-parallel-size", "2"],
+                                    ["--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel"]])
+def test_per_token_router_losses_need_a_router_that_counts_tp_and_cp(layout):
+    """--calculate-per-token-loss with router losses (now also under --seq1f1b-splits)
+    runs where megatron-core's router multiplies them by TP x CP (0.19; trained in
+    tests/test_moe_exactness.py and tests/test_context_parallel.py) and stops on
+    megatron-core 0.16.1, whose router does not."""
+    from megatron import mcore_compat
+
+    flags = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01",
+             "--calculate-per-token-loss", "--seq1f1b-splits", "2", *layout]
+    if mcore_compat.per_token_router_loss_counts_tp_cp():
+        assert args_of(*flags, world_size=2).calculate_per_token_loss
+    else:
+        with pytest.raises(ArgumentErrors, match="this megatron-core's router scales those "
+                                                 "losses by its local tokens alone"):
+            args_of(*flags, world_size=2)
+    # one TP and CP rank: right on every version
+    assert args_of(*flags[:-len(layout)]).calculate_per_token_loss
+
+
 def test_biased_grouped_experts_are_refused_with_the_fix():
     """megatron-core's grouped experts have no bias (on CUDA; on CPU the flag runs the
     sequential experts, which have theirs)."""

@@ -187,15 +187,30 @@ class SplitRouter(TopKRouter):
     def _attach(self, probs, partial, weights, name, coeff, **groups):
         """``groups``: the tracker's reduction groups of ``name``, megatron-core's."""
 
+        per_token = self._per_token_loss_tokens()
+
         def weights_and_log(part):
             w = weights()
             # this split's share of the microbatch's loss value (megatron-core logs the
             # loss divided by its coefficient); the splits' shares add up to it
             share = (part.detach().float() * w.float()).sum() / coeff
             mcore_compat.record_moe_loss(name, share, *self._tracker_layer(), **groups)
-            return w
+            return w * per_token()
 
         return _DeferredAuxLoss.apply(probs, partial, weights_and_log)
+
+    def _per_token_loss_tokens(self):
+        """The factor (read in backward, when the counts are complete) by which the
+        router's losses weigh under --calculate-per-token-loss: megatron-core multiplies
+        each by its forward call's tokens (times the TP x CP size since 0.17:
+        mcore_compat), which finalize_model_grads' division by the batch's loss tokens
+        cancels; unsplit the call is the microbatch, so here the factor counts the whole
+        microbatch's tokens, not the split's. 1 without the flag."""
+        if not self.calculate_per_token_loss:
+            return lambda: 1
+        stats, layer, microbatch = self._stats()
+        reduced = mcore_compat.per_token_router_loss_counts_tp_cp()
+        return lambda: stats.tokens(layer, microbatch, reduced=reduced)
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         if not self._split_mode():

@@ -22,7 +22,7 @@ from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
 from megatron.trainer.mtp_arguments import add_mtp_arguments, check_mtp_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
-from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args
+from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args, router_losses_on
 from megatron.trainer.optimizers import UNSUPPORTED_OPTIMIZERS, optimizer_problems
 from megatron.trainer.validation_arguments import (
     add_validation_arguments,
@@ -702,6 +702,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_rampup_layouts(args),
         lambda: _derive_eval_batch(args),
         lambda: problems.extend(check_validation_args(args)),
+        lambda: _check_per_token_router_losses(args),
     )
     for check in checks:
         try:
@@ -1460,6 +1461,30 @@ def _report_stats_works():
     from megatron import mcore_compat
 
     return mcore_compat.rerun_report_stats_works()
+
+
+def _check_per_token_router_losses(args):
+    """megatron-core 0.16's router multiplies its MoE losses under
+    --calculate-per-token-loss by its local tokens only: with TP x CP > 1 their gradient
+    is not the model's (megatron-core 0.19 multiplies by TP x CP too); one process, and
+    TP = CP = 1, are right on both."""
+    ranks = args.tensor_model_parallel_size * args.context_parallel_size
+    if not (args.calculate_per_token_loss and ranks > 1 and router_losses_on(args)):
+        return
+    _require(_router_counts_tp_cp(),
+             f"--calculate-per-token-loss with MoE auxiliary or z-losses and "
+             f"--tensor-model-parallel-size x --context-parallel-size = {ranks}: this "
+             f"megatron-core's router scales those losses by its local tokens alone, so their "
+             f"gradient is off by a factor of {ranks} (megatron-core 0.19 fixed it): install "
+             f"megatron-core >= 0.19, or drop --calculate-per-token-loss")
+
+
+def _router_counts_tp_cp():
+    if _LIGHT:  # it reads megatron-core (and torch): left to the full parse
+        return True
+    from megatron import mcore_compat
+
+    return mcore_compat.per_token_router_loss_counts_tp_cp()
 
 
 def _check_exit_flags(args):

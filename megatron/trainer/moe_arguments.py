@@ -181,10 +181,6 @@ def check_moe_args(args, cuda_available):
                         "--sequence-parallel (megatron-core requires it for MoE with TP)")
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
-    if args.calculate_per_token_loss and args.seq1f1b_splits > 1 and (
-            _aux_loss_on(args) or args.moe_z_loss_coeff is not None):
-        problems.append("--calculate-per-token-loss with MoE auxiliary or z-losses is not "
-                        "supported with --seq1f1b-splits > 1: drop one of them")
     overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
     if overlap and args.recompute_granularity == "selective" and "shared_experts" in (
             args.recompute_modules or ()):
@@ -240,13 +236,17 @@ def _flex_dispatcher(args):
     return problems
 
 
-def _aux_loss_on(args):
+def router_losses_on(args) -> bool:
+    """Whether an MoE model's router adds a load-balancing loss or a z-loss."""
+    if getattr(args, "num_experts", None) is None:
+        return False
     types = args.moe_router_load_balancing_type
     coeffs = args.moe_aux_loss_coeff
     types = types if isinstance(types, list) else [types]
     coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(types)
-    return any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
-               for t, c in zip(types, coeffs))
+    return args.moe_z_loss_coeff is not None or any(
+        t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
+        for t, c in zip(types, coeffs))
 
 
 def _given(args, flag):
