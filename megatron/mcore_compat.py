@@ -300,6 +300,17 @@ TABLE = (
     _mcore(_MTP + "MTPLossLoggingHelper.tracker",
            "the MTP losses of an iteration: 'values' (0.16.1) or 'loss_values' (0.19.2), a "
            "per-depth tensor read and zeroed by mcore_compat.mtp_loss_values"),
+    _mcore(_MTP + "process_mtp_loss",
+           "0.17+'s MTP loss, replaced in gpt_model by seqsplit.mtp's split-aware one (the "
+           "per-token weight of the whole microbatch under splits; keyword call)",
+           "hidden_states", "labels", "loss_mask", "config", "packed_seq_params",
+           checked="megatron-core 0.19.2"),
+    _mcore("models.gpt.gpt_model:process_mtp_loss",
+           "GPTModel._postprocess's import of it (replaced as the row above)",
+           checked="megatron-core 0.19.2"),
+    _mcore(_MTP + "MTPLossAutoScaler",
+           "a module global process_mtp_loss calls (.apply): seqsplit.mtp swaps it during "
+           "a split's call to weigh the attached loss"),
     _mcore(_MTP + "MTPLossAutoScaler.set_loss_scale",
            "the executor sets the MTP loss gradient's scale, as megatron-core's forward_step",
            "scale"),

@@ -58,9 +58,11 @@ MODELS = {"T": _TINY, "G": _TINY + GQA_ROPE_SWIGLU, "M": _TINY + MLA,
           "D": [flag for flag in MOE_MODELS["D"] if flag != "--mock-data"],
           # DeepSeek-V3's layers with 2 MTP depths (an MoE layer each): a part's shifted
           # tokens, labels and loss mask reach into the next part (tests/test_mtp_exactness.py)
-          "V": [flag for flag in MTP_MODELS["V"] if flag != "--mock-data"]}
+          "V": [flag for flag in MTP_MODELS["V"] if flag != "--mock-data"],
+          # DeepSeek-V3's dense attention (MLA) with one MTP depth
+          "U": [flag for flag in MTP_MODELS["U"] if flag != "--mock-data"]}
 # the MTP depths' logged losses of the models with MTP
-MTP_DEPTHS = {"V": ["mtp_1 loss", "mtp_2 loss"]}
+MTP_DEPTHS = {"V": ["mtp_1 loss", "mtp_2 loss"], "U": ["mtp_1 loss"]}
 LOGGED_MOE_LOSSES = {"X": MOE_LOSSES["X"], "D": MOE_LOSSES["D"], "O": MOE_LOSSES["G"],
                      "V": ["seq_load_balancing_loss"]}
 CP2 = ["--context-parallel-size", "2"]
@@ -121,14 +123,18 @@ CASES = {
 # reference: (world size, flags)
 OWN_REFERENCE = {"G_cp2_s3_uniform": (1, ["--calculate-per-token-loss"]),
                  "D_dp2_cp2_ep4_s2": (2, [])}
+PER_TOKEN = ["--calculate-per-token-loss"]
+# per-token loss with MTP: each depth's loss weighs by the whole microbatch's loss tokens
+CASES["U_cp2_s2_per_token"] = ("U", 2, 2, "average", PER_TOKEN)
+OWN_REFERENCE["U_cp2_s2_per_token"] = (1, PER_TOKEN)
 if mcore_compat.per_token_router_loss_counts_tp_cp():
     # Megatron-LM's MoE recipes' per-token loss: the router losses weigh by the whole
     # microbatch's tokens times TP x CP (megatron-core >= 0.19; 0.16.1 stops on it,
-    # tests/test_moe_flags.py)
-    for _splits in (1, 2):
-        _name = f"X_cp2_s{_splits}_per_token"
-        CASES[_name] = ("X", 2, _splits, "average", ["--calculate-per-token-loss"])
-        OWN_REFERENCE[_name] = (1, ["--calculate-per-token-loss"])
+    # tests/test_moe_flags.py); with MTP's MoE depths too (V)
+    for _model, _splits in (("X", 1), ("X", 2), ("V", 1), ("V", 2)):
+        _name = f"{_model}_cp2_s{_splits}_per_token"
+        CASES[_name] = (_model, 2, _splits, "average", PER_TOKEN)
+        OWN_REFERENCE[_name] = (1, PER_TOKEN)
 # microbatches per data-parallel rank, and model chunks per pipeline rank
 DATA_PARALLEL = {"G_dp2_cp2_s2": 2, "D_dp2_cp2_ep4_s2": 2}
 # iteration 1's checkpoint of a CP run (distributed optimizer over DP x CP = 4 ranks)

@@ -63,7 +63,11 @@ MODELS = {
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1",
         "--moe-token-dispatcher-type", "alltoall", "--mtp-num-layers", "2"],
 }
-DEPTHS = {"T": 2, "U": 1, "V": 2, "Td": 2}
+# --calculate-per-token-loss (megatron-core 0.17+ weighs each depth's loss by the call's
+# loss tokens: the whole microbatch's under splits, seqsplit/mtp.py)
+MODELS["Tp"] = MODELS["T"] + ["--calculate-per-token-loss"]
+MODELS["Vp"] = MODELS["V"] + ["--calculate-per-token-loss"]
+DEPTHS = {"T": 2, "U": 1, "V": 2, "Td": 2, "Tp": 2, "Vp": 2}
 # T trained on packed documents (the corpus whose rows hold every split case): the MTP
 # layers attend within documents; their shifts run across document ends, as megatron-core's
 # (without packed-sequence parameters) do
@@ -86,6 +90,8 @@ CASES = {
     "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3",
                                 "--use-distributed-optimizer"], 2),
     "Td_pp2_s3": ("Td", 3, [], 2),
+    "Tp_pp2_s3": ("Tp", 3, [], 2),
+    "Vp_pp2_s4": ("Vp", 4, [], 2),
     # megatron-core checkpoints each MTP layer under full recomputation: its attention
     # recomputed in backward over the split's cached prefix
     "T_pp2_s3_recompute": ("T", 3, ["--recompute-granularity", "full", "--recompute-method",

@@ -106,12 +106,17 @@ def test_flags_have_megatron_lms_names_defaults_and_config():
         assert args_of(*MTP).mtp_loss_scaling_factor == megatron_lm.mtp_loss_scaling_factor
 
 
+def test_per_token_loss_runs_under_splits():
+    """Trained against one process in tests/test_mtp_exactness.py ("Tp", "Vp")."""
+    assert args_of(*MTP, *PP2_SPLITS, "--calculate-per-token-loss",
+                   world_size=2).calculate_per_token_loss
+
+
 @pytest.mark.parametrize("flags, reason", [
     (["--position-embedding-type", "yarn"], "not supported with --position-embedding-type"),
     (["--pipeline-model-parallel-size", "2"], "needs --untie-embeddings-and-output-weights"),
     (["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights",
       "--position-embedding-type", "learned_absolute"], "learned absolute position"),
-    (PP2_SPLITS + ["--calculate-per-token-loss"], "--calculate-per-token-loss is not supported"),
     (PP2_SPLITS + ["--window-size", "4,0"], "not supported with --window-size"),
 ])
 def test_what_cannot_run_stops_before_work(flags, reason):

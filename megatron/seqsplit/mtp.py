@@ -17,6 +17,8 @@ split's; every other call (unsplit runs, megatron-core's own schedules) goes to
 megatron-core's function unchanged.
 """
 
+import copy
+
 import torch
 
 from megatron.core.models.gpt import gpt_model
@@ -118,10 +120,52 @@ def split_aware_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_se
     return rolls.roll(tensor)
 
 
+_MEGATRON_PROCESS_MTP_LOSS = getattr(multi_token_prediction, "process_mtp_loss", None)
+_MEGATRON_MTP_SCALER = multi_token_prediction.MTPLossAutoScaler
+
+
+def split_aware_process_mtp_loss(*args, **kwargs):
+    """megatron-core's (0.17+) ``process_mtp_loss``, with the per-token weight of the
+    whole microbatch under a split.
+
+    With --calculate-per-token-loss it attaches each depth's masked loss times the loss
+    tokens of its call (``loss_mask.sum()`` before the shift) over the shifted count; the
+    shifted count is already the microbatch's (``SplitRolls.roll``), the call's own count
+    is the split's. Here megatron-core runs its per-microbatch formula (the loss over the
+    shifted count) and the attached loss is multiplied by the microbatch's loss tokens:
+    the unsplit call's weight, also for a split whose own tokens are all masked. The
+    logged losses do not depend on it."""
+    split, config = kwargs.get("packed_seq_params"), kwargs.get("config")
+    rolls = getattr(split, "rolls", None)
+    if not (isinstance(split, SplitContext) and rolls is not None
+            and config.calculate_per_token_loss):
+        return _MEGATRON_PROCESS_MTP_LOSS(*args, **kwargs)
+    per_microbatch = copy.copy(config)
+    per_microbatch.calculate_per_token_loss = False
+    loss_tokens = rolls.microbatch["loss_mask"].sum()
+
+    class WholeMicrobatchTokens:
+        @staticmethod
+        def apply(hidden_states, loss):
+            return _MEGATRON_MTP_SCALER.apply(
+                hidden_states, loss * loss_tokens.to(device=loss.device, dtype=loss.dtype))
+
+    multi_token_prediction.MTPLossAutoScaler = WholeMicrobatchTokens
+    try:
+        return _MEGATRON_PROCESS_MTP_LOSS(*args, **dict(kwargs, config=per_microbatch))
+    finally:
+        multi_token_prediction.MTPLossAutoScaler = _MEGATRON_MTP_SCALER
+
+
 def install_split_roll() -> None:
     """Route megatron-core's MTP shifts through ``split_aware_roll_tensor``: the MTP
     layers and (0.17+) ``process_mtp_loss`` read ``multi_token_prediction.roll_tensor``,
-    0.16's ``GPTModel._postprocess`` its own import of it."""
+    0.16's ``GPTModel._postprocess`` its own import of it. On 0.17+ ``GPTModel`` calls its
+    import of ``process_mtp_loss``: ``split_aware_process_mtp_loss`` there. (0.16 attaches
+    the masked loss sum under --calculate-per-token-loss, exact over the splits as it is.)"""
     for module in (multi_token_prediction, gpt_model):
         if getattr(module, "roll_tensor", None) is _MEGATRON_ROLL:
             module.roll_tensor = split_aware_roll_tensor
+    if (_MEGATRON_PROCESS_MTP_LOSS is not None
+            and getattr(gpt_model, "process_mtp_loss", None) is _MEGATRON_PROCESS_MTP_LOSS):
+        gpt_model.process_mtp_loss = split_aware_process_mtp_loss

@@ -91,10 +91,6 @@ def check_mtp_args(args):
                         "splits needs megatron-core >= 0.17 (0.16's MTP recomputation saves "
                         "the split with the tensors and fails): upgrade megatron-core, or "
                         "use --recompute-granularity selective")
-    if splits and args.calculate_per_token_loss:
-        problems.append("--mtp-num-layers with --calculate-per-token-loss is not supported "
-                        "under sequence splits yet (megatron-core weighs MTP by the split's "
-                        "own token count there): drop one of them")
     for flag, given in (("--slimpipe-attention-balance", args.slimpipe_attention_balance),
                         ("--window-size", args.window_size is not None)):
         if given:
