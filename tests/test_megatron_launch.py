@@ -294,13 +294,13 @@ def test_refused_flag_gives_reason_and_alternative(flag):
 def test_every_problem_is_reported_at_once():
     """Unknown flags, bad choices, refused features and failed checks together, one line
     each, from the real entry point; exit 2 before any work."""
-    argv = BASE + ["--moe-expert-capacity-factor", "2", "--lr-decay-style", "bogus",
+    argv = BASE + ["--fp32-residual-connection", "--lr-decay-style", "bogus",
                    "--lr-warmup-fractoin", "0.1", "--main-grads-dtype", "bf16",
                    "--save", "/tmp/never", "--micro-batch-size", "two", "--min-lr", "1"]
     proc = distributed.pretrain(argv, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    expected = ["--moe-expert-capacity-factor is refused", "argument --lr-decay-style: invalid choice",
+    expected = ["--fp32-residual-connection is refused", "argument --lr-decay-style: invalid choice",
                 "unknown flag --lr-warmup-fractoin", "did you mean --lr-warmup-fraction?",
                 "argument --micro-batch-size: invalid int value: 'two'",
                 "--main-grads-dtype is refused", "--save needs --save-interval",

@@ -121,6 +121,10 @@ MODELS = {
                                           "--qk-layernorm"],
 }
 MODELS["Xp"] = MODELS["X"] + ["--calculate-per-token-loss"]
+# token dropping (--moe-expert-capacity-factor, whole microbatches only): a quarter of an
+# expert's even share of a call's tokens, weights large enough that the drops show
+MODELS["Xc"] = MODELS["X"] + ["--moe-expert-capacity-factor", "0.25",
+                              "--init-method-std", "0.25"]
 MODELS["Dp"] = MODELS["D"] + ["--calculate-per-token-loss"]
 ITERATIONS, MICROBATCHES = 2, 4
 # one evaluation, Megatron-LM's after the last iteration (none periodic, no test set)
@@ -210,6 +214,7 @@ DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + D
 # the MoE losses each model logs per iteration (Megatron-LM's names), compared split
 # against unsplit; one split run also writes them to TensorBoard
 MOE_LOSSES = {"N": [], "X": ["load_balancing_loss", "z_loss"],
+              "Xc": ["load_balancing_loss", "z_loss"],
               "Xp": ["load_balancing_loss", "z_loss"],
               "Dp": ["seq_load_balancing_loss", "global_load_balancing_loss"],
               "G": ["load_balancing_loss", "z_loss"],
@@ -227,6 +232,9 @@ DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer"]
 # this case also records its last iteration's units (--timeline-file): an MoE + MLA run
 # observed by the timeline, still equal to the unobserved s = 1 and one-process runs
 TIMELINE_CASE, TIMELINE_FILE = "D_pp2_s3_selective", []
+
+
+DROPPING_CASE = "Xc_pp2_dp2_ep2_s1_padded"
 
 
 def _splits(n):
@@ -264,6 +272,15 @@ def plan(tmp, corpus):
         splits = [] if "slimpipe" in extra else _splits(n)  # SlimPipe: its slices
         runs[world].append({"name": name, "argv": base + PP2 + splits + extra + save,
                             "params": True})
+    # token dropping at s = 1 over pp 2 x dp 2 with the experts over 2 ranks (all-to-all)
+    # and each expert's input padded to its capacity: each microbatch drops what it does
+    # in one process
+    # the same model dropless (a negative factor: megatron-core's "no dropping")
+    runs[1].append({"name": "Xc_dropless", "argv": bases["Xc"] + [
+        "--moe-expert-capacity-factor", "-1"]})
+    runs[4].append({"name": DROPPING_CASE, "params": True,
+                    "argv": bases["Xc"] + PP2 + _splits(1) + EP2 + [
+                        "--moe-pad-expert-input-to-capacity"]})
     # iteration 1's checkpoint with its optimizer state (--ckpt-step: the tracker names
     # 2), at the other EP size (pp=2 x dp=2, unsplit): iteration 2 trains as uninterrupted
     for name, saved in RESUMED.items():
@@ -324,6 +341,24 @@ def test_split_run_equals_unsplit_runs(results, name):
             assert_params_close(run["params"], expected["params"])
     if model in DOCUMENT_MODELS:
         assert document_cases(run["forward_units"]) == set(DOCUMENT_CASES), name
+
+
+def test_token_dropping_as_one_process(results):
+    """--moe-expert-capacity-factor 0.25 (with --moe-pad-expert-input-to-capacity at EP 2):
+    the runs drop tokens (their losses differ from the same model's dropless run by more
+    than 0.1%) and equal one process."""
+    reference = results["ref_Xc"]
+    dropless = results["Xc_dropless"]["losses"]
+    assert abs(reference["losses"][0] - dropless[0]) > 1e-3 * dropless[0], (
+        reference["losses"], dropless)
+    for name in ("Xc_pp2_s1", DROPPING_CASE):
+        run = results[name]
+        assert_close_series(run["losses"], reference["losses"], 1e-5, f"{name} loss")
+        assert_close_series(run["grad_norms"], reference["grad_norms"], 1e-5,
+                            f"{name} grad norm")
+        assert_close_series([run["final_validation_loss"]],
+                            [reference["final_validation_loss"]], 1e-5, f"{name} validation")
+        assert_params_close(run["params"], reference["params"])
 
 
 def test_moe_losses_are_written_to_tensorboard(results):
@@ -413,7 +448,7 @@ def test_the_models_are_the_intended_ones(results):
         sinks = [n for n in params if n.endswith("core_attention.softmax_offset")]
         # G, gpt-oss-style: both expert matrices biased in 8 experts of 4 layers; sinks
         assert (len(expert_biases), len(sinks)) == ((64, 4) if model == "G" else (0, 0)), model
-        if model in ("X", "Xp"):  # Qwen2-MoE's gated shared expert in every layer
+        if model in ("X", "Xp", "Xc"):  # Qwen2-MoE's gated shared expert in every layer
             assert len(routers) == 4 and not biases, model
             assert len([n for n in shared if n.endswith("shared_experts.gate_weight")]) == 4
         elif model == "G":

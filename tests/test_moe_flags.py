@@ -165,14 +165,13 @@ def test_moe_layer_recompute_as_megatron_lm():
 
 def test_moe_options_that_change_no_value_are_accepted_with_their_reason():
     """Megatron-LM's DeepSeek, Qwen3-MoE, Kimi and Llama-4 examples pass these; none
-    changes a value here (no token is dropped; overlap and fusions are performance)."""
+    changes a value here (overlap and fusions are performance)."""
     args = args_of("--num-experts", "8", "--moe-token-drop-policy", "probs",
                    "--moe-shared-expert-overlap", "--moe-permute-fusion", "--moe-router-fusion",
                    "--moe-token-dispatcher-type", "alltoall")
     assert [flag for flag, _ in args.no_op_flags] == [
-        "--moe-token-drop-policy", "--moe-shared-expert-overlap", "--moe-permute-fusion",
-        "--moe-router-fusion"]
-    assert "no token is dropped here" in dict(args.no_op_flags)["--moe-token-drop-policy"]
+        "--moe-shared-expert-overlap", "--moe-permute-fusion", "--moe-router-fusion"]
+    assert args.moe_token_drop_policy == "probs"  # megatron-core's config field
     # megatron-core's config refuses the overlap with the allgather dispatcher
     with pytest.raises(ArgumentErrors, match="--moe-shared-expert-overlap only works with "
                                              "--moe-token-dispatcher-type alltoall"):
@@ -189,8 +188,6 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"],
-     "--moe-expert-capacity-factor is refused: token dropping"),
     (["--num-experts", "8", "--moe-router-dtype", "bf16"],
      "--moe-router-dtype: invalid choice: 'bf16'"),
     (["--num-experts", "8", "--moe-input-jitter-eps", "0.1"],
@@ -227,6 +224,13 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
      "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
      "--expert-tensor-parallel-size 2 is refused: 1 (whole experts"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1", "--seq1f1b-splits", "2"],
+     "--moe-expert-capacity-factor with --seq1f1b-splits 2: token dropping decides by the "
+     "expert load of one forward call"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1", "--context-parallel-size",
+      "2"], "--moe-expert-capacity-factor with --context-parallel-size 2"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
 ])
 def test_mistakes_are_named(flags, message):
     with pytest.raises(ArgumentErrors) as error:
@@ -254,6 +258,21 @@ def test_per_token_router_losses_need_a_router_that_counts_tp_and_cp(layout):
             args_of(*flags, world_size=2)
     # one TP and CP rank: right on every version
     assert args_of(*flags[:-len(layout)]).calculate_per_token_loss
+
+
+def test_token_dropping_flags_reach_the_config():
+    from megatron.trainer.model import transformer_config_from_args
+
+    config = transformer_config_from_args(args_of(
+        "--num-experts", "4", "--moe-expert-capacity-factor", "1.5",
+        "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "position"))
+    assert (config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity,
+            config.moe_token_drop_policy) == (1.5, True, "position")
+    dropless = args_of("--num-experts", "4", "--moe-expert-capacity-factor", "-1",
+                       "--seq1f1b-splits", "2")  # megatron-core's "no dropping"
+    assert dropless.moe_expert_capacity_factor is None
+    assert transformer_config_from_args(args_of("--num-experts", "4")).moe_token_drop_policy \
+        == "probs"
 
 
 def test_biased_grouped_experts_are_refused_with_the_fix():
@@ -446,8 +465,8 @@ def test_megatron_lms_own_moe_settings_are_accepted(settings):
     assert args.moe_router_dtype == "fp32" and args.num_experts in (128, 256)
     if settings is DEEPSEEK_R1:
         assert args.moe_router_pre_softmax and args.recompute_modules == ["core_attn", "moe"]
-        assert {flag for flag, _ in args.no_op_flags} >= {"--moe-shared-expert-overlap",
-                                                          "--moe-token-drop-policy"}
+        assert "--moe-shared-expert-overlap" in {flag for flag, _ in args.no_op_flags}
+        assert args.moe_token_drop_policy == "probs"
     if settings is DEEPSEEK_V3_MODEL_ZOO:  # 4 stages x 2 virtual, EP over the TP ranks
         assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size) == (1, 2)
         assert args.virtual_pipeline_model_parallel_size == 2 and args.mtp_num_layers == 1

@@ -193,9 +193,6 @@ for _reason, _flags in (
      "--overlap-p2p-communication"),
     ("the local rank is read from LOCAL_RANK (set by torchrun)", "--local_rank=N"),
     # MoE options that change no value here
-    ("only decides which tokens an expert over its capacity drops; no token is dropped "
-     "here (--moe-expert-capacity-factor is refused), and Megatron-LM ignores it without "
-     "a capacity factor too", "--moe-token-drop-policy=V"),
     ("overlaps the shared expert with the token dispatch on CUDA streams (a performance "
      "setting); here the shared expert runs beside the routed experts with the same values",
      "--moe-shared-expert-overlap"),
@@ -225,10 +222,6 @@ _OTHER_MODEL = ("this model family is not built here (decoder-only GPT only); "
 # flag or flag prefix (ending in '-') -> reason and alternative
 REFUSED_FLAGS = {
     "--moe-": _MOE,
-    "--moe-expert-capacity-factor": (
-        "token dropping decides by the expert load of one forward call; under "
-        "--seq1f1b-splits a call is one split, so other tokens would be dropped than "
-        "unsplit: not supported, drop it (every token reaches its experts)"),
     "--fp8-": ("fp8 needs Transformer Engine layers, which the sequence-split schedules do "
                "not support yet; use --bf16"),
     "--no-fp8-wgrad": ("fp8 is not supported here; use --bf16"),

@@ -13,7 +13,8 @@ MOE_FLAGS = (
     "--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--moe-per-layer-logging", "--moe-router-pre-softmax", "--moe-router-dtype",
     "--moe-layer-recompute", "--moe-shared-expert-gate", "--moe-apply-probs-on-input",
-    "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+    "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-expert-capacity-factor",
+    "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -105,6 +106,17 @@ def add_moe_arguments(parser):
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="also write each layer's aux losses to TensorBoard/wandb "
                         "(moe/<name>_layer_<i>), as Megatron-LM")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="token dropping as Megatron-LM: each expert takes at most this "
+                        "factor times its even share of a forward call's tokens (a negative "
+                        "value: no dropping); whole microbatches only (--seq1f1b-splits 1, "
+                        "no SlimPipe, no context parallelism): a split would drop others")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: each expert's input padded to "
+                        "its capacity (megatron-core's)")
+    g.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs",
+                   help="which tokens an expert over its capacity drops: the lowest "
+                        "probabilities, or the last positions (megatron-core's)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert: as in Megatron-LM it "
                         "defaults to --tensor-model-parallel-size; 1 keeps experts whole "
@@ -179,6 +191,7 @@ def check_moe_args(args, cuda_available):
         # megatron-core's MoELayer raises this at model build, after the groups exist
         problems.append(f"--num-experts with --tensor-model-parallel-size {tp} needs "
                         "--sequence-parallel (megatron-core requires it for MoE with TP)")
+    problems += _token_dropping_problems(args)
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
     overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
@@ -233,6 +246,29 @@ def _flex_dispatcher(args):
             f"sequence-split MoE layer drives megatron-core's all-to-all dispatcher (the "
             f"same tokens reach the same experts; the {backend} kernels are not used)")
         args.moe_token_dispatcher_type = "alltoall"
+    return problems
+
+
+def _token_dropping_problems(args):
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor < 0:
+        args.moe_expert_capacity_factor = None  # megatron-core's: negative means dropless
+    problems = []
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        problems.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+                        "(as megatron-core asserts)")
+    if args.moe_expert_capacity_factor is None:
+        return problems
+    parts = [flag for flag, used in (
+        (f"--seq1f1b-splits {args.seq1f1b_splits}", (args.seq1f1b_splits or 1) > 1),
+        ("SlimPipe's slices", args.slimpipe_slices is not None),
+        (f"--context-parallel-size {args.context_parallel_size}",
+         args.context_parallel_size > 1)) if used]
+    if parts:
+        problems.append(f"--moe-expert-capacity-factor with {' and '.join(parts)}: token "
+                        f"dropping decides by the expert load of one forward call, which is "
+                        f"then a part of the microbatch, so other tokens would be dropped than "
+                        f"unsplit; use --seq1f1b-splits 1 (1F1B) without context parallelism "
+                        f"for this model, or drop the flag (every token reaches its experts)")
     return problems
 
 
@@ -292,4 +328,7 @@ def moe_config_fields(args):
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
     )
