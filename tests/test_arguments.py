@@ -29,6 +29,14 @@ def test_good_flags_parse():
     assert not parse(["--no-check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad
 
 
+def test_no_initialization_reaches_the_config():
+    from megatron.trainer.model import transformer_config_from_args
+
+    assert transformer_config_from_args(parse([])).perform_initialization
+    args = parse(["--no-initialization", "--load", "/nonexistent/ckpt"])
+    assert not transformer_config_from_args(args).perform_initialization
+
+
 def test_sgd_as_in_megatron_lm():
     """--optimizer sgd with Megatron-LM's --sgd-momentum (default 0.9)."""
     assert parse([]).optimizer == "adam"
@@ -99,6 +107,9 @@ def test_aliases_from_the_original_seq1f1b_code():
       "--virtual-pipeline-model-parallel-size", "2"], 2,
      "--num-layers-per-virtual-pipeline-stage"),
     (["--optimizer", "muon"], 1, "--optimizer muon is not supported here"),
+    (["--no-initialization"], 1, "--no-initialization leaves the weights uninitialised"),
+    (["--no-initialization", "--load", "/tmp", "--dist-ckpt-strictness", "log_all"], 1,
+     "--no-initialization with --dist-ckpt-strictness log_all"),
     (["--optimizer", "sgd", "--use-distributed-optimizer"], 2,
      "--optimizer sgd does not run with --use-distributed-optimizer"),
     (["--sgd-momentum", "x"], 1, "--sgd-momentum"),

@@ -290,6 +290,28 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_pa
         f"--no-load-optim to load the weights only")
 
 
+def test_no_initialization_takes_every_weight_from_the_checkpoint(pristine, tmp_path):
+    """--no-initialization: the weights are the checkpoint's (the same losses as a load
+    of initialised weights); a --load without a checkpoint stops with one line instead of
+    training uninitialised memory."""
+    ckpt = _copy(pristine, tmp_path)
+    resume = BASE + ["--train-iters", "3", "--load", str(ckpt),
+                     "--override-opt_param-scheduler"]
+    initialised, skipped = pretrain(resume), pretrain(resume + ["--no-initialization"])
+    assert initialised.returncode == 0 and skipped.returncode == 0, skipped.stderr[-3000:]
+    losses = [re.findall(r"lm loss: ([0-9.]+)", run.stdout) for run in (initialised, skipped)]
+    assert losses[0] == losses[1] and losses[0], losses
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(empty),
+                                "--no-initialization"])
+    assert refused.returncode != 0
+    assert one_error_line(refused.stderr) == (
+        f"error: --load {empty}: no checkpoint there ({TRACKER} missing), and "
+        f"--no-initialization left the weights uninitialised: check the path, or drop "
+        f"--no-initialization to start from random")
+
+
 def test_optimizer_state_of_another_optimizer_is_refused(pristine, tmp_path):
     """Adam's state does not load into SGD: one line names both and the way out."""
     ckpt = _copy(pristine, tmp_path)

@@ -622,6 +622,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                                              "fsdp_dtensor"], default="torch_dist",
                    help="only torch_dist (megatron-core distributed checkpoints) is written "
                         "and read here")
+    g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                   help="as Megatron-LM: the weights are not initialised, the checkpoint "
+                        "--load (or --pretrained-checkpoint) gives them all (a faster start "
+                        "of a large model); without a checkpoint there the run stops")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop when --load holds no checkpoint (without it such a run warns "
                         "and starts from random, as in Megatron-LM)")
@@ -1436,6 +1440,17 @@ def _check_checkpoint_flags(args, check_files):
                  f"--save-retain-interval ({args.save_retain_interval}) must be a multiple of "
                  f"--save-interval ({args.save_interval}), as in Megatron-LM: the retained "
                  f"iterations must be saved ones")
+    if not args.perform_initialization:
+        # every weight must come from the checkpoint: uninitialised memory otherwise
+        _require(args.load is not None or args.pretrained_checkpoint is not None,
+                 "--no-initialization leaves the weights uninitialised until a checkpoint "
+                 "loads: give --load DIR (or --pretrained-checkpoint DIR), or drop the flag")
+        _require(args.dist_ckpt_strictness in ("assume_ok_unexpected", "raise_unexpected",
+                                               "raise_all"),
+                 f"--no-initialization with --dist-ckpt-strictness "
+                 f"{args.dist_ckpt_strictness}: weights the checkpoint lacks would keep "
+                 f"uninitialised memory; use the default strictness (a missing weight stops "
+                 f"the load) or drop --no-initialization")
     if args.skip_train:
         args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
 

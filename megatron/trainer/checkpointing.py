@@ -1015,6 +1015,10 @@ def load_checkpoint(args, model, optimizer, scheduler):
             _exit(f"--load {args.load}: no checkpoint there ({TRACKER_FILE} missing) and "
                   f"--exit-on-missing-checkpoint is set; check the path, or drop the flag to "
                   f"start from random")
+        if not args.perform_initialization:
+            _exit(f"--load {args.load}: no checkpoint there ({TRACKER_FILE} missing), and "
+                  f"--no-initialization left the weights uninitialised: check the path, or "
+                  f"drop --no-initialization to start from random")
         if _rank() == 0:
             print(f"  warning: could not find the metadata file "
                   f"{os.path.join(args.load, TRACKER_FILE)}: no checkpoint is loaded and "

@@ -375,7 +375,7 @@ for _reason, _flags in (
     ("deprecated in Megatron-LM, which stops on it: use --recompute-activations or "
      "--recompute-granularity with --recompute-method", "--checkpoint-activations"),
     ("deprecated in Megatron-LM: use --ckpt-format torch_dist", "--dist-ckpt-format"),
-    (_CHANGES, "--no-initialization --batch-invariant-mode "
+    (_CHANGES, "--batch-invariant-mode "
                "--decrease-batch-size-if-needed --freeze-all-layers "
                "--dump-param-to-param-group-map --save-params-interval "
                "--save-activations-interval --save-tokens-per-expert-interval "

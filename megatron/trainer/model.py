@@ -127,6 +127,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         disable_bf16_reduced_precision_matmul=getattr(
             args, "disable_bf16_reduced_precision_matmul", False),
         use_cpu_initialization=not on_gpu,
+        perform_initialization=args.perform_initialization,
         # fused kernels need CUDA (and apex/TE); the unfused paths are exact everywhere
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
