@@ -131,9 +131,9 @@ if mcore_compat.per_token_router_loss_counts_tp_cp():
     # Megatron-LM's MoE recipes' per-token loss: the router losses weigh by the whole
     # microbatch's tokens times TP x CP (megatron-core >= 0.19; 0.16.1 stops on it,
     # tests/test_moe_flags.py); with MTP's MoE depths too (V)
-    for _model, _splits in (("X", 1), ("X", 2), ("V", 1), ("V", 2)):
-        _name = f"{_model}_cp2_s{_splits}_per_token"
-        CASES[_name] = (_model, 2, _splits, "average", PER_TOKEN)
+    for _model in ("X", "V"):
+        _name = f"{_model}_cp2_s2_per_token"
+        CASES[_name] = (_model, 2, 2, "average", PER_TOKEN)
         OWN_REFERENCE[_name] = (1, PER_TOKEN)
 # microbatches per data-parallel rank, and model chunks per pipeline rank
 DATA_PARALLEL = {"G_dp2_cp2_s2": 2, "D_dp2_cp2_ep4_s2": 2}

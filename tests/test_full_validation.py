@@ -4,8 +4,8 @@ Megatron-LM, with every validation sequence counted once.
 Every run trains 3 iterations on corpus A and evaluates at iteration 2 and after
 training. The reference reads validation set A whole in steps of one sequence (no
 padding); a step of 4 sequences leaves the last step short (A has a number of sequences
-that 4 does not divide), filled with loss-free padding: one process, Seq1F1B (pp 2, 2
-splits) and dp 2 must print the reference's validation losses. With
+that 4 does not divide), filled with loss-free padding: Seq1F1B (pp 2, 2 splits) and
+dp 2 must print the reference's validation losses. With
 --multiple-validation-sets over A and B, each named set prints the loss a run with that
 set alone prints.
 """
@@ -43,13 +43,11 @@ def plan(tmp, corpus):
 
     return Plan([init], {
         1: [run("reference", [corpus], STEP_OF_ONE),
-            run("padded", [corpus]),
             run("b_alone", [other])],
         2: [run("pp2_s2", [corpus], PP2_S2),
             run("dp2", [corpus]),
             run("two_sets", [corpus, other], PP2_S2 + [
-                "--multiple-validation-sets", "--validation-set-names", "A", "B"]),
-            run("two_sets_unnamed", [corpus, other], ["--multiple-validation-sets"])],
+                "--multiple-validation-sets", "--validation-set-names", "A", "B"])],
     })
 
 
@@ -72,7 +70,7 @@ def test_the_last_step_is_short(tmp_path_factory):
     assert _validation_set_size(corpus) % 4 != 0
 
 
-@pytest.mark.parametrize("name", ["padded", "pp2_s2", "dp2"])
+@pytest.mark.parametrize("name", ["pp2_s2", "dp2"])
 def test_whole_set_in_padded_steps_equals_steps_of_one(runs, name):
     reference, run = runs["reference"], runs[name]
     assert len(reference["validation_losses"]) == 1  # iteration 2; the final one apart
@@ -93,8 +91,19 @@ def test_each_named_set_is_evaluated_alone(runs):
     assert two["final_validation_losses"]["-B"] == pytest.approx(
         runs["b_alone"]["final_validation_loss"], rel=1e-6)
     assert at_2["-A"] != pytest.approx(at_2["-B"], rel=1e-4)  # two different sets
-    # without names, Megatron-LM's suffixes are the sets' indices
-    assert set(runs["two_sets_unnamed"]["final_validation_losses"]) == {"-0", "-1"}
+
+
+def test_set_suffixes_as_megatron_lm():
+    """'' for one set; '-NAME', or the set's index without names."""
+    from types import SimpleNamespace
+
+    from megatron.trainer.validation_sets import suffixes
+
+    one = SimpleNamespace(multiple_validation_sets=False, validation_set_names=None)
+    unnamed = SimpleNamespace(multiple_validation_sets=True, validation_set_names=None)
+    named = SimpleNamespace(multiple_validation_sets=True, validation_set_names=["web", "code"])
+    assert (suffixes(one, 1), suffixes(unnamed, 2), suffixes(named, 2)) == (
+        [""], ["-0", "-1"], ["-web", "-code"])
 
 
 def test_padding_carries_no_loss():

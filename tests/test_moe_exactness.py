@@ -58,7 +58,6 @@ from distributed import (
     assert_params_close,
     init_run,
 )
-from megatron import mcore_compat
 from packed_documents import CASES as DOCUMENT_CASES
 from packed_documents import DOCUMENT_FLAGS, document_cases, with_corpus
 from split_checks import check_split_units
@@ -202,10 +201,6 @@ CASES = {
     "X_pp2_slimpipe_n4": ("X", 4, SLIMPIPE_4, 2, 1),
     "D_pp2_slimpipe_n4": ("D", 4, SLIMPIPE_4, 2, 1),
 }
-if mcore_compat.per_token_router_loss_counts_tp_cp():
-    # per-token router losses under TP with sequence parallelism: each TP rank's share
-    # of the split (megatron-core >= 0.19; 0.16.1 stops on it, tests/test_moe_flags.py)
-    CASES["Xp_pp2_tp2_sp_s2"] = ("Xp", 2, TP2_SP, 4, 1)
 # a model trained on packed documents: name -> the model it is, started from its init
 DOCUMENT_MODELS = {"Xd": "X", "Dd": "D"}
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] + DOCUMENT_FLAGS

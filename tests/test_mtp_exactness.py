@@ -65,9 +65,8 @@ MODELS = {
 }
 # --calculate-per-token-loss (megatron-core 0.17+ weighs each depth's loss by the call's
 # loss tokens: the whole microbatch's under splits, seqsplit/mtp.py)
-MODELS["Tp"] = MODELS["T"] + ["--calculate-per-token-loss"]
 MODELS["Vp"] = MODELS["V"] + ["--calculate-per-token-loss"]
-DEPTHS = {"T": 2, "U": 1, "V": 2, "Td": 2, "Tp": 2, "Vp": 2}
+DEPTHS = {"T": 2, "U": 1, "V": 2, "Td": 2, "Vp": 2}
 # T trained on packed documents (the corpus whose rows hold every split case): the MTP
 # layers attend within documents; their shifts run across document ends, as megatron-core's
 # (without packed-sequence parameters) do
@@ -90,7 +89,6 @@ CASES = {
     "V_pp2_last3_s3": ("V", 3, ["--decoder-last-pipeline-num-layers", "3",
                                 "--use-distributed-optimizer"], 2),
     "Td_pp2_s3": ("Td", 3, [], 2),
-    "Tp_pp2_s3": ("Tp", 3, [], 2),
     "Vp_pp2_s4": ("Vp", 4, [], 2),
     # megatron-core checkpoints each MTP layer under full recomputation: its attention
     # recomputed in backward over the split's cached prefix
