@@ -260,6 +260,14 @@ def test_per_token_router_losses_need_a_router_that_counts_tp_and_cp(layout):
     assert args_of(*flags[:-len(layout)]).calculate_per_token_loss
 
 
+def test_a_dense_model_gets_no_note_for_the_moe_defaults():
+    """Every MoE flag at its default: no 'the MoE flags have no effect' note (the README's
+    demo printed one for the token-dropping flags' defaults)."""
+    assert not [note for note in args_of().flag_notes if "MoE flags" in note]
+    noted = args_of("--moe-token-drop-policy", "position").flag_notes
+    assert [note for note in noted if "--moe-token-drop-policy without --num-experts" in note]
+
+
 def test_token_dropping_flags_reach_the_config():
     from megatron.trainer.model import transformer_config_from_args
 

@@ -297,6 +297,8 @@ def _given(args, flag):
                 "--moe-layer-recompute": False, "--moe-shared-expert-gate": False,
                 "--moe-apply-probs-on-input": False, "--moe-enable-deepep": False,
                 "--moe-flex-dispatcher-backend": None,
+                "--moe-pad-expert-input-to-capacity": False,
+                "--moe-token-drop-policy": "probs",
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
