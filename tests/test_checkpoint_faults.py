@@ -277,17 +277,21 @@ def test_one_process_releases_save_dir_between_runs(tmp_path):
     assert (ckpt / TRACKER).read_text() == "2"
 
 
-def test_optimizer_state_of_the_other_optimizer_kind_is_refused(pristine, tmp_path):
+@pytest.mark.parametrize("flag, reason", [
+    ("--use-distributed-optimizer",
+     "was saved without --use-distributed-optimizer and this run is with it: its optimizer "
+     "state does not load; match the flag, or pass --no-load-optim to load the weights only"),
+    ("--optimizer sgd",
+     "holds the state of --optimizer adam and this run uses --optimizer sgd: it does not "
+     "load; use --optimizer adam, or pass --no-load-optim to load the weights only"),
+])
+def test_optimizer_state_of_another_optimizer_is_refused(pristine, tmp_path, flag, reason):
     """The plain optimizer's state does not load into the distributed optimizer (nor the
-    reverse): one line says so and how to load the weights only."""
+    reverse), nor Adam's into SGD: one line says so and how to load the weights only."""
     ckpt = _copy(pristine, tmp_path)
-    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
-                                "--use-distributed-optimizer"])
+    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt), *flag.split()])
     assert refused.returncode != 0
-    assert one_error_line(refused.stderr) == (
-        f"error: --load {ckpt / ITER2} was saved without --use-distributed-optimizer and this "
-        f"run is with it: its optimizer state does not load; match the flag, or pass "
-        f"--no-load-optim to load the weights only")
+    assert one_error_line(refused.stderr) == f"error: --load {ckpt / ITER2} {reason}"
 
 
 def test_no_initialization_takes_every_weight_from_the_checkpoint(pristine, tmp_path):
@@ -310,18 +314,6 @@ def test_no_initialization_takes_every_weight_from_the_checkpoint(pristine, tmp_
         f"error: --load {empty}: no checkpoint there ({TRACKER} missing), and "
         f"--no-initialization left the weights uninitialised: check the path, or drop "
         f"--no-initialization to start from random")
-
-
-def test_optimizer_state_of_another_optimizer_is_refused(pristine, tmp_path):
-    """Adam's state does not load into SGD: one line names both and the way out."""
-    ckpt = _copy(pristine, tmp_path)
-    refused = pretrain(BASE + ["--train-iters", "3", "--load", str(ckpt),
-                                "--optimizer", "sgd"])
-    assert refused.returncode != 0
-    assert one_error_line(refused.stderr) == (
-        f"error: --load {ckpt / ITER2} holds the state of --optimizer adam and this run uses "
-        f"--optimizer sgd: it does not load; use --optimizer adam, or pass --no-load-optim "
-        f"to load the weights only")
 
 
 def _mismatch_keys(directory, gone, kept, extra):

@@ -861,14 +861,15 @@ def _check_model_shape(args, path, common, flag="--load"):
 
 
 def _check_optimizer_kind(args, path, common):
+    """For a load of the optimizer state: the same optimizer, plain or distributed."""
     # checkpoints saved before --optimizer sgd existed here are Adam's
     saved_type = common.get("optimizer_type", "adam")
-    if not args.no_load_optim and saved_type != args.optimizer:
+    if saved_type != args.optimizer:
         _exit(f"--load {path} holds the state of --optimizer {saved_type} and this run uses "
               f"--optimizer {args.optimizer}: it does not load; use --optimizer "
               f"{saved_type}, or pass --no-load-optim to load the weights only")
     saved = bool(common.get("distributed_optimizer", False))
-    if args.no_load_optim or saved == bool(args.use_distributed_optimizer):
+    if saved == bool(args.use_distributed_optimizer):
         return
     with_, without = "with", "without"
     _exit(f"--load {path} was saved {with_ if saved else without} "

@@ -31,6 +31,11 @@ def skip_microbatches(args, iterators, model, count):
             next(reader)
 
 
+def as_list(iterators):
+    """One data iterator, several (one per model chunk) or None, as a list."""
+    return [] if iterators is None else iterators if isinstance(iterators, list) else [iterators]
+
+
 def collate(samples):
     """Stack a list of per-sample dicts of tensors into one batch dict."""
     return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}

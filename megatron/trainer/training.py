@@ -44,7 +44,12 @@ from megatron.trainer import (
     validation_sets,
 )
 from megatron.trainer.arguments import parse_args_or_exit
-from megatron.trainer.data import GlobalBatchSizes, MicrobatchIterator, skip_microbatches
+from megatron.trainer.data import (
+    GlobalBatchSizes,
+    MicrobatchIterator,
+    as_list,
+    skip_microbatches,
+)
 from megatron.trainer.evaluation_schedule import evaluates_at, evaluations_through
 from megatron.trainer.metrics import (
     format_iteration_line,
@@ -422,7 +427,7 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
                        scheduler, forward_backward_func, iteration, consumed_samples, guard,
                        progress, observers, test_set)
     finally:  # --num-workers: end the reader processes whichever way training ends
-        for iterator in _as_list(readers):
+        for iterator in as_list(readers):
             iterator.close()
         for data_set in valid_sets + ([test_set] if test_set is not None else []):
             data_set.close()
@@ -461,10 +466,6 @@ def _validation_sets(args, valid_ds, eval_iterators, consumed_valid):
         print_rank_0(f"> full validation{data_set.suffix}: {len(data_set.dataset)} sequences "
                      f"per evaluation")
     return sets
-
-
-def _as_list(iterators):
-    return [] if iterators is None else iterators if isinstance(iterators, list) else [iterators]
 
 
 def chunk_iterators(model, make_iterator):

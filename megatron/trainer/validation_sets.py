@@ -13,6 +13,8 @@ copies add nothing and every sequence counts once."""
 
 import contextlib
 
+from megatron.trainer.data import as_list
+
 
 class ContinuingSet:
     """--eval-iters steps per evaluation through one iterator for the whole run."""
@@ -27,7 +29,7 @@ class ContinuingSet:
         yield self.iterators, self.steps
 
     def close(self):
-        for iterator in _as_list(self.iterators):
+        for iterator in as_list(self.iterators):
             iterator.close()
 
 
@@ -48,7 +50,7 @@ class WholeSet:
         try:
             yield iterators, len(padded) // batch
         finally:
-            for iterator in _as_list(iterators):
+            for iterator in as_list(iterators):
                 iterator.close()
 
     def close(self):
@@ -86,7 +88,3 @@ def suffixes(args, count):
         return [""]
     names = args.validation_set_names or [str(index) for index in range(count)]
     return [f"-{name}" for name in names]
-
-
-def _as_list(iterators):
-    return [] if iterators is None else iterators if isinstance(iterators, list) else [iterators]
