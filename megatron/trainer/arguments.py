@@ -589,6 +589,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration's checkpoint from --load instead of the one "
                         "its tracker file names (as Megatron-LM)")
+    g.add_argument("--override-ckpt-iteration", type=int, default=None,
+                   help="as Megatron-LM: resume the checkpoint in --load as if it had been "
+                        "saved at this iteration: training goes on from the next one and "
+                        "the data loader reads on from that iteration's samples (rewinding "
+                        "to replay them, or skipping ahead past a bad stretch); the weights, "
+                        "optimizer state and learning-rate schedule stay the checkpoint's")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
@@ -1411,6 +1417,7 @@ def _check_checkpoint_flags(args, check_files):
              "written when training ends)")
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
+    _check_override_ckpt_iteration(args)
     for flag in ("finetune", "use_checkpoint_args"):
         _require(not getattr(args, flag) or args.load is not None
                  or args.pretrained_checkpoint is not None,
@@ -1453,6 +1460,22 @@ def _check_checkpoint_flags(args, check_files):
                  f"the load) or drop --no-initialization")
     if args.skip_train:
         args.no_load_optim = True  # as Megatron-LM: no training, no optimizer state
+
+
+def _check_override_ckpt_iteration(args):
+    """--override-ckpt-iteration N rewinds (or advances) a resumed checkpoint: as
+    Megatron-LM, never with --finetune, which starts at iteration 0."""
+    iteration = args.override_ckpt_iteration
+    if iteration is None:
+        return
+    _require(iteration >= 0, f"--override-ckpt-iteration must be >= 0, got {iteration}")
+    _require(args.load is not None,
+             f"--override-ckpt-iteration {iteration} sets the iteration of the checkpoint "
+             f"this run resumes: give --load DIR")
+    _require(not args.finetune,
+             f"--override-ckpt-iteration {iteration} and --finetune contradict each other "
+             f"(--finetune starts at iteration 0 with the weights only, as in Megatron-LM): "
+             f"keep one")
 
 
 def _check_rerun_mode(args):

@@ -459,6 +459,8 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
+        # what --override-ckpt-iteration compares: sample offsets count in this batch size
+        "global_batch_size": args.global_batch_size,
         "model_shape": model_shape(args),
         "layout": list(_layout()),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
@@ -817,15 +819,21 @@ def _no_tracker(root):
             f", or use another --save")
 
 
-def _warn_of_newer(args, iteration):
+def _warn_of_newer(args, iteration, override=None):
     """Rank 0: a tracker set back to an older iteration (deliberately, to leave a bad
-    stretch behind, or by mistake) lets the next saves replace the newer iter_* of the
-    same numbers: name them before anything is replaced."""
+    stretch behind, or by mistake), or --override-ckpt-iteration below the checkpoint's,
+    lets the next saves replace the newer iter_* of the same numbers: name them before
+    anything is replaced."""
     if _rank() != 0 or not _same_dir(args.load, args.save):
         return
     newer = [name for name in _iteration_dirs(args.load)
              if int(_ITER_DIR.match(name).group(1)) > iteration]
-    if newer:
+    if newer and override is not None:
+        print(f"  warning: --override-ckpt-iteration {override}: {', '.join(newer)} in --save "
+              f"{args.save} are newer, and saves of this run at those iterations will "
+              f"replace them; to keep them, move them away or use another --save",
+              flush=True)
+    elif newer:
         print(f"  warning: --load {args.load}: {TRACKER_FILE} names iteration {iteration} but "
               f"{', '.join(newer)} are newer: saves of this run at those iterations will "
               f"replace them; to keep them, move them away or use another --save (to resume "
@@ -985,6 +993,11 @@ def load_source(args):
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists."""
     load_dir, flag = load_source(args)
+    override = getattr(args, "override_ckpt_iteration", None)
+    if override is not None and flag == "--pretrained-checkpoint":
+        _exit(f"--override-ckpt-iteration {override}: --load {args.load} holds no checkpoint "
+              f"to resume, and --pretrained-checkpoint starts at iteration 0 with the weights "
+              f"only: drop --override-ckpt-iteration, or give --load a run's checkpoints")
     if flag == "--pretrained-checkpoint":
         args.finetune = True  # as Megatron-LM: its weights start this run
         if _rank() == 0:
@@ -1012,6 +1025,11 @@ def load_checkpoint(args, model, optimizer, scheduler):
         # as Megatron-LM: a warning and a start from random (its CI's first runs rely on
         # it), fatal with --exit-on-missing-checkpoint; claim_save_dir has already refused
         # a --save whose checkpoints this run would overwrite
+        if override is not None:
+            _exit(f"--override-ckpt-iteration {override}: --load {args.load} holds no "
+                  f"checkpoint ({TRACKER_FILE} missing), so there is nothing to resume at "
+                  f"iteration {override}: check the path, or drop the flag to start from "
+                  f"random")
         if args.exit_on_missing_checkpoint:
             _exit(f"--load {args.load}: no checkpoint there ({TRACKER_FILE} missing) and "
                   f"--exit-on-missing-checkpoint is set; check the path, or drop the flag to "
@@ -1031,12 +1049,14 @@ def load_checkpoint(args, model, optimizer, scheduler):
               f"{iteration} but {path} does not exist")
     _verify(load_dir, path, args.load_unverified_checkpoint, flag)
     if flag == "--load":
-        _warn_of_newer(args, iteration)
+        _warn_of_newer(args, iteration if override is None else override, override)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as error:  # verified files that still do not load: say which
         _exit(_unreadable(load_dir, path, error, flag=flag))
     _check_model_shape(args, path, common, flag)
+    if override is not None:
+        _check_override_batch(args, path, common, override)
     # --finetune: the weights only, from iteration 0 (as Megatron-LM)
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim and not common.get("has_optimizer", True):
@@ -1093,7 +1113,37 @@ def load_checkpoint(args, model, optimizer, scheduler):
         note = "" if same_layout else " (parallel layout changed: resharded, RNG not restored)"
         print(f"  loaded checkpoint from {path} at iteration {state['iteration']}{note}",
               flush=True)
+    if override is not None:
+        return _overridden_position(args, state, override)
     return state["iteration"], state["consumed_samples"]
+
+
+def _check_override_batch(args, path, common, iteration):
+    """As Megatron-LM, --override-ckpt-iteration refuses a checkpoint saved with another
+    global batch size: its sample offsets would not be this run's."""
+    saved_batch = common.get("global_batch_size")  # absent from older checkpoints
+    if saved_batch is not None and saved_batch != args.global_batch_size:
+        _exit(f"--override-ckpt-iteration {iteration}: --load {path} was saved with "
+              f"--global-batch-size {saved_batch}, this run has {args.global_batch_size}: "
+              f"the samples of iteration {iteration} would not be the ones that run read; "
+              f"use its global batch size")
+
+
+def _overridden_position(args, state, iteration):
+    """--override-ckpt-iteration: (iteration, the samples this run's batch sizes consume
+    in that many iterations)."""
+    from megatron.trainer.data import GlobalBatchSizes
+
+    batches = GlobalBatchSizes(args)
+    consumed = 0
+    for _ in range(iteration):  # the batch grows with the samples consumed (rampup)
+        consumed += batches.microbatches_at(consumed) * batches.unit
+    if _rank() == 0:
+        print(f"  --override-ckpt-iteration {iteration}: resuming as at iteration {iteration} "
+              f"(consumed samples {consumed}; the checkpoint's: iteration {state['iteration']}, "
+              f"{state['consumed_samples']} samples); weights, optimizer state and "
+              f"learning-rate schedule are the checkpoint's", flush=True)
+    return iteration, consumed
 
 
 def saved_model_shape(load_dir, flag="--load"):

@@ -382,7 +382,7 @@ for _reason, _flags in (
                "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "
                "--use-mp-args-from-checkpoint-args "
                "--ckpt-convert- --dist-ckpt-save-pre-mcore-014 "
-               "--override-ckpt-iteration --lazy-mpu-init "
+               "--lazy-mpu-init "
                "--ddp-reduce-scatter-with-fp32-accumulation "
                "--ddp-param-name-patterns-for-fp32-local-accumulation "
                "--ddp-average-in-collective --no-gradient-reduce-div-fusion "
