@@ -1,6 +1,6 @@
 """Megatron-LM users' launch scripts run unchanged (tests/launch_scripts/: the original
-Seq1F1B run.sh and Megatron-LM examples (GPT-3, Llama-3, Mixtral, the classic
-model-parallel one) and CI configs, their flags kept except shapes, data
+Seq1F1B run.sh and Megatron-LM examples (GPT-3, Llama-3, Mixtral, DeepSeek-V3, the
+classic model-parallel one) and CI configs, their flags kept except shapes, data
 paths and precision), each training 2 iterations with Seq1F1B on 2 CPU processes; and
 the no-op and refused Megatron-LM flags, checked flag by flag."""
 
@@ -627,6 +627,37 @@ def test_megatron_mixtral_example(tmp_path):
     assert_trained(proc, output, printed=[2])  # Megatron-LM's --log-interval 100
     assert "load_balancing_loss:" in output and "seq1f1b-splits=2" in output
     assert "validation loss at iteration 2 on test set" in output
+
+
+@pytest.mark.distributed
+def test_megatron_deepseek_v3_example(gpt2_data, tmp_path):
+    """Megatron-LM's DeepSeek-V3 example (MLA, MoE with a shared expert and sigmoid
+    group-limited routing, forced load balancing, MTP, selective recomputation, a Hugging
+    Face tokenizer) with Seq1F1B over 2 stages; with the example's default FSDP switch it
+    stops naming the alternative before any work."""
+    from megatron.dataprep.tokenizer import build_tokenizer
+
+    data = gpt2_data / "data"
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    build_tokenizer("GPT2BPETokenizer", str(data / "vocab.json"),
+                    str(data / "merges.txt"))._hf.save(str(tokenizer / "tokenizer.json"))
+    env = dict(OUTPUT_PATH=str(tmp_path / "out"), TOKENIZER_MODEL=str(tokenizer),
+               DATA_PATH=str(data / "codeparrot_content_document"), TP="1", EP="1",
+               MBS="1", GBS="4", WANDB="0")
+    proc, output = run_script("megatron_deepseek_v3.sh", env=dict(env, USE_MEGATRON_FSDP="0"))
+    assert_trained(proc, output)
+    assert "seq1f1b-splits=2" in output
+    assert "seq_load_balancing_loss:" in output and "mtp_1 loss:" in output
+    assert "validation loss at iteration 2" in output
+    checkpoints = tmp_path / "out" / "checkpoints"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+    proc, output = run_script("megatron_deepseek_v3.sh", env=env)
+    assert proc.returncode != 0
+    assert "--use-megatron-fsdp is refused: FSDP is not supported with the pipeline " \
+           "schedules here; use --use-distributed-optimizer" in output, output[-3000:]
+    assert not ITERATION.search(output)
 
 
 @pytest.mark.distributed

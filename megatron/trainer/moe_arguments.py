@@ -15,6 +15,7 @@ MOE_FLAGS = (
     "--moe-layer-recompute", "--moe-shared-expert-gate", "--moe-apply-probs-on-input",
     "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-expert-capacity-factor",
     "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
+    "--moe-router-force-load-balancing",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -73,6 +74,13 @@ def add_moe_arguments(parser):
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="as Megatron-LM, for benchmarks only: each router's logits are "
+                        "replaced by random ones (megatron-core's, drawn from the "
+                        "expert-parallel RNG stream and replayed by recomputation), so the "
+                        "experts get about equal shares of the tokens whatever the weights; "
+                        "a split run draws other random logits than an unsplit one (as "
+                        "dropout does)")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="normalise the scores (softmax or sigmoid) over all experts before "
                         "the top-k selection instead of after it")
@@ -299,6 +307,7 @@ def _given(args, flag):
                 "--moe-flex-dispatcher-backend": None,
                 "--moe-pad-expert-input-to-capacity": False,
                 "--moe-token-drop-policy": "probs",
+                "--moe-router-force-load-balancing": False,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
@@ -333,4 +342,5 @@ def moe_config_fields(args):
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
     )
