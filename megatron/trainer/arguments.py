@@ -213,6 +213,14 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g = parser.add_argument_group("batch and training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="as Megatron-LM: where --global-batch-size (or a batch of "
+                        "--rampup-batch-size or --step-batch-size-schedule) is not a "
+                        "multiple of --micro-batch-size x data-parallel size, each iteration "
+                        "trains on the largest multiple below it instead of stopping (a job "
+                        "relaunched on fewer nodes goes on); the samples left out are counted "
+                        "as skipped samples, and a relaunch whose data-parallel size divides "
+                        "the batch trains on the whole batch again")
     g.add_argument("--train-iters", type=int)
     g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
                    help="1-indexed iterations whose batch is read and not trained on (the "
@@ -925,10 +933,9 @@ def _derive_parallel_layout(args, world_size):
              f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     _require(args.distributed_timeout_minutes > 0,
              f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
-    _require(args.global_batch_size % (args.micro_batch_size * dp) == 0,
-             f"--global-batch-size ({args.global_batch_size}) must be divisible by "
-             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp}); "
-             f"use a multiple of {args.micro_batch_size * dp}")
+    _check_batch_divides(args, args.global_batch_size,
+                         "--global-batch-size" if args.step_batch_schedule is None
+                         else "--step-batch-size-schedule's last batch")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     _derive_batch_rampup(args)
 
@@ -947,6 +954,31 @@ def _derive_parallel_layout(args, world_size):
             account_for_loss=args.account_for_loss_in_pipeline_split)
     except UnevenSplitError as error:
         raise ArgumentError(str(error)) from None
+
+
+def _check_batch_divides(args, batch, flag):
+    """A global batch must be a multiple of --micro-batch-size x data-parallel size; with
+    --decrease-batch-size-if-needed (as Megatron-LM) the largest multiple below it trains,
+    with a note, and the rest of each batch is counted as skipped samples."""
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    unit = mbs * dp
+    if batch % unit == 0:
+        return
+    _require(args.decrease_batch_size_if_needed,
+             f"{flag} ({batch}) must be divisible by --micro-batch-size ({mbs}) x "
+             f"data-parallel size ({dp}); use a multiple of {unit} (or "
+             f"--decrease-batch-size-if-needed to train on the largest multiple below it, as "
+             f"Megatron-LM)")
+    _require(batch >= unit,
+             f"--decrease-batch-size-if-needed: {flag} ({batch}) is below --micro-batch-size "
+             f"({mbs}) x data-parallel size ({dp}), so not one microbatch per data-parallel "
+             f"rank is left; use fewer data-parallel ranks or a batch of at least {unit}")
+    running = batch // unit * unit
+    args.flag_notes.append(
+        f"note: --decrease-batch-size-if-needed: {flag} {batch} is not a multiple of "
+        f"--micro-batch-size ({mbs}) x data-parallel size ({dp}): its iterations train on "
+        f"{running} samples, and the {batch - running} left out of each are counted as "
+        f"skipped samples")
 
 
 def _take_step_schedule(args):
@@ -982,9 +1014,13 @@ def _derive_batch_rampup(args):
     if args.step_batch_schedule is not None:
         unit = args.micro_batch_size * args.data_parallel_size
         sizes = [batch for _, batch in args.step_batch_schedule]
-        wrong = [batch for batch in sizes if batch % unit]
+        wrong = [batch for batch in sizes
+                 if batch % unit and not (args.decrease_batch_size_if_needed and batch >= unit)]
         _require(not wrong, f"--step-batch-size-schedule: the global batches {wrong} are not "
-                            f"multiples of --micro-batch-size x data-parallel size ({unit})")
+                            f"multiples of --micro-batch-size x data-parallel size ({unit})"
+                 + ("" if args.decrease_batch_size_if_needed else
+                    " (--decrease-batch-size-if-needed trains on the largest multiple below "
+                    "each)"))
         args.rampup_global_batch_sizes = sizes[:-1] + [args.global_batch_size]
         return
     if args.rampup_batch_size is None:
@@ -1001,9 +1037,15 @@ def _derive_batch_rampup(args):
     unit = args.micro_batch_size * args.data_parallel_size
     _require(start >= 1 and increment >= 1 and samples >= 0,
              "--rampup-batch-size: START and INCREMENT must be >= 1 and SAMPLES >= 0")
-    _require(start % unit == 0 and increment % unit == 0,
-             f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be "
-             f"multiples of --micro-batch-size x data-parallel size ({unit})")
+    if args.decrease_batch_size_if_needed:  # each batch on the way is rounded down
+        _require(start >= unit,
+                 f"--decrease-batch-size-if-needed: --rampup-batch-size START ({start}) is "
+                 f"below --micro-batch-size x data-parallel size ({unit}): not one microbatch "
+                 f"per data-parallel rank is left")
+    else:
+        _require(start % unit == 0 and increment % unit == 0,
+                 f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be "
+                 f"multiples of --micro-batch-size x data-parallel size ({unit})")
     _require((args.global_batch_size - start) % increment == 0 and
              start <= args.global_batch_size,
              f"--rampup-batch-size: --global-batch-size ({args.global_batch_size}) minus START "
@@ -1047,8 +1089,10 @@ def _derive_eval_batch(args):
     given = args.eval_micro_batch_size is not None or args.eval_global_batch_size is not None
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
-    if args.eval_global_batch_size is None:
-        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size is None:  # the batch that trains (under
+        # --decrease-batch-size-if-needed the largest multiple below --global-batch-size)
+        args.eval_global_batch_size = (args.num_microbatches * args.micro_batch_size
+                                       * args.data_parallel_size)
     args.eval_num_microbatches = None
     if not given:
         return

@@ -459,6 +459,9 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
+        # Megatron-LM's skipped_train_samples (--iterations-to-skip,
+        # --decrease-batch-size-if-needed): the count goes on after a resume
+        "skipped_samples": getattr(args, "skipped_train_samples", 0),
         # what --override-ckpt-iteration compares: sample offsets count in this batch size
         "global_batch_size": args.global_batch_size,
         "model_shape": model_shape(args),
@@ -1113,8 +1116,9 @@ def load_checkpoint(args, model, optimizer, scheduler):
         note = "" if same_layout else " (parallel layout changed: resharded, RNG not restored)"
         print(f"  loaded checkpoint from {path} at iteration {state['iteration']}{note}",
               flush=True)
-    if override is not None:
+    if override is not None:  # as Megatron-LM, the count of skipped samples starts over
         return _overridden_position(args, state, override)
+    args.skipped_train_samples = common.get("skipped_samples", 0)
     return state["iteration"], state["consumed_samples"]
 
 

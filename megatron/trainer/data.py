@@ -129,21 +129,32 @@ class GlobalBatchSizes:
 
     def __init__(self, args):
         self.unit = args.micro_batch_size * args.data_parallel_size
-        self.constant = args.global_batch_size // self.unit
+        self.global_batch = args.global_batch_size
         self.calculator = None
+        # the calculators are asked for the batch as given and never round it (megatron-core
+        # 0.19's step schedules refuse to): --decrease-batch-size-if-needed rounds it here
+        self.check_divisible = not getattr(args, "decrease_batch_size_if_needed", False)
         self.steps = getattr(args, "step_batch_schedule", None)
         if args.rampup_batch_size is not None:
             self.calculator = rampup_calculator(args, torch.distributed.get_rank())
 
     def microbatches_at(self, consumed_samples: int) -> int:
+        """The microbatches per rank of the iteration after `consumed_samples` samples
+        (under --decrease-batch-size-if-needed those of the largest multiple of
+        --micro-batch-size x DP below the global batch)."""
+        return self.batch_at(consumed_samples) // self.unit
+
+    def batch_at(self, consumed_samples: int) -> int:
+        """The global batch in force after `consumed_samples` samples, as given (which
+        --decrease-batch-size-if-needed may round down)."""
         if self.steps is not None:  # --step-batch-size-schedule
             from megatron.trainer.batch_schedule import batch_at
 
-            return batch_at(self.steps, consumed_samples) // self.unit
+            return batch_at(self.steps, consumed_samples)
         if self.calculator is None:
-            return self.constant
-        self.calculator.update(consumed_samples, True)
-        return self.calculator.get()
+            return self.global_batch
+        self.calculator.update(consumed_samples, self.check_divisible)
+        return self.calculator.get_current_global_batch_size()
 
 
 def rampup_calculator(args, rank=0):

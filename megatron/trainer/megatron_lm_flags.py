@@ -376,7 +376,7 @@ for _reason, _flags in (
      "--recompute-granularity with --recompute-method", "--checkpoint-activations"),
     ("deprecated in Megatron-LM: use --ckpt-format torch_dist", "--dist-ckpt-format"),
     (_CHANGES, "--batch-invariant-mode "
-               "--decrease-batch-size-if-needed --freeze-all-layers "
+               "--freeze-all-layers "
                "--dump-param-to-param-group-map --save-params-interval "
                "--save-activations-interval --save-tokens-per-expert-interval "
                "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "

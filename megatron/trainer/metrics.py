@@ -79,12 +79,14 @@ def _decimals(value) -> int:
 def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, lr,
                           global_batch_size, loss, grad_norm, tokens_per_s, tflops,
                           stage_peaks, memory_heading=GPU_MEMORY, num_zeros=None,
-                          params_norm=None, moe_losses=None):
+                          params_norm=None, moe_losses=None, skipped_samples=0):
     """Megatron-LM's iteration line, plus tokens/s and memory peaks. ``tflops``: model
     TFLOP/s per device, or None to leave the throughput field out (Megatron-LM prints it
     with --log-throughput only); ``num_zeros``, ``params_norm``: Megatron-LM's fields of
     --log-num-zeros-in-grad and --log-params-norm (None: not printed); ``moe_losses``:
-    Megatron-LM's MoE auxiliary losses (name -> value), printed after the lm loss."""
+    Megatron-LM's MoE auxiliary losses (name -> value), printed after the lm loss;
+    ``skipped_samples``: the run's samples read and not trained on, or left out of a
+    decreased batch (printed when there are any, as Megatron-LM)."""
     # as Megatron-LM: no norm (--clip-grad 0, an fp16 skip) prints no grad norm field
     grad = "" if grad_norm is None else f" grad norm: {grad_norm:.6g} |"
     if num_zeros is not None:
@@ -97,7 +99,8 @@ def format_iteration_line(iteration, train_iters, consumed_samples, elapsed_ms, 
     return (
         f" iteration {iteration:8d}/{train_iters:8d} |"
         f" consumed samples: {consumed_samples:12d} |"
-        f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+        + (f" skipped samples: {skipped_samples:12d} |" if skipped_samples else "")
+        + f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
         f"{throughput}"
         f" learning rate: {lr:.6e} |"
         f" global batch size: {global_batch_size:5d} |"

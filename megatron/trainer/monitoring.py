@@ -387,6 +387,8 @@ class Monitor:
         batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
         self.writers.add("batch-size", batch, iteration)
         self.writers.add("samples vs steps", consumed_samples, iteration)
+        if getattr(args, "skipped_train_samples", 0):  # as Megatron-LM: once there are any
+            self.writers.add("skipped-train-samples", args.skipped_train_samples, iteration)
         self.writers.add("lm loss", loss, iteration)
         if args.log_loss_scale_to_tensorboard:
             self.writers.add("loss-scale", loss_scale, iteration)

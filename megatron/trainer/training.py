@@ -362,6 +362,9 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     if not args.skip_train:  # --skip-train saves nothing
         checkpointing.claim_save_dir(args)
     iteration, consumed_samples = 0, 0
+    # Megatron-LM's count of samples read and not trained on (--iterations-to-skip) and
+    # left out of batches (--decrease-batch-size-if-needed); a checkpoint carries it on
+    args.skipped_train_samples = 0
     if args.load is not None or args.pretrained_checkpoint is not None:
         progress.step = "checkpoint load"
         iteration, consumed_samples = checkpointing.load_checkpoint(
@@ -616,7 +619,8 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
         if args.async_save:  # as Megatron-LM: publish the background saves that are done
             progress.step = f"asynchronous checkpoint finalization before iteration {iteration + 1}"
             async_save.maybe_finalize(args)
-        args.num_microbatches = batch_sizes.microbatches_at(consumed_samples)
+        given_batch = batch_sizes.batch_at(consumed_samples)
+        args.num_microbatches = given_batch // batch_sizes.unit
         if iteration + 1 in args.iterations_to_skip:
             # as Megatron-LM: the iteration's batch is read and dropped, nothing trains,
             # the learning-rate schedule does not advance; nor is it evaluated or saved
@@ -625,6 +629,7 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
             iteration += 1
             batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
             consumed_samples += batch
+            args.skipped_train_samples += batch  # as Megatron-LM
             print_rank_0(f" iteration {iteration:8d}/{args.train_iters:8d} skipped "
                          f"(--iterations-to-skip): its {batch} samples were read, not trained "
                          f"on")
@@ -641,6 +646,7 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
         iteration += 1
         batch = args.num_microbatches * args.micro_batch_size * args.data_parallel_size
         consumed_samples += batch
+        args.skipped_train_samples += given_batch - batch  # --decrease-batch-size-if-needed
         window_samples += batch
         skipped += 0 if ok else 1
         if ok:
@@ -683,7 +689,8 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
                     batch, mean_loss, grad_norm,
                     tokens_per_second, tflops if args.log_throughput else None,
                     peaks, memory_label(observers), num_zeros=num_zeros,
-                    params_norm=params_norm, moe_losses=moe_means))
+                    params_norm=params_norm, moe_losses=moe_means,
+                    skipped_samples=args.skipped_train_samples))
             monitor.log_interval(iteration, window_iters, elapsed, tflops,
                                  tokens_per_second)  # collective (timers)
             window_start, window_iters, window_loss, window_count = time.time(), 0, 0.0, 0
