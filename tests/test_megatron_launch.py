@@ -283,8 +283,8 @@ def test_no_op_flag_is_accepted_with_its_reason(flag):
 
 @pytest.mark.parametrize("flag", sorted(REFUSED_FLAGS))
 def test_refused_flag_gives_reason_and_alternative(flag):
-    # (--moe-router-topk is implemented; --moe-input-jitter-eps is refused)
-    given = flag + "input-jitter-eps" if flag.endswith("-") else flag
+    # (--moe-router-topk is implemented; --moe-latent-size is refused)
+    given = flag + "latent-size" if flag.endswith("-") else flag
     with pytest.raises(ArgumentErrors) as error:
         parse(given, "2", "--lr", "1e-3")  # the value is taken with the flag; --lr still parses
     assert error.value.problems == [f"{given} is refused: {REFUSED_FLAGS[flag]}"]

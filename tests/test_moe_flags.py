@@ -190,8 +190,10 @@ def test_moe_layer_freq_as_megatron_lm_reads_it():
 @pytest.mark.parametrize("flags, message", [
     (["--num-experts", "8", "--moe-router-dtype", "bf16"],
      "--moe-router-dtype: invalid choice: 'bf16'"),
-    (["--num-experts", "8", "--moe-input-jitter-eps", "0.1"],
-     "--moe-input-jitter-eps is refused: this mixture-of-experts option"),
+    (["--num-experts", "8", "--moe-latent-size", "16"],
+     "--moe-latent-size is refused: this mixture-of-experts option"),
+    (["--num-experts", "8", "--moe-input-jitter-eps", "0"],
+     "--moe-input-jitter-eps must be > 0, got 0.0"),
     (["--num-experts", "8", "--moe-layer-recompute", "--recompute-granularity", "full",
       "--recompute-method", "uniform"],
      "--moe-layer-recompute does not go with --recompute-granularity full (as in "

@@ -15,7 +15,7 @@ MOE_FLAGS = (
     "--moe-layer-recompute", "--moe-shared-expert-gate", "--moe-apply-probs-on-input",
     "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-expert-capacity-factor",
     "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
-    "--moe-router-force-load-balancing",
+    "--moe-router-force-load-balancing", "--moe-input-jitter-eps",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -81,6 +81,12 @@ def add_moe_arguments(parser):
                         "experts get about equal shares of the tokens whatever the weights; "
                         "a split run draws other random logits than an unsplit one (as "
                         "dropout does)")
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                   help="as Megatron-LM (Switch Transformer's jitter): while training, each "
+                        "router's input is multiplied by noise uniform in [1 - eps, 1 + eps] "
+                        "(the experts get the input as it is); the noise is replayed by "
+                        "recomputation, and a split run draws other noise than an unsplit one "
+                        "(as dropout does)")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="normalise the scores (softmax or sigmoid) over all experts before "
                         "the top-k selection instead of after it")
@@ -168,6 +174,9 @@ def check_moe_args(args, cuda_available):
         problems.append("--moe-router-topk 1 with the softmax router needs "
                         "--moe-router-pre-softmax (as in Megatron-LM)")
     problems += _flex_dispatcher(args)
+    if args.moe_input_jitter_eps is not None and args.moe_input_jitter_eps <= 0:
+        # megatron-core's uniform noise needs 1 - eps < 1 + eps (its first forward fails)
+        problems.append(f"--moe-input-jitter-eps must be > 0, got {args.moe_input_jitter_eps}")
     if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
         # megatron-core asserts it in the experts' first forward
         problems.append(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (got "
@@ -307,7 +316,7 @@ def _given(args, flag):
                 "--moe-flex-dispatcher-backend": None,
                 "--moe-pad-expert-input-to-capacity": False,
                 "--moe-token-drop-policy": "probs",
-                "--moe-router-force-load-balancing": False,
+                "--moe-router-force-load-balancing": False, "--moe-input-jitter-eps": None,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
@@ -343,4 +352,5 @@ def moe_config_fields(args):
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_router_force_load_balancing=args.moe_router_force_load_balancing,
+        moe_input_jitter_eps=args.moe_input_jitter_eps,
     )
