@@ -653,6 +653,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="on resume, keep the checkpoint's learning-rate and weight-decay "
                         "schedule whatever this command line says; without either flag a "
                         "schedule that differs from the checkpoint's is refused")
+    g.add_argument("--save-wgrads-interval", type=int, default=None,
+                   help="as Megatron-LM: every N iterations each model-parallel rank writes "
+                        "its parameters' gradients (after the data-parallel reduction, whole "
+                        "on every rank also under the distributed optimizer) to "
+                        "SAVE/wgrads/iter_N/mp_rank_TT[_PPP][_EEE].pth ({model_chunkK: {name: "
+                        "tensor}}): compare two runs (Seq1F1B against 1F1B) tensor by tensor")
+    g.add_argument("--save-params-interval", type=int, default=None,
+                   help="as Megatron-LM: every N iterations the parameters after the "
+                        "optimizer step, to SAVE/params/iter_N/ in the same form")
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="keep only the checkpoints of iterations that are multiples of this "
                         "(and the latest): each save deletes the previous latest one unless "
@@ -1484,6 +1493,19 @@ def _check_checkpoint_flags(args, check_files):
              "--override-opt_param-scheduler (take this command line's schedule) and "
              "--use-checkpoint-opt_param-scheduler (keep the checkpoint's) contradict each "
              "other: keep one")
+    for flag in ("save_wgrads_interval", "save_params_interval"):
+        interval, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if interval is not None:
+            _require(interval >= 1, f"{name} must be >= 1, got {interval}")
+            _require(args.save is not None,
+                     f"{name} writes its files under --save DIR/"
+                     f"{'wgrads' if 'wgrads' in flag else 'params'}: give --save")
+    # as Megatron-LM asserts: with the overlapped all-gather the parameters after the step
+    # are not all in place yet
+    _require(args.save_params_interval is None or not args.overlap_param_gather,
+             "--save-params-interval with --overlap-param-gather: the parameters after the "
+             "step are gathered during the next forward, so the files would hold stale "
+             "shards (Megatron-LM asserts it too); drop one of them")
     if args.save_retain_interval is not None and args.save and args.save_interval:
         _require(args.save_retain_interval > 0,
                  f"--save-retain-interval must be > 0, got {args.save_retain_interval}")

@@ -377,9 +377,9 @@ for _reason, _flags in (
     ("deprecated in Megatron-LM: use --ckpt-format torch_dist", "--dist-ckpt-format"),
     (_CHANGES, "--batch-invariant-mode "
                "--freeze-all-layers "
-               "--dump-param-to-param-group-map --save-params-interval "
+               "--dump-param-to-param-group-map "
                "--save-activations-interval --save-tokens-per-expert-interval "
-               "--save-wgrads-interval --save-dgrads-interval --load-main-params-from-ckpt "
+               "--save-dgrads-interval --load-main-params-from-ckpt "
                "--use-mp-args-from-checkpoint-args "
                "--ckpt-convert- --dist-ckpt-save-pre-mcore-014 "
                "--lazy-mpu-init "

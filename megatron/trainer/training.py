@@ -41,6 +41,7 @@ from megatron.trainer import (
     norms,
     optimizers,
     rerun,
+    tensor_dumps,
     validation_sets,
 )
 from megatron.trainer.arguments import parse_args_or_exit
@@ -190,10 +191,14 @@ def _eval_microbatches(args):
 
 
 def _run_schedule(args, forward_backward_func, forward_step_func, data_iterator, model,
-                  forward_only, evaluation=False):
+                  forward_only, evaluation=False, force_all_reduce=False):
     """One call of the pipeline schedule over the iteration's microbatches (an
-    evaluation step's: --eval-micro-batch-size, --eval-global-batch-size)."""
+    evaluation step's: --eval-micro-batch-size, --eval-global-batch-size).
+    ``force_all_reduce``: every data-parallel rank gets whole reduced gradients, also
+    under the distributed optimizer (megatron-core's switch, for --save-wgrads-interval)."""
+    extra = {"force_all_reduce": True} if force_all_reduce else {}
     return forward_backward_func(
+        **extra,
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=model,
@@ -223,6 +228,9 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     # result was rejected (with --rerun-mode disabled it runs them once)
     rerun_machine = rerun.machine()
     injected = False
+    save_wgrads = tensor_dumps.due(args.save_wgrads_interval, iteration)
+    for chunk in model:  # as Megatron-LM: the overlapped reductions all-reduce too
+        chunk.force_all_reduce = save_wgrads
     while rerun_machine.should_run_forward_backward(data_iterator):
         pending = rerun.injection_pending()  # results are validated inside the pass
         if before_pass is not None:
@@ -232,13 +240,19 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         optimizer.zero_grad()
         progress.step = f"iteration {iteration}'s pipeline forward/backward (p2p and grad sync)"
         losses_reduced = _run_schedule(args, forward_backward_func, forward_step_func,
-                                       data_iterator, model, forward_only=False)
+                                       data_iterator, model, forward_only=False,
+                                       force_all_reduce=save_wgrads)
         injected |= pending is None and rerun.injection_pending() is not None
     if rerun.enabled(args):
         progress.step = f"iteration {iteration}'s rerun decision (all_gather over all ranks)"
         stop = rerun.decision(args, iteration, device.on_cuda(args), injected)
         if stop is not None:
             return None, None, False, stop, None
+    for chunk in model:
+        chunk.force_all_reduce = False
+    if save_wgrads:  # as Megatron-LM: after the reduction, before the step
+        progress.step = f"iteration {iteration}'s --save-wgrads-interval write"
+        tensor_dumps.save_named_tensors(args, model, "main_grad", iteration)
     # before the step: a non-finite loss or gradient never reaches the parameters
     progress.step = f"iteration {iteration}'s health check (all_gather over all ranks)"
     exit_reason = guard.check(iteration, losses_reduced, model)
@@ -247,6 +261,9 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     progress.step = f"iteration {iteration}'s optimizer step (grad norm all-reduce)"
     with monitor.optimizer_timer() if monitor is not None else contextlib.nullcontext():
         update_successful, grad_norm, num_zeros = optimizer.step()
+    if tensor_dumps.due(args.save_params_interval, iteration):  # after the step
+        progress.step = f"iteration {iteration}'s --save-params-interval write"
+        tensor_dumps.save_named_tensors(args, model, "data", iteration)
     if args.clip_grad == 0:
         grad_norm = None  # no clipping, no norm: megatron-core returns a 0.0 placeholder
     guard.check_grad_norm(iteration, grad_norm)
