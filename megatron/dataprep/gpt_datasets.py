@@ -241,6 +241,7 @@ def build_gpt_datasets(
     multiple_validation_sets: bool = False,
     mid_level_dataset_surplus: float = 0.005,
     allow_ambiguous_pad_tokens: bool = False,
+    sample_documents: bool = False,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
@@ -250,6 +251,9 @@ def build_gpt_datasets(
     A part of None samples is built as one pass over its data (Megatron-LM's
     --full-validation); with multiple_validation_sets, a validation blend of several
     prefixes in data_path_per_split comes back as a list of one such dataset per prefix.
+    sample_documents=True adds each sample's document ids and per-document positions,
+    from the documents it was packed from (Megatron-LM's --dataloader-inter-document-masking,
+    megatron.dataprep.sample_documents).
     mock=True ignores data_path and builds megatron-core's MockGPTDataset. Under
     torch.distributed every rank must call this (the builder synchronises); pass
     is_built_on_rank to build on some ranks only (default: all).
@@ -306,8 +310,13 @@ def build_gpt_datasets(
         # a part nobody reads (0 samples) is not built: an empty one would never finish
         config.split_matrix = [bookends if part.name in used else None
                                for part, bookends in zip(Split, config.split_matrix)]
+    dataset_class = MockGPTDataset if mock else GPTDataset
+    if sample_documents:
+        from megatron.dataprep.sample_documents import with_sample_documents
+
+        dataset_class = with_sample_documents(dataset_class)
     builder = BlendedMegatronDatasetBuilder(
-        MockGPTDataset if mock else GPTDataset,
+        dataset_class,
         list(train_valid_test_num_samples),
         is_built_on_rank or (lambda: True),
         config,

@@ -456,6 +456,12 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--dataloader-inter-document-masking", action="store_true",
+                   help="as Megatron-LM: attention stays within each document a sample was "
+                        "packed from, and position ids restart at 0 at each, the documents "
+                        "taken from the dataset's packing (with or without end-of-document "
+                        "tokens); the document attention of --reset-attention-mask, which "
+                        "reads the boundaries from EOD tokens")
     g.add_argument("--eod-mask-loss", action="store_true")
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
@@ -806,11 +812,15 @@ def _check_megatron_compat(args, cuda_available):
     """Megatron-LM's spellings, its defaults that depend on the machine, and the
     Megatron-LM flags whose values this trainer cannot honour."""
     problems = []
+    args.flag_notes = []
+    if args.dataloader_inter_document_masking:
+        # the document attention of --reset-attention-mask, with the boundaries (and
+        # positions) of the samples' packing (megatron.dataprep.sample_documents)
+        args.reset_attention_mask = True
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         args.position_embedding_type = "none"
-    args.flag_notes = []
     if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":  # as Megatron-LM
         args.apply_wd_to_qk_layernorm = True
         args.flag_notes.append("note: --no-weight-decay-cond-type is deprecated (as in "

@@ -44,18 +44,23 @@ def datasets_provider(args):
                    evaluations * args.eval_iters * args.eval_global_batch_size,
                    args.eval_iters * args.eval_global_batch_size if _has_test_split(args)
                    else 0]
+    # --dataloader-inter-document-masking: documents and positions from the samples'
+    # packing (sample_documents), not from end-of-document tokens
+    by_packing = args.dataloader_inter_document_masking
     train, valid, test = build_gpt_datasets(
         data_path=args.data_path, data_path_per_split=args.data_path_per_split,
         split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
-        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        data_cache_path=args.data_cache_path,
+        reset_position_ids=args.reset_position_ids and not by_packing,
+        reset_attention_mask=args.reset_attention_mask and not by_packing,
+        eod_mask_loss=args.eod_mask_loss, sample_documents=by_packing,
         mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
         create_attention_mask=False,  # the kernels mask causally
         multiple_validation_sets=args.multiple_validation_sets,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
-    if args.reset_attention_mask:  # packed documents: per-token document ids, O(L) per row
+    if args.reset_attention_mask and not by_packing:  # per-token document ids, O(L) a row
         def with_ids(ds):
             return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
 

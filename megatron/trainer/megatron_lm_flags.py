@@ -350,8 +350,6 @@ for _reason, _flags in (
      "--valid-data-path and --test-data-path (or the files naming them) only; give the "
      "blend there", "--per-dataset-sequences-path --phase-transition-iterations "
      "--sample-rate --object-storage-cache-path --enable-msc"),
-    ("documents are separated in attention by --reset-attention-mask here",
-     "--dataloader-inter-document-masking"),
     ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
      "--tokenizer-model only; this option would change the token ids",
      "--vocab-extra-ids --tokenizer-metadata --tokenizer-special-tokens "
