@@ -63,6 +63,15 @@ def test_optimizer_states_follow_the_optimizer():
             pytest.approx(4 * states * params)  # fp32: no master copy
 
 
+def test_a_decreased_batch_is_planned_as_it_trains():
+    """--decrease-batch-size-if-needed on 24 ranks (DP 3 at TP 2 x PP 4): the global batch
+    of 16 trains as 15, 5 microbatches, and is planned so."""
+    decreased = plan(TRAINING + ["--world-size", "24", "--decrease-batch-size-if-needed"])
+    assert decreased.config.parallel.dp == 3
+    assert decreased.config.parallel.global_batch_size == 15
+    assert decreased.config.parallel.num_microbatches == 5
+
+
 def test_gpu_cpu_models_the_cpu_kernels():
     """Dropout masks in the activation dtype, and attention dropout on SDPA's math
     kernel (scores stored) on CPU; neither on a GPU."""

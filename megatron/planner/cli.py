@@ -249,7 +249,8 @@ def config_from_args(args) -> PlanConfig:
             raise PlanError(f"--virtual-pipeline-model-parallel-size {chunks}: --num-layers "
                             f"{model.num_layers} must be divisible by PP {pp} x {chunks}")
     micro = args.micro_batch_size
-    gbs = t.global_batch_size
+    # the batch that trains (--decrease-batch-size-if-needed: the multiple below the given)
+    gbs = t.num_microbatches * micro * dp
     schedule = args.schedule
     if schedule is None and "pipeline_schedule" in getattr(args, "given", ()):
         schedule = args.pipeline_schedule if args.pipeline_schedule != "1f1b" else None
