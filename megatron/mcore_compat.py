@@ -49,6 +49,9 @@ class Entry:
     why: str
     checked: str = _BOTH
     params: Tuple[str, ...] = ()
+    # read with getattr where the installed megatron-core has it: on a version outside
+    # ``checked`` its absence is bridged, not a failure (its presence is still checked)
+    optional_elsewhere: bool = False
 
     def __str__(self):
         return f"{self.name} ({self.checked}): {self.why}"
@@ -62,8 +65,8 @@ class Entry:
         return mcore_version in self.checked[len(prefix):].split(", ")
 
 
-def _mcore(name, why, *params, checked=_BOTH):
-    return Entry("megatron.core." + name, why, checked, tuple(params))
+def _mcore(name, why, *params, checked=_BOTH, optional_elsewhere=False):
+    return Entry("megatron.core." + name, why, checked, tuple(params), optional_elsewhere)
 
 
 def _torch(name, why, *params):
@@ -296,7 +299,13 @@ TABLE = (
            "past its end", "tensor", "shifts", "dims", "cp_group", "packed_seq_params"),
     _mcore("models.gpt.gpt_model:roll_tensor",
            "0.16.1's GPTModel._postprocess shifts the MTP labels and loss mask with its own "
-           "import of roll_tensor (replaced as the row above)", checked="megatron-core 0.16.1"),
+           "import of roll_tensor (replaced as the row above, where the module has it: "
+           "0.18.2 has not)", checked="megatron-core 0.16.1", optional_elsewhere=True),
+    _mcore(_MTP + "MultiTokenPredictionLayer._checkpointed_forward",
+           "whether full recomputation of an MTP layer runs: 0.18's forward passes "
+           "padding_mask to this method, which does not take it "
+           "(mtp_recompute_takes_its_arguments; its parameters are read, it is not "
+           "called)"),
     _mcore(_MTP + "MTPLossLoggingHelper.tracker",
            "the MTP losses of an iteration: 'values' (0.16.1) or 'loss_values' (0.19.2), a "
            "per-depth tensor read and zeroed by mcore_compat.mtp_loss_values"),
@@ -647,6 +656,21 @@ def per_token_router_loss_counts_tp_cp() -> bool:
                           f"CP size in some methods only ({found}): a version whose scaling "
                           f"megatron/seqsplit/moe.py does not know")
     return found["apply_z_loss"]
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_recompute_takes_its_arguments() -> bool:
+    """Whether megatron-core's MTP layer, under full recomputation, calls its checkpointed
+    forward with arguments that method takes: 0.18's passes padding_mask to a
+    _checkpointed_forward without it (a TypeError in the first forward, in Megatron-LM 0.18
+    too); 0.16 passes none, 0.19 takes it."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    def takes(method):
+        return "padding_mask" in inspect.signature(method).parameters
+
+    return (not takes(MultiTokenPredictionLayer.forward)  # public: the layer's call
+            or takes(get(_MTP + "MultiTokenPredictionLayer._checkpointed_forward")))
 
 
 def mtp_loss_values():

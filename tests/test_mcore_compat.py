@@ -28,6 +28,9 @@ def test_table_row_holds(row):
     try:
         mcore_compat.check(row)
     except CompatError as error:
+        if row.optional_elsewhere and installed not in row.checked:
+            pytest.skip(f"absent from megatron-core {installed}, where the bridge does "
+                        f"without it: {error}")
         pytest.fail(str(error), pytrace=False)
 
 

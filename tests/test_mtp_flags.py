@@ -144,15 +144,39 @@ def test_repeated_layer_is_refused_under_splits_only():
 
 
 def test_full_recomputation_under_splits_needs_megatron_core_0_17():
-    from megatron.trainer.mtp_arguments import recompute_runs_under_splits
+    from megatron.trainer.mtp_arguments import (
+        recompute_runs_under_splits,
+        recompute_takes_its_arguments,
+    )
 
     flags = [*MTP, *PP2_SPLITS, "--recompute-granularity", "full", "--recompute-method",
              "uniform", "--recompute-num-layers", "1"]
-    if recompute_runs_under_splits():
+    if not recompute_takes_its_arguments():
+        with pytest.raises(ArgumentErrors, match="0.18's MTP layer passes padding_mask"):
+            args_of(*flags, world_size=2)
+    elif recompute_runs_under_splits():
         assert args_of(*flags, world_size=2).mtp_num_layers == 2
     else:
         with pytest.raises(ArgumentErrors, match="needs megatron-core >= 0.17"):
             args_of(*flags, world_size=2)
+
+
+def test_megatron_core_0_18s_mtp_recomputation_is_refused_with_or_without_splits(
+        monkeypatch):
+    """megatron-core 0.18's MTP layer calls its checkpointed forward with padding_mask,
+    which that method does not take: a TypeError in the first forward, so such a run stops
+    while parsing (checked here on whichever megatron-core is installed by making it 0.18's
+    case; the real one is met on 0.18.2)."""
+    from megatron.trainer import mtp_arguments
+
+    monkeypatch.setattr(mtp_arguments, "recompute_takes_its_arguments", lambda: False)
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]
+    for layout in ([], PP2_SPLITS):
+        with pytest.raises(ArgumentErrors, match="use megatron-core 0.19 \\(or 0.17\\), or "
+                                                 "--recompute-granularity selective"):
+            args_of(*MTP, *layout, *full, world_size=2 if layout else 1)
+    assert args_of(*MTP, "--recompute-granularity", "selective").mtp_num_layers == 2
 
 
 def test_the_depth_count_is_part_of_the_checkpoints_model_shape():

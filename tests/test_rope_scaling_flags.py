@@ -34,11 +34,14 @@ def args_of(*flags):
 
 def megatron_lm_yarn_attributes(flags):
     """What Megatron-LM 0.19's own code sets on the config for these flags, or None where
-    this megatron-core ships no megatron/training (0.16.1)."""
+    this megatron-core ships no megatron/training (0.16.1) or no such code (0.18)."""
     parsed = megatron_lm_args(flags)  # imports megatron/training where it exists
     if parsed is None:
         return None
-    from megatron.training.argument_utils import _apply_yarn_config_from_args
+    try:
+        from megatron.training.argument_utils import _apply_yarn_config_from_args
+    except ImportError:
+        return None
 
     config = types.SimpleNamespace()
     _apply_yarn_config_from_args(config, parsed)

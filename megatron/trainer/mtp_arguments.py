@@ -49,6 +49,14 @@ def recompute_runs_under_splits() -> bool:
     return _config_has("mtp_use_repeated_layer")
 
 
+def recompute_takes_its_arguments() -> bool:
+    """Whether megatron-core's MTP layer can run full recomputation at all (not on 0.18,
+    ``mcore_compat.mtp_recompute_takes_its_arguments``)."""
+    from megatron import mcore_compat
+
+    return mcore_compat.mtp_recompute_takes_its_arguments()
+
+
 def check_mtp_args(args):
     """The combinations that cannot run here stop before any work, one line each;
     returns the problems."""
@@ -86,7 +94,13 @@ def check_mtp_args(args):
         problems.append("--mtp-use-repeated-layer is not supported under sequence splits yet "
                         "(its one attention layer runs at every depth, and its K/V cache "
                         "keeps one prefix per layer): drop it or run with --seq1f1b-splits 1")
-    if splits and args.recompute_granularity == "full" and not recompute_runs_under_splits():
+    if (depths and args.recompute_granularity == "full"
+            and not recompute_takes_its_arguments()):
+        problems.append("--mtp-num-layers with --recompute-granularity full fails inside the "
+                        "installed megatron-core (0.18's MTP layer passes padding_mask to a "
+                        "checkpointed forward that does not take it): use megatron-core 0.19 "
+                        "(or 0.17), or --recompute-granularity selective")
+    elif splits and args.recompute_granularity == "full" and not recompute_runs_under_splits():
         problems.append("--mtp-num-layers with --recompute-granularity full under sequence "
                         "splits needs megatron-core >= 0.17 (0.16's MTP recomputation saves "
                         "the split with the tensors and fails): upgrade megatron-core, or "
