@@ -282,16 +282,19 @@ TABLE = (
            "SplitRouter records a microbatch's aux losses (mcore_compat.record_moe_loss)",
            "name", "loss", "layer_number", "num_layers", "reduce_group", "avg_group",
            "reduce_group_has_dp", checked="megatron-core 0.16.1"),
+    # (0.17 and 0.18 have no moe_logging module: the bridge then uses the rows above)
     _mcore(_MOE_LOGGING + "get_moe_metrics_tracker",
            "the global MoEMetricsTracker (mcore_compat.moe_loss_values and friends)",
-           checked="megatron-core 0.19.2"),
+           checked="megatron-core 0.19.2", optional_elsewhere=True),
     _mcore(_MOE_LOGGING + "MoEMetricsTracker.record",
            "SplitRouter records a microbatch's aux losses (mcore_compat.record_moe_loss)",
            "self", "name", "value", "layer_number", "num_layers", "reduce_group",
-           "avg_group", "needs_dp_avg", checked="megatron-core 0.19.2"),
+           "avg_group", "needs_dp_avg", checked="megatron-core 0.19.2",
+           optional_elsewhere=True),
     _mcore(_MOE_LOGGING + "MoEMetricsTracker.metrics",
            "name -> MetricEntry(values: per-layer tensor, ...), the live dict: read, "
-           "zeroed and emptied by mcore_compat", checked="megatron-core 0.19.2"),
+           "zeroed and emptied by mcore_compat", checked="megatron-core 0.19.2",
+           optional_elsewhere=True),
     # --- multi-token prediction (megatron/seqsplit/mtp.py, megatron/trainer/mtp_metrics.py)
     _mcore(_MTP + "roll_tensor",
            "MTP's shift along the sequence, replaced by seqsplit.mtp.install_split_roll in "
@@ -304,8 +307,9 @@ TABLE = (
     _mcore(_MTP + "MultiTokenPredictionLayer._checkpointed_forward",
            "whether full recomputation of an MTP layer runs: 0.18's forward passes "
            "padding_mask to this method, which does not take it "
-           "(mtp_recompute_takes_its_arguments; its parameters are read, it is not "
-           "called)"),
+           "(mtp_recompute_takes_its_arguments), and whether it takes its arguments by name "
+           "and the split by closure (0.18+; mtp_recompute_passes_the_split_by_closure); its "
+           "parameters are read, it is not called"),
     _mcore(_MTP + "MTPLossLoggingHelper.tracker",
            "the MTP losses of an iteration: 'values' (0.16.1) or 'loss_values' (0.19.2), a "
            "per-depth tensor read and zeroed by mcore_compat.mtp_loss_values"),
@@ -656,6 +660,16 @@ def per_token_router_loss_counts_tp_cp() -> bool:
                           f"CP size in some methods only ({found}): a version whose scaling "
                           f"megatron/seqsplit/moe.py does not know")
     return found["apply_z_loss"]
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_recompute_passes_the_split_by_closure() -> bool:
+    """Whether megatron-core's MTP layer, under full recomputation, hands non-tensor
+    arguments (a sequence split) to the checkpoint by closure (0.18+: its checkpointed
+    forward takes its arguments by name) rather than to save_for_backward with the tensors
+    (0.16, 0.17: a TypeError with a split)."""
+    method = get(_MTP + "MultiTokenPredictionLayer._checkpointed_forward")
+    return "hidden_states" in inspect.signature(method).parameters
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """Megatron-LM's own parser, where the installed megatron-core ships it (0.19.2 does,
 0.16.1 does not): what Megatron-LM makes of a command line, to compare ours with. The
-comparisons are with the parser of Megatron-LM 0.19 (CI's): an older one (0.18) that does
-not know a flag yet gives None, as no parser does."""
+comparisons are with the parser of Megatron-LM 0.19 (CI's): an older one (0.17, 0.18) that
+does not know a flag or a value yet gives None, as no parser does."""
 
 import argparse
 import typing
@@ -19,6 +19,10 @@ def megatron_lm_args(flags):
             from megatron.training.arguments import add_megatron_arguments
     except ImportError:
         return None
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    parsed, unknown = parser.parse_known_args(flags)
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False,
+                                                            exit_on_error=False))
+    try:
+        parsed, unknown = parser.parse_known_args(flags)
+    except argparse.ArgumentError:  # a value an older parser has no choice for
+        return None
     return None if unknown else parsed

@@ -18,6 +18,11 @@ NO_OP = {
     "--workers-to-check": ("+", "only read by --find-optimal-num-workers (refused here)"),
     "--max-documents": (1, "only read by --find-optimal-num-workers (refused here)"),
     "--performance-dir": (1, "only read by --find-optimal-num-workers (refused here)"),
+    # Megatron-LM 0.17's (deprecated) spellings of its defaults, which are this tool's
+    "--tokenizer-hf-use-fast": (0, "HF tokenizers' fast tokenizer is the one used here"),
+    "--tokenizer-hf-include-special-tokens": (
+        0, "HF tokenizers encode with their special tokens here unless "
+           "--tokenizer-hf-no-include-special-tokens"),
 }
 
 REFUSED = {
@@ -28,6 +33,8 @@ REFUSED = {
     "--vocab-extra-ids": (1, "T5's span-masking tokens are not added here; drop it"),
     "--tokenizer-metadata": (1, _TOKEN_IDS),
     "--tokenizer-special-tokens": ("+", _TOKEN_IDS),
+    "--tiktoken-special-tokens": ("+", "Megatron-LM 0.17's spelling of "
+                                       "--tokenizer-special-tokens: " + _TOKEN_IDS),
     "--tiktoken-pattern": (1, "TikTokenizer is not supported here (--tokenizer-type)"),
     "--tiktoken-num-special-tokens": (1, "TikTokenizer is not supported here "
                                          "(--tokenizer-type)"),

@@ -144,7 +144,7 @@ for _reason, _flags in (
      "--gpu-sniff-test-interval=N"),
     ("only used by --optimizer muon/lion, which are not supported here (--optimizer "
      "adam or sgd); Megatron-LM ignores it with adam and sgd too",
-     "--muon-momentum=X --muon-no-split-qkv --muon-nesterov "
+     "--muon-momentum=X --muon-no-split-qkv --muon-nesterov --muon-use-nesterov "
      "--muon-scale-mode=V --muon-fp32-matmul-prec=V --muon-coefficient-type=V "
      "--muon-num-ns-steps=N --muon-tp-mode=V --muon-extra-scale-factor=X "
      "--muon-scalar-optimizer=V --lion-beta1=X --lion-beta2=X --no-use-layer-wise-param-layout"),
@@ -175,7 +175,9 @@ for _reason, _flags in (
     ("how an HF tokenizer encodes text: training reads the token ids tools/preprocess_data.py "
      "wrote (which takes these flags) and the tokenizer gives only its vocabulary size and "
      "special ids, the same either way",
-     "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --trust-remote-code"),
+     "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --trust-remote-code "
+     # Megatron-LM 0.17's spellings of the defaults
+     "--tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens"),
     # the original Seq1F1B fork's (Megatron-LM of 2023) flags that Megatron-LM dropped
     ("gradients are reduced by megatron-core's DistributedDataParallel, with contiguous "
      "buffers", "--DDP-impl=V --no-contiguous-buffers-in-local-ddp"),
@@ -353,7 +355,7 @@ for _reason, _flags in (
     ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
      "--tokenizer-model only; this option would change the token ids",
      "--vocab-extra-ids --tokenizer-metadata --tokenizer-special-tokens "
-     "--tiktoken-num-special-tokens --tokenizer-sentencepiece-legacy "
+     "--tiktoken-num-special-tokens --tiktoken-special-tokens --tokenizer-sentencepiece-legacy "
      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template"),

@@ -43,10 +43,12 @@ def _config_has(field):
 
 def recompute_runs_under_splits() -> bool:
     """Whether megatron-core's MTP layer can be recomputed (full recomputation) with a
-    split: up to 0.16 it hands every argument, the split too, to the checkpoint's
-    save_for_backward, which takes tensors only; 0.17 (whose config has
-    mtp_use_repeated_layer) passes the non-tensors by closure."""
-    return _config_has("mtp_use_repeated_layer")
+    split: up to 0.17 it hands every argument, the split too, to the checkpoint's
+    save_for_backward, which takes tensors only; 0.18+ passes the non-tensors by closure
+    (``mcore_compat.mtp_recompute_passes_the_split_by_closure``)."""
+    from megatron import mcore_compat
+
+    return mcore_compat.mtp_recompute_passes_the_split_by_closure()
 
 
 def recompute_takes_its_arguments() -> bool:
@@ -55,6 +57,25 @@ def recompute_takes_its_arguments() -> bool:
     from megatron import mcore_compat
 
     return mcore_compat.mtp_recompute_takes_its_arguments()
+
+
+def _megatron_core_minor():
+    """(major, minor) of the installed megatron-core."""
+    import importlib.metadata
+
+    major, minor = importlib.metadata.version("megatron-core").split(".")[:2]
+    return int(major), int(minor)
+
+
+def _mtp_layers_are_moe(args):
+    """Whether the MTP layers are MoE layers: megatron-core builds them as the decoder's
+    last layer."""
+    if not getattr(args, "num_experts", None):
+        return False
+    freq = args.moe_layer_freq
+    if isinstance(freq, list):
+        return bool(freq[-1])
+    return (args.num_layers - 1) % freq == 0
 
 
 def check_mtp_args(args):
@@ -94,17 +115,25 @@ def check_mtp_args(args):
         problems.append("--mtp-use-repeated-layer is not supported under sequence splits yet "
                         "(its one attention layer runs at every depth, and its K/V cache "
                         "keeps one prefix per layer): drop it or run with --seq1f1b-splits 1")
+    divided = splits or args.context_parallel_size > 1
+    if divided and _mtp_layers_are_moe(args) and _megatron_core_minor() == (0, 17):
+        problems.append("--mtp-num-layers with MoE layers (--num-experts) under sequence splits "
+                        "or context parallelism is not exact on megatron-core 0.17 (its "
+                        "gradients differ from one process by 0.1-0.3%, measured on 0.17.1; "
+                        "0.16.1, 0.18.2 and 0.19.2 are exact): use megatron-core 0.19, or "
+                        "--seq1f1b-splits 1 without context parallelism")
     if (depths and args.recompute_granularity == "full"
             and not recompute_takes_its_arguments()):
         problems.append("--mtp-num-layers with --recompute-granularity full fails inside the "
                         "installed megatron-core (0.18's MTP layer passes padding_mask to a "
-                        "checkpointed forward that does not take it): use megatron-core 0.19 "
-                        "(or 0.17), or --recompute-granularity selective")
+                        "checkpointed forward that does not take it): use megatron-core 0.19, "
+                        "or --recompute-granularity selective")
     elif splits and args.recompute_granularity == "full" and not recompute_runs_under_splits():
         problems.append("--mtp-num-layers with --recompute-granularity full under sequence "
-                        "splits needs megatron-core >= 0.17 (0.16's MTP recomputation saves "
-                        "the split with the tensors and fails): upgrade megatron-core, or "
-                        "use --recompute-granularity selective")
+                        "splits needs megatron-core >= 0.19 (0.16's and 0.17's MTP "
+                        "recomputation saves the split with the tensors and fails; 0.18's "
+                        "fails on its own): upgrade megatron-core, or use "
+                        "--recompute-granularity selective")
     for flag, given in (("--slimpipe-attention-balance", args.slimpipe_attention_balance),
                         ("--window-size", args.window_size is not None)):
         if given:
