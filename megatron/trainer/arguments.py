@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 # no torch or megatron-core here: the command line is checked before they load (seconds
 # to a minute on a busy node), see check_flags_early
@@ -2037,6 +2038,11 @@ def check_flags_early(argv=None, extra_args_provider=None):
         sys.exit(2)
 
 
+# how long ranks other than 0 wait before exiting on a command-line mistake (rank 0 exits
+# at once and the launcher then stops them)
+OTHER_RANKS_WAIT_ON_ERRORS_S = 30
+
+
 def parse_args_or_exit(argv=None, extra_args_provider=None):
     """Parse and validate; on mistakes print them, one per line (rank 0 only), and exit 2
     on every rank."""
@@ -2046,6 +2052,11 @@ def parse_args_or_exit(argv=None, extra_args_provider=None):
         if int(os.environ.get("RANK", "0")) == 0:
             for line in str(error).splitlines():
                 print(f"error: {line}", file=sys.stderr, flush=True)
+        else:
+            # rank 0 prints the mistakes: its exit must end the job. A launcher that sees
+            # another rank fail first (torchrun) stops the rest, rank 0 possibly before it
+            # has printed (seen under load: the job ended with no error line)
+            time.sleep(OTHER_RANKS_WAIT_ON_ERRORS_S)
         sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:
         for flag, reason in args.no_op_flags:
