@@ -46,7 +46,7 @@ def datasets_provider(args):
                    else 0]
     # --dataloader-inter-document-masking: documents and positions from the samples'
     # packing (sample_documents), not from end-of-document tokens
-    by_packing = getattr(args, "dataloader_inter_document_masking", False)
+    by_packing = args.dataloader_inter_document_masking
     train, valid, test = build_gpt_datasets(
         data_path=args.data_path, data_path_per_split=args.data_path_per_split,
         split=args.split, seq_length=args.seq_length,

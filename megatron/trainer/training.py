@@ -228,7 +228,7 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     # result was rejected (with --rerun-mode disabled it runs them once)
     rerun_machine = rerun.machine()
     injected = False
-    save_wgrads = tensor_dumps.due(getattr(args, "save_wgrads_interval", None), iteration)
+    save_wgrads = tensor_dumps.due(args.save_wgrads_interval, iteration)
     for chunk in model:  # as Megatron-LM: the overlapped reductions all-reduce too
         chunk.force_all_reduce = save_wgrads
     while rerun_machine.should_run_forward_backward(data_iterator):
@@ -261,7 +261,7 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     progress.step = f"iteration {iteration}'s optimizer step (grad norm all-reduce)"
     with monitor.optimizer_timer() if monitor is not None else contextlib.nullcontext():
         update_successful, grad_norm, num_zeros = optimizer.step()
-    if tensor_dumps.due(getattr(args, "save_params_interval", None), iteration):  # stepped
+    if tensor_dumps.due(args.save_params_interval, iteration):  # after the step
         progress.step = f"iteration {iteration}'s --save-params-interval write"
         tensor_dumps.save_named_tensors(args, model, "data", iteration)
     if args.clip_grad == 0:
@@ -623,7 +623,6 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
     moe_losses = MoELossLog(args, next(model[0].parameters()).device)
     mtp_losses = MTPLossLog(args)
     batch_sizes = GlobalBatchSizes(args)
-    args.skipped_train_samples = getattr(args, "skipped_train_samples", 0)
 
     def before_pass():
         # the files and logs describe the iteration's last pass: a pass the rerun machine
