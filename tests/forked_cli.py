@@ -247,19 +247,23 @@ def _server_socket():
             _server = server, path
             import atexit
 
-            atexit.register(_stop_server, server)
+            atexit.register(_stop_server, server, path)
         return _server[1]
 
 
-def _stop_server(server):
+def _stop_server(server, socket_path):
     """At this process's exit: the server sees its stdin close and ends; waiting for it
-    reaps it (its CPU and its children's count in ours, as a subprocess's would)."""
+    reaps it (its CPU and its children's count in ours, as a subprocess's would). Its
+    socket's temporary directory goes with it."""
     server.stdin.close()
     try:
         server.wait(timeout=60)
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+    import shutil
+
+    shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
 
 
 def start(argv, env, cwd=ROOT, new_session=False):
