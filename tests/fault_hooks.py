@@ -25,6 +25,9 @@ file in its place), set by environment variables:
 * FAULT_NAN_SPLIT=I:S: in iteration I, the token losses of split S (Seq1F1B) of the first
   microbatch become NaN on the last pipeline stage, the other splits' stay finite;
   FAULT_NAN_SPLIT=I: every microbatch's token losses in iteration I (any schedule).
+* FAULT_SLOW_STOP_LINE=S: rank 0 takes S seconds to print the line of a stop every rank
+  agreed on (megatron/trainer/agreed_stop.py): a loaded node, where the other ranks
+  would otherwise exit, and the launcher end rank 0, before the line is out.
 """
 
 import collections
@@ -148,6 +151,17 @@ if os.environ.get("FAULT_NAN_SPLIT"):
         return output, loss_func
 
     gpt.forward_step = _forward_step_with_nan
+
+if os.environ.get("FAULT_SLOW_STOP_LINE"):
+    import builtins
+
+    from megatron.trainer import agreed_stop
+
+    def _slow_print(*args, **kwargs):
+        time.sleep(float(os.environ["FAULT_SLOW_STOP_LINE"]))
+        builtins.print(*args, **kwargs)
+
+    agreed_stop.print = _slow_print  # the module's global shadows the builtin
 
 sys.argv = [os.path.join(ROOT, "pretrain_gpt.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

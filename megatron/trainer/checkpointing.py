@@ -64,6 +64,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron import mcore_compat
 from megatron.model_shape import no_rope_pattern, window_layer_pattern
 from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
+from megatron.trainer.agreed_stop import AgreedStop
 from megatron.trainer.model import biased_gelu
 from megatron.trainer.schedule_check import schedule_decision
 
@@ -160,8 +161,8 @@ def _rank():
 
 def _exit(message):
     """Stop every rank with one printed line: every rank reached the same decision, and
-    only rank 0 says it."""
-    raise SystemExit(f"error: {message}" if _rank() == 0 else 1)
+    only rank 0 says it (agreed_stop: the others wait for its line)."""
+    raise AgreedStop(message, rank=_rank())
 
 
 def _agree(message):

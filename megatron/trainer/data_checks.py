@@ -1,9 +1,9 @@
 """Checks of the training data that need the tokenizer (so they run after it is built,
 before iteration 1): every rank stops together on a problem, rank 0 says it."""
 
-import sys
-
 import torch
+
+from megatron.trainer.agreed_stop import AgreedStop
 
 
 def _tokenizer_flags(args):
@@ -39,7 +39,5 @@ def check_token_ids(args, vocab_size, padded_vocab_size):
     if torch.distributed.get_rank() == 0:
         for warning in warnings:
             print(warning, flush=True)
-        if error:
-            print(f"error: {error}", file=sys.stderr, flush=True)
     if error:
-        sys.exit(2)
+        raise AgreedStop(error, code=2)

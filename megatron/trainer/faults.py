@@ -28,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.trainer import async_save, device
+from megatron.trainer.agreed_stop import AgreedStop, stop_every_rank
 from megatron.trainer.rerun import RerunStop
 from megatron.trainer.stop_signals import Interrupted, StopSignals
 
@@ -237,22 +238,21 @@ def _interrupted(args, progress, signum):
 
 @contextlib.contextmanager
 def stops_cleanly(args, progress, guard=None):
-    """Turn the run's deliberate stops into one line and a non-zero exit: a non-finite
-    value (every rank raises alike; rank 0 prints), a timed-out distributed step (each
+    """Turn the run's deliberate stops into one line and a non-zero exit: an agreed stop
+    (a checkpoint that cannot load, a data problem) or a non-finite value (every rank
+    raises alike; rank 0 prints, the others exit after it: agreed_stop), a timed-out distributed step (each
     rank that timed out prints its own line: it names the rank and what it was doing),
     SIGINT (Ctrl-C; also SIGTERM with --exit-signal-handler-for-training)."""
     stop_signals = guard.stop_signals if guard is not None else None
     try:
         yield
+    except AgreedStop as stop:  # raised alike on every rank (a checkpoint load, the data)
+        stop_every_rank(stop.line, stop.exit_code)
     except NonFiniteError as error:
         _publish_saves_in_flight(args)
-        if torch.distributed.get_rank() == 0:
-            print(f"error: {error} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        stop_every_rank(f"error: {error} {_latest_checkpoint(args)}", 1)
     except RerunStop as stop:  # --rerun-mode: every rank stops alike, with Megatron-LM's code
-        if torch.distributed.get_rank() == 0:
-            print(f"error: {stop} {_latest_checkpoint(args)}", file=sys.stderr, flush=True)
-        sys.exit(stop.code)
+        stop_every_rank(f"error: {stop} {_latest_checkpoint(args)}", stop.code)
     except Interrupted as interrupt:
         _interrupted(args, progress, interrupt.signum)
     except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors

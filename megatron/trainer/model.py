@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron.model_shape import pad_vocab_size, vocab_divisible_by
 from megatron.trainer import device
+from megatron.trainer.agreed_stop import AgreedStop
 from megatron.trainer.mla_arguments import mla_config_fields
 from megatron.trainer.moe_arguments import moe_config_fields
 from megatron.trainer.mtp_arguments import mtp_config_fields
@@ -214,10 +215,7 @@ def vocab_size_of_model(args, tokenizer_vocab_size: int) -> int:
         return pad_vocab_size(tokenizer_vocab_size, args.tensor_model_parallel_size,
                               vocab_divisible_by(args), args.padded_vocab_size)
     except ValueError as error:
-        raise SystemExit(
-            f"error: {error}"
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-            else 1) from None
+        raise AgreedStop(str(error)) from None
 
 
 def stage_flags():

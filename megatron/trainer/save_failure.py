@@ -22,6 +22,8 @@ import shutil
 
 import torch
 
+from megatron.trainer.agreed_stop import default_store
+
 _STORE_PREFIX = "seq1f1b/save_failed"
 
 
@@ -100,15 +102,6 @@ def cause(error):
     return rank, f"{type(first).__name__}: {text[-1][:200] if text else ''}".rstrip(": ")
 
 
-def _store():
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # no store (or its host is gone): every failing rank speaks
-        return None
-
-
 def _first_failure(iteration, store):
     """Count this rank's failure in the store; True if it is the first of this save."""
     if store is None:
@@ -122,7 +115,7 @@ def _first_failure(iteration, store):
 def already_failed(iteration):
     """Whether another rank has counted a failure of this save (this rank's own error is
     then its consequence: a peer gone, the directory removed)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return False
     try:
@@ -147,7 +140,7 @@ def fail(args, iteration, staging, error, needed, previous, tracker):
     # torch's save raises the failure's details on its coordinator only; elsewhere its
     # exception names no rank: the coordinator speaks
     consequence = already_failed(iteration) or getattr(error, "failures", None) == {}
-    first = not consequence and _first_failure(iteration, _store())
+    first = not consequence and _first_failure(iteration, default_store())
     remove_partial(staging)
     if not first:
         raise SystemExit(1)
