@@ -242,6 +242,7 @@ def build_gpt_datasets(
     mid_level_dataset_surplus: float = 0.005,
     allow_ambiguous_pad_tokens: bool = False,
     sample_documents: bool = False,
+    fim=None,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
@@ -254,6 +255,7 @@ def build_gpt_datasets(
     sample_documents=True adds each sample's document ids and per-document positions,
     from the documents it was packed from (Megatron-LM's --dataloader-inter-document-masking,
     megatron.dataprep.sample_documents).
+    fim (a megatron.dataprep.fim.FimSettings): fill-in-the-middle samples (--fim-data).
     mock=True ignores data_path and builds megatron-core's MockGPTDataset. Under
     torch.distributed every rank must call this (the builder synchronises); pass
     is_built_on_rank to build on some ranks only (default: all).
@@ -315,6 +317,10 @@ def build_gpt_datasets(
         from megatron.dataprep.sample_documents import with_sample_documents
 
         dataset_class = with_sample_documents(dataset_class)
+    if fim is not None:
+        from megatron.dataprep.fim import with_fim
+
+        dataset_class = with_fim(dataset_class, fim)
     builder = BlendedMegatronDatasetBuilder(
         dataset_class,
         list(train_valid_test_num_samples),

@@ -51,6 +51,16 @@ class _Tokenizer(MegatronTokenizerBase):
         # megatron-core's datasets fall back to their own pad sentinel when this raises.
         raise NotImplementedError(f"{type(self).__name__} has no pad token")
 
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of one vocabulary entry (e.g. a special token such as <fim_prefix>), or
+        None where the vocabulary has no such entry."""
+        return None
+
+    def text_without_special_tokens(self, ids) -> str:
+        """The text of `ids` with the special tokens (BOS, EOS, added control tokens) left
+        out: what fill-in-the-middle cuts into pieces and encodes again."""
+        return self.detokenize(ids)
+
 
 class _HFTokenizer(_Tokenizer):
     """Wraps a `tokenizers.Tokenizer`."""
@@ -72,6 +82,12 @@ class _HFTokenizer(_Tokenizer):
 
     def detokenize(self, ids) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> Optional[int]:
+        return self._hf.token_to_id(token)
+
+    def text_without_special_tokens(self, ids) -> str:
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=True)
 
     @property
     def vocab(self) -> dict:
@@ -190,6 +206,18 @@ class SentencePieceTokenizer(_Tokenizer):
     def detokenize(self, ids) -> str:
         pieces = [int(i) for i in ids if int(i) < self._sp.get_piece_size()]
         return self._sp.decode(pieces)
+
+    def token_id(self, token: str) -> Optional[int]:
+        if token in self._added:
+            return self._added[token]
+        piece = self._sp.piece_to_id(token)
+        unknown = piece == self._sp.unk_id() and token != self._sp.id_to_piece(piece)
+        return None if unknown else piece
+
+    def text_without_special_tokens(self, ids) -> str:
+        size = self._sp.get_piece_size()
+        return self._sp.decode([int(i) for i in ids
+                                if int(i) < size and not self._sp.is_control(int(i))])
 
     @property
     def vocab(self):

@@ -21,6 +21,7 @@ from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
 from megatron.trainer.mtp_arguments import add_mtp_arguments, check_mtp_args
+from megatron.trainer.fim_arguments import add_fim_arguments, check_fim_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args, router_losses_on
@@ -464,6 +465,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "tokens); the document attention of --reset-attention-mask, which "
                         "reads the boundaries from EOD tokens")
     g.add_argument("--eod-mask-loss", action="store_true")
+    add_fim_arguments(g)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=100)
@@ -736,6 +738,8 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_rampup_layouts(args),
         lambda: _derive_eval_batch(args),
         lambda: problems.extend(check_validation_args(args)),
+        lambda: problems.extend(check_fim_args(
+            args, (lambda: tokenizer_of(args)) if check_files else None)),
         lambda: _check_per_token_router_losses(args),
     )
     for check in checks:
@@ -751,6 +755,15 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
     if problems:
         raise ArgumentErrors(problems)
     return args
+
+
+def tokenizer_of(args):
+    """The tokenizer of the run's flags (raises TokenizerError, a ValueError)."""
+    from megatron.dataprep.tokenizer import build_tokenizer
+
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                           vocab_size=args.vocab_size)
 
 
 def _apply_checkpoint_args(args, check_files):

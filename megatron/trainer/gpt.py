@@ -28,13 +28,11 @@ def datasets_provider(args):
     """(train, validation, test, tokenizer): megatron-core GPT datasets over --data-path, or
     mock; test is None where --split gives it nothing."""
     from megatron.dataprep.gpt_datasets import build_gpt_datasets
-    from megatron.dataprep.tokenizer import build_tokenizer
+    from megatron.trainer.arguments import tokenizer_of
     from megatron.trainer.evaluation_schedule import evaluations_through
+    from megatron.trainer.fim_arguments import fim_settings
 
-    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file,
-                                tokenizer_model=args.tokenizer_model,
-                                vocab_size=args.vocab_size)
+    tokenizer = tokenizer_of(args)
     # the periodic evaluations and the one after training
     evaluations = evaluations_through(args, args.train_iters) + 1
     # as Megatron-LM: the test set is evaluated once, --eval-iters batches, after training
@@ -59,7 +57,8 @@ def datasets_provider(args):
         create_attention_mask=False,  # the kernels mask causally
         multiple_validation_sets=args.multiple_validation_sets,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fim=fim_settings(args, tokenizer) if args.fim_data else None)
     if args.reset_attention_mask and not by_packing:  # per-token document ids, O(L) a row
         def with_ids(ds):
             return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None

@@ -328,8 +328,6 @@ for _reason, _flags in (
     ("supervised fine-tuning datasets are not built here; use Megatron-LM", "--sft"
      " --sft-tokenizer-prompt-format"),
     ("knowledge distillation from saved logits is not supported here", "--logits-"),
-    ("fill-in-the-middle datasets are not built here; preprocess FIM samples offline",
-     "--fim-"),
     ("fault-tolerance and restart packages (nvidia-resiliency-ext, ADLR autoresume) are "
      "not used here; use --exit-signal-handler and --exit-duration-in-mins with a "
      "restarting launcher", "--inprocess- --enable-ft-package --calc-ft-timeouts "
