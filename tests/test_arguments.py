@@ -37,6 +37,19 @@ def test_no_initialization_reaches_the_config():
     assert not transformer_config_from_args(args).perform_initialization
 
 
+def test_cpu_initialization_reaches_the_config_on_a_gpu(monkeypatch):
+    """--use-cpu-initialization: megatron-core's CPU initialisation on a GPU too (a CPU run
+    always takes it)."""
+    from megatron.trainer import device
+    from megatron.trainer.model import transformer_config_from_args
+
+    assert transformer_config_from_args(parse([])).use_cpu_initialization
+    monkeypatch.setattr(device, "on_cuda", lambda args=None: True)
+    assert not transformer_config_from_args(parse([])).use_cpu_initialization
+    assert transformer_config_from_args(
+        parse(["--use-cpu-initialization"])).use_cpu_initialization
+
+
 def test_sgd_as_in_megatron_lm():
     """--optimizer sgd with Megatron-LM's --sgd-momentum (default 0.9)."""
     assert parse([]).optimizer == "adam"

@@ -192,6 +192,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="as Megatron-LM: on a GPU the weights are initialised on the CPU, "
+                        "each whole weight from one seed and then divided over the tensor-"
+                        "parallel ranks (the same initial model at any TP size), then moved "
+                        "to the GPU; a CPU run always initialises so")
     g.add_argument("--init-method-xavier-uniform", action="store_true",
                    help="Xavier-uniform initial weights for every linear layer (instead of "
                         "normal ones of --init-method-std)")

@@ -40,8 +40,6 @@ NO_OP_FLAGS = {
                "kept whole on each TP rank (use --sequence-parallel to divide it by TP)"),
     "--no-overlap-p2p-communication": (
         False, "p2p overlap is chosen by the schedule (interleaved stages overlap it)"),
-    "--use-cpu-initialization": (
-        False, "weights are initialised on the training device, with Megatron-LM's seeds"),
     "--no-one-logger": (False, "NVIDIA's one-logger is never used here"),
     "--no-barrier-with-level-1-timing": (
         False, "level-1 timers here never add a barrier"),

@@ -127,7 +127,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         fp16=args.fp16,
         disable_bf16_reduced_precision_matmul=getattr(
             args, "disable_bf16_reduced_precision_matmul", False),
-        use_cpu_initialization=not on_gpu,
+        # megatron-core's CPU path initialises whole weights, then divides them over TP
+        use_cpu_initialization=not on_gpu or args.use_cpu_initialization,
         perform_initialization=args.perform_initialization,
         # fused kernels need CUDA (and apex/TE); the unfused paths are exact everywhere
         bias_activation_fusion=False,
