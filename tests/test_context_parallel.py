@@ -157,8 +157,6 @@ def plan(tmp, corpus):
         runs.setdefault(world, []).append({"name": f"ref_{name}", "params": True,
                         "argv": MODELS[model] + BATCH + data + starts[model] + flags})
     for name, (model, world, splits, method, extra) in CASES.items():
-        if not _runs_here(model):
-            continue
         save = ["--save", str(tmp / name), "--save-interval", "1"] if name == SAVED else []
         schedule = ([] if "slimpipe" in extra else  # SlimPipe: its slices
                     ["--seq1f1b-splits", str(splits), "--seq1f1b-balance-method", method])
@@ -173,13 +171,6 @@ def plan(tmp, corpus):
     return Plan(inits, runs)
 
 
-def _runs_here(model):
-    """V (MoE in its MTP layers) is refused on megatron-core 0.17 (mtp_arguments)."""
-    from megatron.trainer.mtp_arguments import _megatron_core_minor
-
-    return model != "V" or _megatron_core_minor() != (0, 17)
-
-
 @pytest.fixture(scope="module")
 def results(exactness_runs):
     return exactness_runs[__name__]
@@ -189,9 +180,6 @@ def results(exactness_runs):
 @pytest.mark.parametrize("name", CASES)
 def test_context_parallel_run_equals_one_process(results, name):
     model, _, splits, method, _ = CASES[name]
-    if not _runs_here(model):
-        pytest.skip("MoE in MTP layers under context parallelism is refused on megatron-core "
-                    "0.17")
     run = results[name]
     ref = results[f"ref_{name}" if name in OWN_REFERENCE else f"ref_{model}"]
     assert len(run["losses"]) == ITERATIONS

@@ -110,16 +110,12 @@ NEEDS_MCORE_17 = {"T_pp2_s3_recompute"}
 
 
 def _runs_here(name):
-    """(0.18's MTP recomputation fails inside megatron-core: refused there too; MoE in MTP
-    under splits is refused on 0.17)"""
+    """(0.18's MTP recomputation fails inside megatron-core: refused there too)"""
     from megatron.trainer.mtp_arguments import (
-        _megatron_core_minor,
         recompute_runs_under_splits,
         recompute_takes_its_arguments,
     )
 
-    if name.startswith("V") and _megatron_core_minor() == (0, 17):
-        return False
     return name not in NEEDS_MCORE_17 or (recompute_runs_under_splits()
                                           and recompute_takes_its_arguments())
 
@@ -152,8 +148,6 @@ def plan(tmp, corpus):
                 if name == SAVING_CASE else [])
         runs[world].append({"name": name, "argv": base + PP2 + splits + extra + save,
                             "params": True})
-    if not _runs_here(SAVING_CASE):  # (megatron-core 0.17: refused)
-        return Plan(inits, runs)
     runs[2].append({"name": RESUMED_CASE, "params": True,
                     "after": [str(tmp / SAVING_CASE / TRACKER)],
                     "argv": MODELS["V"] + BATCH + PP2 + _splits(2) + [
@@ -226,8 +220,6 @@ def test_the_mtp_stage_resumes_from_its_checkpoint(results):
     layers 2-4 and the MTP layers on the last stage) resumed at pp=2 with even stages and
     s = 2: iteration 2's loss, grad norm, MTP and aux losses, the validation loss and every
     parameter equal the uninterrupted runs'."""
-    if not _runs_here(SAVING_CASE):
-        pytest.skip("MoE in MTP layers under splits is refused on megatron-core 0.17")
     run = results[RESUMED_CASE]
     for other in (SAVING_CASE, "mtp_ref_V"):
         expected = results[other]

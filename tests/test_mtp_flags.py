@@ -1,12 +1,14 @@
 """Multi-token prediction's pieces without processes: the split's shifts against
 megatron-core's unsplit ``roll_tensor``, Megatron-LM 0.19's flags, the refusals, the
-checkpoint's model shape and the planner's stop. The training runs (exact against one
-process) are tests/test_mtp_exactness.py."""
+checkpoint's model shape and the planner's stop; in one child process, the MTP routers'
+statistics keys. The training runs (exact against one process) are
+tests/test_mtp_exactness.py."""
 
 import pytest
 import torch
 from megatron.core.transformer import multi_token_prediction
 
+from distributed import ONE_LAYER, run_layer_child
 from megatron_lm_parser import megatron_lm_args
 from megatron.seqsplit.mtp import begin_split_rolls, end_split_rolls, split_aware_roll_tensor
 from megatron.seqsplit.split_context import SplitContext, slice_batch
@@ -128,14 +130,8 @@ def test_what_cannot_run_stops_before_work(flags, reason):
 
 @pytest.mark.parametrize("moe_layers", ["[1,0]", "[0,1]"])
 def test_mtp_under_splits_runs_after_a_dense_or_an_moe_last_layer(moe_layers):
-    from megatron.trainer.mtp_arguments import _megatron_core_minor
-
     flags = [*MTP, *PP2_SPLITS, "--num-experts", "4", "--moe-router-topk", "2",
              "--disable-bias-linear", "--moe-layer-freq", moe_layers]
-    if moe_layers == "[0,1]" and _megatron_core_minor() == (0, 17):  # MoE MTP layers
-        with pytest.raises(ArgumentErrors, match="is not exact on megatron-core 0.17"):
-            args_of(*flags, world_size=2)
-        return
     assert args_of(*flags, world_size=2).mtp_num_layers == 2
 
 
@@ -213,15 +209,32 @@ def test_the_model_shape_counts_the_mtp_depths_as_megatron_lm():
         layer + 3 * 2 * h + 2 * h * h)
 
 
-def test_moe_in_mtp_under_splits_is_refused_on_megatron_core_0_17(monkeypatch):
-    """Measured on 0.17.1: DeepSeek-V3-style MTP with MoE layers, split or context-parallel,
-    is 0.1-0.3% off one process in its gradients (0.16.1, 0.18.2 and 0.19.2 are exact), so
-    0.17 refuses it while parsing; whole microbatches still train."""
-    from megatron.trainer import mtp_arguments
+MTP_ROUTERS_CHILD = r"""
+from megatron.seqsplit.moe import SplitRouter
 
-    monkeypatch.setattr(mtp_arguments, "_megatron_core_minor", lambda: (0, 17))
-    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--disable-bias-linear"]
-    with pytest.raises(ArgumentErrors, match="is not exact on megatron-core 0.17"):
-        args_of(*MTP, *moe, *PP2_SPLITS, world_size=2)
-    assert args_of(*MTP, *moe).num_experts == 4
-    assert args_of(*MTP, *PP2_SPLITS, world_size=2).mtp_num_layers == 2  # dense: exact
+base = json.loads(sys.argv[1])
+model = model_of(base + ["--num-layers", "3", "--mtp-num-layers", "2", "--num-experts", "4",
+                         "--moe-ffn-hidden-size", "16", "--disable-bias-linear",
+                         "--untie-embeddings-and-output-weights",
+                         "--position-embedding-type", "rope"])
+for part in ("decoder", "mtp"):
+    for module in getattr(model, part).modules():
+        if isinstance(module, SplitRouter):
+            print(json.dumps({"part": part, "key": str(module._layer_key()),
+                              "logged_as": module._tracker_layer()[0]}))
+"""
+
+
+@pytest.mark.distributed  # a child process: the layers need megatron-core's parallel state
+def test_mtp_routers_keep_their_own_statistics_and_log_after_the_decoder():
+    """Each MTP layer's router keys its split statistics apart from every decoder layer's
+    and logs its losses after the decoder's layers (megatron-core 0.17 told only MoELayer
+    itself, not our subclass, that it sits in an MTP layer: its MTP routers shared the
+    statistics of the decoder layer of the same number)."""
+    routers = run_layer_child(MTP_ROUTERS_CHILD, ONE_LAYER)
+    decoder = [r for r in routers if r["part"] == "decoder"]
+    mtp = [r for r in routers if r["part"] == "mtp"]
+    assert len(decoder) == 3 and len(mtp) == 2
+    assert len({r["key"] for r in routers}) == 5
+    assert sorted(r["logged_as"] for r in mtp) == [4, 5]
+    assert sorted(r["logged_as"] for r in decoder) == [1, 2, 3]

@@ -337,6 +337,17 @@ class SplitTransformerLayer(TransformerLayer):
     ``packed_seq_params``) to its MoE router, on every forward including a recomputed
     one (the split is one of the checkpointed forward's arguments)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # megatron-core 0.17 tells only an mlp whose class is MoELayer itself that it is
+        # in an MTP layer (0.18+ tells any): without this our SplitMoELayer's router would
+        # count as the decoder layer of the same number (its split statistics shared with
+        # that layer's, its losses logged there, --mtp-use-repeated-layer's scaling lost)
+        if getattr(self, "is_mtp_layer", False) and isinstance(getattr(self, "mlp", None),
+                                                                MoELayer):
+            self.mlp.is_mtp_layer = True
+            self.mlp.router.is_mtp_layer = True
+
     def forward(self, *args, **kwargs):
         router = getattr(getattr(self, "mlp", None), "router", None)
         if isinstance(router, SplitRouter):

@@ -59,25 +59,6 @@ def recompute_takes_its_arguments() -> bool:
     return mcore_compat.mtp_recompute_takes_its_arguments()
 
 
-def _megatron_core_minor():
-    """(major, minor) of the installed megatron-core."""
-    import importlib.metadata
-
-    major, minor = importlib.metadata.version("megatron-core").split(".")[:2]
-    return int(major), int(minor)
-
-
-def _mtp_layers_are_moe(args):
-    """Whether the MTP layers are MoE layers: megatron-core builds them as the decoder's
-    last layer."""
-    if not getattr(args, "num_experts", None):
-        return False
-    freq = args.moe_layer_freq
-    if isinstance(freq, list):
-        return bool(freq[-1])
-    return (args.num_layers - 1) % freq == 0
-
-
 def check_mtp_args(args):
     """The combinations that cannot run here stop before any work, one line each;
     returns the problems."""
@@ -115,13 +96,6 @@ def check_mtp_args(args):
         problems.append("--mtp-use-repeated-layer is not supported under sequence splits yet "
                         "(its one attention layer runs at every depth, and its K/V cache "
                         "keeps one prefix per layer): drop it or run with --seq1f1b-splits 1")
-    divided = splits or args.context_parallel_size > 1
-    if divided and _mtp_layers_are_moe(args) and _megatron_core_minor() == (0, 17):
-        problems.append("--mtp-num-layers with MoE layers (--num-experts) under sequence splits "
-                        "or context parallelism is not exact on megatron-core 0.17 (its "
-                        "gradients differ from one process by 0.1-0.3%, measured on 0.17.1; "
-                        "0.16.1, 0.18.2 and 0.19.2 are exact): use megatron-core 0.19, or "
-                        "--seq1f1b-splits 1 without context parallelism")
     if (depths and args.recompute_granularity == "full"
             and not recompute_takes_its_arguments()):
         problems.append("--mtp-num-layers with --recompute-granularity full fails inside the "
