@@ -23,6 +23,26 @@ from typing import Tuple
 
 SUPPORTED_MCORE = ">=0.16.1,<0.20"
 CHECKED_MCORE = ("0.16.1", "0.19.2")
+
+
+def unsupported_megatron_core():
+    """None if the installed megatron-core lies in SUPPORTED_MCORE, else the line saying
+    what to install (read from the package's metadata: nothing is imported). A container's
+    own megatron-core under a project installed with --no-deps, or on PYTHONPATH, would
+    otherwise stop on an ImportError deep in our modules."""
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    install = f"pip install 'megatron-core{SUPPORTED_MCORE}'"
+    try:
+        installed = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return f"megatron-core is not installed: {install}"
+    if SpecifierSet(SUPPORTED_MCORE).contains(installed, prereleases=True):
+        return None
+    return (f"megatron-core {installed} is installed; this project runs on megatron-core "
+            f"{SUPPORTED_MCORE} ({' and '.join(CHECKED_MCORE)} tested in CI): {install}")
 CHECKED_TORCH = ("2.13.0",)
 
 _BOTH = "megatron-core " + ", ".join(CHECKED_MCORE)

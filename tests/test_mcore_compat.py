@@ -156,3 +156,30 @@ def test_cpu_support_undo_puts_every_patched_name_back():
     assert not cpu_support._APPLIED and not cpu_support._ORIGINALS
     with cpu_support.patched(cuda=True) as active:  # a CUDA run: nothing to patch
         assert not active and not cpu_support._ORIGINALS
+
+
+@pytest.mark.parametrize("installed, expected", [
+    ("0.16.1", None), ("0.19.2", None), ("0.18.0rc1", None),
+    ("0.15.3", "megatron-core 0.15.3 is installed; this project runs on megatron-core "
+               ">=0.16.1,<0.20 (0.16.1 and 0.19.2 tested in CI): pip install "
+               "'megatron-core>=0.16.1,<0.20'"),
+    ("0.20.0", "megatron-core 0.20.0 is installed; this project runs on megatron-core "),
+    (None, "megatron-core is not installed: pip install 'megatron-core>=0.16.1,<0.20'"),
+])
+def test_an_unsupported_megatron_core_is_one_line_before_any_import(monkeypatch, installed,
+                                                                    expected):
+    """A container's own megatron-core outside the range (the project installed with
+    --no-deps, or on PYTHONPATH) stops pretrain_gpt.py with one line before our modules
+    import it (0.15.3 failed with an ImportError deep in megatron/seqsplit)."""
+    def version(name):
+        assert name == "megatron-core"
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    problem = mcore_compat.unsupported_megatron_core()
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem.startswith(expected)

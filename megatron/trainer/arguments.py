@@ -2046,19 +2046,36 @@ def check_flags_early(argv=None, extra_args_provider=None):
     """Flag problems found before torch and megatron-core load (a flag error used to take
     as long as importing them on every rank: up to a minute on a busy node): print them
     (rank 0) and exit 2. The device checks (where torch is not a CPU build) and the file
-    checks come with the full parse (``parse_args_or_exit``) once these pass."""
+    checks come with the full parse (``parse_args_or_exit``) once these pass. An installed
+    megatron-core outside the supported range is said first (its imports would fail)."""
+    from megatron.mcore_compat import unsupported_megatron_core
+
+    version_problem = unsupported_megatron_core()
+    if version_problem:
+        _stop_on_command_line_problems([version_problem])
     problems = early_problems(list(sys.argv[1:] if argv is None else argv),
                               extra_args_provider)
     if problems:
-        if int(os.environ.get("RANK", "0")) == 0:
-            for line in problems:
-                print(f"error: {line}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _stop_on_command_line_problems(problems)
 
 
 # how long ranks other than 0 wait before exiting on a command-line mistake (rank 0 exits
 # at once and the launcher then stops them)
 OTHER_RANKS_WAIT_ON_ERRORS_S = 30
+
+
+def _stop_on_command_line_problems(lines):
+    """Rank 0 prints the problems, one ``error:`` line each, and exits 2. The other ranks
+    found the same ones; they exit 2 too, but only after a wait: a launcher that sees
+    another rank fail first (torchrun) stops the rest, rank 0 possibly before it has
+    printed (seen under load: the job ended with no error line). No process group exists
+    yet to wait on (megatron/trainer/agreed_stop.py waits on one later)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(OTHER_RANKS_WAIT_ON_ERRORS_S)
+    sys.exit(2)
 
 
 def parse_args_or_exit(argv=None, extra_args_provider=None):
@@ -2067,15 +2084,7 @@ def parse_args_or_exit(argv=None, extra_args_provider=None):
     try:
         args = parse_args(argv, extra_args_provider)
     except ArgumentError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            for line in str(error).splitlines():
-                print(f"error: {line}", file=sys.stderr, flush=True)
-        else:
-            # rank 0 prints the mistakes: its exit must end the job. A launcher that sees
-            # another rank fail first (torchrun) stops the rest, rank 0 possibly before it
-            # has printed (seen under load: the job ended with no error line)
-            time.sleep(OTHER_RANKS_WAIT_ON_ERRORS_S)
-        sys.exit(2)
+        _stop_on_command_line_problems(str(error).splitlines())
     if int(os.environ.get("RANK", "0")) == 0:
         for flag, reason in args.no_op_flags:
             print(f"note: {flag} has no effect here: {reason}", flush=True)
