@@ -223,3 +223,18 @@ def test_ckpt_step_names_the_iterations_saved_when_its_checkpoint_is_missing(tmp
     assert str(stop.value.code) == (
         f"error: --ckpt-step 5: {tmp_path / 'iter_0000005'} does not exist (iterations "
         f"saved in --load {tmp_path}: 1, 2)")
+
+
+def test_saved_parallel_sizes_come_from_the_layout_and_the_records():
+    """--use-mp-args-from-checkpoint-args reads PP and TP from the layout every checkpoint
+    records, EP and (since 2026-12-07) the virtual stages from their own records."""
+    common = {"layout": [4, 2, 8], "expert_model_parallel_size": 2,
+              "virtual_pipeline_model_parallel_size": 3}
+    assert checkpointing.saved_parallel_sizes(common) == {
+        "pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 2,
+        "expert_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 3}
+    older = {"layout": [2, 1, 1]}  # before the records: EP 1, the virtual stages not known
+    assert checkpointing.saved_parallel_sizes(older) == {
+        "pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 1,
+        "expert_model_parallel_size": 1}
+    assert checkpointing.saved_parallel_sizes({"args": None}) is None  # Megatron-LM's

@@ -436,6 +436,25 @@ def test_checkpoint_flags_finetune_and_checkpoint_args(tmp_path):
     files = sorted(os.listdir(lean / "iter_0000002"))
     assert not any("optimizer" in name for name in files), files
 
+    # --use-mp-args-from-checkpoint-args: also the checkpoint's parallel sizes (one
+    # process, no virtual stages) replace the command line's; without
+    # --use-checkpoint-args it is noted as without effect, as in Megatron-LM
+    from megatron.trainer.arguments import parse_args
+
+    two_stages = base + ["--train-iters", "3", "--load", str(lean), "--apply-layernorm-1p",
+                         "--pipeline-model-parallel-size", "2",
+                         "--virtual-pipeline-model-parallel-size", "2"]
+    args = parse_args(two_stages + ["--use-checkpoint-args",
+                                    "--use-mp-args-from-checkpoint-args"], world_size=2)
+    assert (args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, args.data_parallel_size) == (
+        1, 1, None, 2)
+    args = parse_args(two_stages + ["--use-mp-args-from-checkpoint-args"], world_size=2)
+    assert (args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size) == (
+        2, 2)
+    assert ("note: --use-mp-args-from-checkpoint-args has no effect without "
+            "--use-checkpoint-args (as in Megatron-LM)") in args.flag_notes
+
 
 @pytest.mark.distributed
 def test_pretrained_checkpoint_starts_a_run_that_then_resumes_from_its_own(tmp_path):

@@ -646,6 +646,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model-shape flags from the checkpoint in --load (or "
                         "--pretrained-checkpoint's, when --load holds none)")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="as Megatron-LM, with --use-checkpoint-args: also the checkpoint's "
+                        "tensor-, pipeline- and expert-parallel sizes and virtual stages "
+                        "(recorded since 2026-12-07; older checkpoints keep the command "
+                        "line's virtual stages)")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch", "zarr", "torch_dcp",
                                              "fsdp_dtensor"], default="torch_dist",
                    help="only torch_dist (megatron-core distributed checkpoints) is written "
@@ -776,15 +781,33 @@ def _apply_checkpoint_args(args, check_files):
     command line's (as Megatron-LM), before anything is derived from it."""
     if not (args.use_checkpoint_args and check_files):
         return
-    from megatron.trainer.checkpointing import CheckpointError, load_source, saved_model_shape
+    from megatron.trainer.checkpointing import (
+        CheckpointError,
+        load_source,
+        saved_common_state,
+        saved_model_shape,
+        saved_parallel_sizes,
+    )
 
     source, flag = load_source(args)
     if source is None:
         return  # --use-checkpoint-args without a directory: _check_checkpoint_flags says so
     try:
-        shape = saved_model_shape(source, flag)
+        common = saved_common_state(source, flag)
     except CheckpointError as error:
         raise ArgumentError(str(error))
+    if args.use_mp_args_from_checkpoint_args:
+        # as Megatron-LM: the checkpoint's TP, PP, virtual stages and EP replace the
+        # command line's (a virtual-stage count replaces a per-stage layer count)
+        sizes = saved_parallel_sizes(common)
+        _require(sizes is not None,
+                 f"--use-mp-args-from-checkpoint-args: {flag} {source} records no parallel "
+                 f"sizes (a checkpoint saved by Megatron-LM?): give them on the command line")
+        if sizes.get("virtual_pipeline_model_parallel_size") is not None:
+            args.num_layers_per_virtual_pipeline_stage = None
+        for dest, value in sizes.items():
+            setattr(args, dest, value)
+    shape = saved_model_shape(common)
     # as Megatron-LM: the checkpoint's vocabulary size unless the command line gives one
     # (else it follows the tokenizer, and the load compares it)
     if args.padded_vocab_size is not None:
@@ -1500,6 +1523,9 @@ def _check_checkpoint_flags(args, check_files):
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
     _check_override_ckpt_iteration(args)
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        args.flag_notes.append("note: --use-mp-args-from-checkpoint-args has no effect "
+                               "without --use-checkpoint-args (as in Megatron-LM)")
     for flag in ("finetune", "use_checkpoint_args"):
         _require(not getattr(args, flag) or args.load is not None
                  or args.pretrained_checkpoint is not None,

@@ -467,6 +467,8 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
         "global_batch_size": args.global_batch_size,
         "model_shape": model_shape(args),
         "layout": list(_layout()),
+        # what --use-mp-args-from-checkpoint-args takes besides the layout's PP and TP
+        "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
         "distributed_optimizer": bool(args.use_distributed_optimizer),
         "optimizer_type": args.optimizer,
         # megatron-core chains one optimizer per parameter kind with expert parallelism;
@@ -1151,20 +1153,39 @@ def _overridden_position(args, state, iteration):
     return iteration, consumed
 
 
-def saved_model_shape(load_dir, flag="--load"):
-    """The model-shape flags of the latest checkpoint in ``load_dir`` (for
-    --use-checkpoint-args, before any process group exists); raises CheckpointError."""
+def saved_common_state(load_dir, flag="--load"):
+    """The common state of the latest checkpoint in ``load_dir`` (for --use-checkpoint-args,
+    before any process group exists); raises CheckpointError."""
     iteration = _latest_iteration(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
         raise CheckpointError(f"--use-checkpoint-args: {flag} {load_dir} holds no checkpoint "
                               f"({TRACKER_FILE} missing)")
     path = checkpoint_dir(load_dir, iteration)
     try:
-        saved = dict(dist_checkpointing.load_common_state_dict(path).get("model_shape", {}))
+        return dict(dist_checkpointing.load_common_state_dict(path))
     except Exception as error:
         raise CheckpointError(f"--use-checkpoint-args: {path} does not load: "
                               f"{type(error).__name__}: {str(error)[:200]}") from None
-    return with_legacy_gelu(saved)
+
+
+def saved_model_shape(common):
+    """The model-shape flags recorded in a checkpoint's common state."""
+    return with_legacy_gelu(dict(common.get("model_shape", {})))
+
+
+def saved_parallel_sizes(common):
+    """The model-parallel sizes a checkpoint was saved with, as flags' dests (for
+    --use-mp-args-from-checkpoint-args; the virtual stages only where recorded, since
+    2026-12-07); None where the checkpoint records no layout (Megatron-LM's)."""
+    if "layout" not in common:
+        return None
+    pp, tp = common["layout"][:2]
+    sizes = {"pipeline_model_parallel_size": pp, "tensor_model_parallel_size": tp,
+             "expert_model_parallel_size": common.get("expert_model_parallel_size", 1)}
+    if "virtual_pipeline_model_parallel_size" in common:
+        sizes["virtual_pipeline_model_parallel_size"] = common[
+            "virtual_pipeline_model_parallel_size"]
+    return sizes
 
 
 def _restore_rng(rng):

@@ -376,7 +376,6 @@ for _reason, _flags in (
                "--dump-param-to-param-group-map "
                "--save-activations-interval --save-tokens-per-expert-interval "
                "--save-dgrads-interval --load-main-params-from-ckpt "
-               "--use-mp-args-from-checkpoint-args "
                "--ckpt-convert- --dist-ckpt-save-pre-mcore-014 "
                "--lazy-mpu-init "
                "--ddp-reduce-scatter-with-fp32-accumulation "
