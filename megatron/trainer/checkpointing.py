@@ -997,7 +997,9 @@ def load_source(args):
 
 
 def load_checkpoint(args, model, optimizer, scheduler):
-    """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists."""
+    """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists.
+    ``optimizer`` None (a model without one: --moe-use-upcycling's dense model, with
+    --finetune) takes the weights only and leaves saying so to the caller."""
     load_dir, flag = load_source(args)
     override = getattr(args, "override_ckpt_iteration", None)
     if override is not None and flag == "--pretrained-checkpoint":
@@ -1104,14 +1106,14 @@ def load_checkpoint(args, model, optimizer, scheduler):
         except CheckpointError as error:
             _exit(f"--load {path}: {error}")
         scheduler.load_state_dict(state["opt_param_scheduler"])
-    else:
+    elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if load_rng:
         _restore_rng(state["rng_state"])
     if read_rerun and rerun.pending(args, rerun_entry):
         rerun.restore(state["rerun_state_machine"])
     if args.finetune:
-        if _rank() == 0:
+        if _rank() == 0 and optimizer is not None:
             print(f"  loaded the weights of {path} (--finetune): training starts at "
                   "iteration 0 with a fresh optimizer", flush=True)
         return 0, 0

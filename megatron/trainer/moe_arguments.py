@@ -16,6 +16,7 @@ MOE_FLAGS = (
     "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-expert-capacity-factor",
     "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
     "--moe-router-force-load-balancing", "--moe-input-jitter-eps",
+    "--moe-use-upcycling", "--moe-upcycling-granularity",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -87,6 +88,15 @@ def add_moe_arguments(parser):
                         "(the experts get the input as it is); the noise is replayed by "
                         "recomputation, and a split run draws other noise than an unsplit one "
                         "(as dropout does)")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="as Megatron-LM: load the dense model's checkpoint in --load, turn it "
+                        "into this MoE model (every expert a copy of the dense MLP, or of a "
+                        "slice of it with --moe-upcycling-granularity; megatron-core's "
+                        "upcycling), save that into --save as iteration 1 and train on from "
+                        "there; the runs after it resume from --save without this flag")
+    g.add_argument("--moe-upcycling-granularity", type=int, default=1,
+                   help="as Megatron-LM: how many times smaller an expert's FFN is than the "
+                        "dense model's (the dense FFN is --moe-ffn-hidden-size times this)")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="normalise the scores (softmax or sigmoid) over all experts before "
                         "the top-k selection instead of after it")
@@ -209,6 +219,7 @@ def check_moe_args(args, cuda_available):
         problems.append(f"--num-experts with --tensor-model-parallel-size {tp} needs "
                         "--sequence-parallel (megatron-core requires it for MoE with TP)")
     problems += _token_dropping_problems(args)
+    problems += _upcycling_problems(args)
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
     overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
@@ -236,6 +247,36 @@ def check_moe_args(args, cuda_available):
         problems.append("--moe-grouped-gemm has no expert biases in megatron-core: add "
                         "--disable-bias-linear, or drop --moe-grouped-gemm to run the "
                         "experts one after the other with their biases")
+    return problems
+
+
+def _upcycling_problems(args):
+    """--moe-use-upcycling: what megatron-core's upcycling (upcycling_utils) can convert;
+    as Megatron-LM, the dense checkpoint gives the weights only (no optimizer, no RNG)."""
+    granularity = args.moe_upcycling_granularity
+    if not args.moe_use_upcycling:
+        return []
+    problems = []
+    if args.load is None:
+        problems.append("--moe-use-upcycling needs --load DIR, the dense model's checkpoint")
+    if args.save is None:
+        problems.append("--moe-use-upcycling needs --save DIR (as in Megatron-LM): the "
+                        "upcycled checkpoint is written there before training goes on")
+    if granularity < 1 or args.num_experts % granularity:
+        problems.append(f"--moe-upcycling-granularity {granularity} must be >= 1 and divide "
+                        f"--num-experts ({args.num_experts})")
+    freq = args.moe_layer_freq
+    if freq != 1 and not (isinstance(freq, list) and all(freq)):
+        problems.append("--moe-use-upcycling converts every layer's MLP into experts "
+                        "(megatron-core's upcycling): --moe-layer-freq must make every layer "
+                        "an MoE layer")
+    if args.use_checkpoint_args:
+        problems.append("--moe-use-upcycling with --use-checkpoint-args would take the dense "
+                        "checkpoint's shape (no experts): give the MoE model's flags")
+    if not (args.no_load_optim and args.no_load_rng):
+        args.flag_notes.append("note: --moe-use-upcycling loads the dense checkpoint's "
+                               "weights only (--no-load-optim --no-load-rng, as Megatron-LM)")
+        args.no_load_optim = args.no_load_rng = True
     return problems
 
 
@@ -317,6 +358,7 @@ def _given(args, flag):
                 "--moe-pad-expert-input-to-capacity": False,
                 "--moe-token-drop-policy": "probs",
                 "--moe-router-force-load-balancing": False, "--moe-input-jitter-eps": None,
+                "--moe-use-upcycling": False, "--moe-upcycling-granularity": 1,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)

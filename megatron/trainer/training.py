@@ -42,6 +42,7 @@ from megatron.trainer import (
     optimizers,
     rerun,
     tensor_dumps,
+    upcycling,
     validation_sets,
 )
 from megatron.trainer.arguments import parse_args_or_exit
@@ -376,13 +377,20 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     if args.bf16 or args.fp16:
         config.grad_scale_func = optimizer.scale_loss
 
+    if args.moe_use_upcycling:
+        upcycling.refuse_a_second_conversion(args)
     if not args.skip_train:  # --skip-train saves nothing
         checkpointing.claim_save_dir(args)
     iteration, consumed_samples = 0, 0
     # Megatron-LM's count of samples read and not trained on (--iterations-to-skip) and
     # left out of batches (--decrease-batch-size-if-needed); a checkpoint carries it on
     args.skipped_train_samples = 0
-    if args.load is not None or args.pretrained_checkpoint is not None:
+    if args.moe_use_upcycling:  # the dense checkpoint in --load becomes this MoE model
+        progress.step = "upcycling"
+        iteration, consumed_samples = upcycling.upcycle(
+            args, model, optimizer, scheduler, build_model, model_provider,
+            transformer_config_from_args)
+    elif args.load is not None or args.pretrained_checkpoint is not None:
         progress.step = "checkpoint load"
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args, model, optimizer, scheduler)
