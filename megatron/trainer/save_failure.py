@@ -19,6 +19,7 @@ A save that the free space will not hold is warned about before it starts.
 import errno
 import os
 import shutil
+import sys
 
 import torch
 
@@ -133,8 +134,8 @@ def remove_partial(staging):
 
 
 def fail(args, iteration, staging, error, needed, previous, tracker):
-    """Stop this rank after a failed save: the first failing rank prints the line.
-    Raises SystemExit."""
+    """Stop this rank after a failed save: the first failing rank prints the line at once.
+    Raises SystemExit(1)."""
     rank, text = cause(error)
     rank = torch.distributed.get_rank() if rank is None else rank
     # torch's save raises the failure's details on its coordinator only; elsewhere its
@@ -148,8 +149,11 @@ def fail(args, iteration, staging, error, needed, previous, tracker):
     free = free_bytes(args.save)
     kept = (f"the checkpoint of iteration {previous} and {tracker} are intact"
             if previous is not None else "no earlier checkpoint was saved")
-    raise SystemExit(
-        f"error: checkpoint save of iteration {iteration} into --save {args.save} failed on "
-        f"rank {rank}: {text} (the checkpoint needs about {size_text(needed)}, "
-        f"{size_text(free)} free{'; the disk is full' if full else ''}); removed {staging}; "
-        f"{kept}: free space or point --save elsewhere, then resume with --load {args.save}")
+    # printed now, not as the SystemExit's message at interpreter exit: the other ranks
+    # exit at once, and a launcher that sees them fail (torchrun) could end this rank first
+    print(f"error: checkpoint save of iteration {iteration} into --save {args.save} failed "
+          f"on rank {rank}: {text} (the checkpoint needs about {size_text(needed)}, "
+          f"{size_text(free)} free{'; the disk is full' if full else ''}); removed "
+          f"{staging}; {kept}: free space or point --save elsewhere, then resume with "
+          f"--load {args.save}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
