@@ -238,3 +238,54 @@ def test_saved_parallel_sizes_come_from_the_layout_and_the_records():
         "pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 1,
         "expert_model_parallel_size": 1}
     assert checkpointing.saved_parallel_sizes({"args": None}) is None  # Megatron-LM's
+
+
+# command lines whose model shape a checkpoint Megatron-LM saved must give back
+MEGATRON_LM_SHAPES = {
+    "llama": ["--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+              "--position-embedding-type", "rope", "--rotary-interleaved",
+              "--group-query-attention", "--num-query-groups", "2",
+              "--untie-embeddings-and-output-weights"],
+    "qwen": ["--add-qkv-bias", "--qk-layernorm", "--apply-layernorm-1p",
+             "--position-embedding-type", "rope", "--use-rope-scaling"],
+    "moe": ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1,1,1]",
+            "--moe-shared-expert-intermediate-size", "24",
+            "--moe-router-score-function", "sigmoid"],
+    "mla": ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+            "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--q-lora-rank", "16",
+            "--position-embedding-type", "rope"],
+    "windows": ["--position-embedding-type", "rope", "--window-size", "4,0",
+                "--window-attn-skip-freq", "2", "--no-rope-freq", "2"],
+}
+
+
+@pytest.mark.parametrize("name", MEGATRON_LM_SHAPES)
+def test_use_checkpoint_args_reads_a_checkpoint_megatron_lm_saved(name):
+    """--use-checkpoint-args on a checkpoint Megatron-LM saved reads the shape from its
+    saved args (Megatron-LM's dests: add_bias_linear, layernorm_zero_centered_gamma): the
+    shape of the same command line parsed here. Megatron-LM's own parser (0.19's; skipped
+    without it) stands in for its saved args, its derived sizes (FFN, K/V channels, query
+    groups, vocabulary), which its validation fills in, taken from ours."""
+    from distributed import TINY_MODEL
+    from megatron_lm_parser import megatron_lm_args
+    from megatron.trainer.arguments import parse_args
+
+    argv = TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "1"]
+    flags = MEGATRON_LM_SHAPES[name]
+    saved = megatron_lm_args(argv + flags)
+    if saved is None:
+        pytest.skip("Megatron-LM's parser is not installed (megatron-core < 0.19)")
+    ours = parse_args(argv + flags)
+    ours.padded_vocab_size = 256
+    for dest in ("ffn_hidden_size", "kv_channels", "padded_vocab_size", "moe_ffn_hidden_size",
+                 "virtual_pipeline_model_parallel_size"):
+        if getattr(saved, dest, None) is None:
+            setattr(saved, dest, getattr(ours, dest))
+    saved.add_qkv_bias = saved.add_qkv_bias or saved.add_bias_linear  # its validation's rule
+    plain = parse_args(argv)  # the command line of a run with --use-checkpoint-args
+    plain.padded_vocab_size = 200
+    assert checkpointing.saved_model_shape({"args": saved}, plain) == model_shape(ours)
+    assert checkpointing.saved_parallel_sizes({"args": saved}) == {
+        "pipeline_model_parallel_size": 1, "tensor_model_parallel_size": 1,
+        "expert_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}

@@ -807,7 +807,7 @@ def _apply_checkpoint_args(args, check_files):
             args.num_layers_per_virtual_pipeline_stage = None
         for dest, value in sizes.items():
             setattr(args, dest, value)
-    shape = saved_model_shape(common)
+    shape = saved_model_shape(common, args)
     # as Megatron-LM: the checkpoint's vocabulary size unless the command line gives one
     # (else it follows the tokenizer, and the load compares it)
     if args.padded_vocab_size is not None:

@@ -1170,15 +1170,58 @@ def saved_common_state(load_dir, flag="--load"):
                               f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
-def saved_model_shape(common):
-    """The model-shape flags recorded in a checkpoint's common state."""
-    return with_legacy_gelu(dict(common.get("model_shape", {})))
+def saved_model_shape(common, args=None):
+    """The model-shape flags recorded in a checkpoint's common state: this project's
+    record, or, in a checkpoint Megatron-LM saved, read from its ``args`` (the run's
+    parsed flags; those it lacks, an older Megatron-LM's, are taken from ``args``)."""
+    if "model_shape" in common or common.get("args") is None or args is None:
+        return with_legacy_gelu(dict(common.get("model_shape", {})))
+    return model_shape(_as_our_args(common["args"], args))
+
+
+def _megatron_lm_query_groups(saved):
+    # Megatron-LM keeps --num-query-groups' default (1) without --group-query-attention,
+    # where every head has its own keys
+    if getattr(saved, "group_query_attention", True):
+        return saved.num_query_groups
+    return saved.num_attention_heads
+
+
+# the model-shape flags that Megatron-LM's saved args hold otherwise: ours -> (the dests
+# it may hold them under, newest first; how the saved args read as ours)
+_MEGATRON_LM_DESTS = {
+    "disable_bias_linear": (("add_bias_linear",), lambda saved, value: not value),
+    "apply_layernorm_1p": (("layernorm_zero_centered_gamma", "apply_layernorm_1p"),
+                           lambda saved, value: bool(value)),
+    "num_query_groups": (("num_query_groups",),
+                         lambda saved, value: _megatron_lm_query_groups(saved)),
+}
+
+
+def _as_our_args(saved, args):
+    """``args`` with the model-shape flags of Megatron-LM's saved namespace ``saved``."""
+    ours = SimpleNamespace(**vars(args))
+    flags = (MODEL_SHAPE_FLAGS + YARN_SHAPE_FLAGS + ("bias_gelu_fusion",)
+             + tuple(flag for gated in GATED_SHAPE_FLAGS.values() for flag in gated))
+    for flag in flags:
+        dests, read = _MEGATRON_LM_DESTS.get(flag, ((flag,), lambda saved, value: value))
+        for dest in dests:
+            if hasattr(saved, dest):
+                setattr(ours, flag, read(saved, getattr(saved, dest)))
+                break
+    return ours
 
 
 def saved_parallel_sizes(common):
     """The model-parallel sizes a checkpoint was saved with, as flags' dests (for
     --use-mp-args-from-checkpoint-args; the virtual stages only where recorded, since
-    2026-12-07); None where the checkpoint records no layout (Megatron-LM's)."""
+    2026-12-07), or Megatron-LM's saved ``args``; None where neither is recorded."""
+    saved = common.get("args")
+    if "layout" not in common and saved is not None:  # a checkpoint Megatron-LM saved
+        return {dest: getattr(saved, dest) for dest in (
+            "pipeline_model_parallel_size", "tensor_model_parallel_size",
+            "expert_model_parallel_size", "virtual_pipeline_model_parallel_size")
+            if hasattr(saved, dest)}
     if "layout" not in common:
         return None
     pp, tp = common["layout"][:2]
