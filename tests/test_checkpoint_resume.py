@@ -52,14 +52,20 @@ PP2_SPLITS2 = ["--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "2"]
 def test_distributed_optimizer_resumes_and_reshards(tmp_path):
     """Saved by dp 2 x pp 2 (Seq1F1B, 2 splits) with the distributed optimizer; resumed in
     the same layout, in dp 1 x pp 2, in tp 2 and in one process: every one continues
-    the uninterrupted run's losses and ends with its parameters."""
-    ckpt = tmp_path / "ckpt"
+    the uninterrupted run's losses and ends with its parameters. A checkpoint saved before
+    the first step (--train-iters 0: no Adam state yet, which megatron-core's distributed
+    optimizer cannot describe; its zeros filled in) resumes into the whole run."""
+    ckpt, zero = tmp_path / "ckpt", tmp_path / "zero"
     resume = DISTOPT + ["--load", str(ckpt)]
     results = run_configs(tmp_path, 4, [
         {"name": "straight", "argv": DISTOPT + PP2_SPLITS2, "params": True},
         {"name": "first_half", "argv": DISTOPT + PP2_SPLITS2 + [
             "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"]},
         {"name": "dp2_pp2", "argv": resume + PP2_SPLITS2, "params": True},
+        {"name": "zero", "argv": DISTOPT + PP2_SPLITS2 + [
+            "--train-iters", "0", "--save", str(zero), "--save-interval", "1"]},
+        {"name": "from_zero", "argv": DISTOPT + PP2_SPLITS2 + [
+            "--load", str(zero), "--override-opt_param-scheduler"], "params": True},
     ])
     results.update(run_configs(tmp_path, 2, [
         {"name": "dp1_pp2", "argv": resume + PP2_SPLITS2, "params": True},
@@ -73,6 +79,8 @@ def test_distributed_optimizer_resumes_and_reshards(tmp_path):
     assert len(straight["losses"]) == 6 and len(set(straight["losses"])) == 6
     assert_close_series(results["first_half"]["losses"], straight["losses"][:3], 1e-6,
                         "before save")
+    assert_close_series(results["from_zero"]["losses"], straight["losses"], 1e-6, "from 0")
+    assert_params_close(results["from_zero"]["params"], straight["params"])
     for name, rtol in (("dp2_pp2", 1e-6), ("dp1_pp2", 1e-5), ("tp2", 1e-5), ("pp1", 1e-5)):
         assert_close_series(results[name]["losses"], straight["losses"][3:], rtol,
                             f"{name} after resume")

@@ -229,7 +229,10 @@ def _fill_empty_adam_state(optimizer):
 
 def _optimizer_state(args, optimizer, model_sd, loading, avoid_prefix=True):
     if args.use_distributed_optimizer:
-        if loading:
+        if loading or args.optimizer == "adam":
+            # a save before the first step (--train-iters 0, --moe-use-upcycling, a
+            # weights-only resume saved at once) has no state to describe either: the
+            # zeros are what Adam's first step starts from
             _fill_empty_adam_state(optimizer)
         # megatron-core's default for it stores flattened ranges, which torch_dist
         # checkpoints no longer support; this format is the model's own sharding.

@@ -149,11 +149,15 @@ def fail(args, iteration, staging, error, needed, previous, tracker):
     free = free_bytes(args.save)
     kept = (f"the checkpoint of iteration {previous} and {tracker} are intact"
             if previous is not None else "no earlier checkpoint was saved")
+    # an error with an errno is the disk's (or the file system's); another one (an
+    # assertion inside the checkpoint code) is no reason to free space
+    advice = ("free space or point --save elsewhere, then resume" if text.startswith("[Errno")
+              else "the disk is not the cause (an error inside the checkpoint code: please "
+                   "report it with the command line); resume")
     # printed now, not as the SystemExit's message at interpreter exit: the other ranks
     # exit at once, and a launcher that sees them fail (torchrun) could end this rank first
     print(f"error: checkpoint save of iteration {iteration} into --save {args.save} failed "
           f"on rank {rank}: {text} (the checkpoint needs about {size_text(needed)}, "
           f"{size_text(free)} free{'; the disk is full' if full else ''}); removed "
-          f"{staging}; {kept}: free space or point --save elsewhere, then resume with "
-          f"--load {args.save}", file=sys.stderr, flush=True)
+          f"{staging}; {kept}: {advice} with --load {args.save}", file=sys.stderr, flush=True)
     raise SystemExit(1)
