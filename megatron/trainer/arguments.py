@@ -2095,13 +2095,20 @@ def _stop_on_command_line_problems(lines):
     found the same ones; they exit 2 too, but only after a wait: a launcher that sees
     another rank fail first (torchrun) stops the rest, rank 0 possibly before it has
     printed (seen under load: the job ended with no error line). No process group exists
-    yet to wait on (megatron/trainer/agreed_stop.py waits on one later)."""
+    yet to wait on (megatron/trainer/agreed_stop.py waits on one later). Ranks started
+    otherwise (by hand, a test) exit at once."""
     if int(os.environ.get("RANK", "0")) == 0:
         for line in lines:
             print(f"error: {line}", file=sys.stderr, flush=True)
-    else:
+    elif _launcher_stops_the_others():
         time.sleep(OTHER_RANKS_WAIT_ON_ERRORS_S)
     sys.exit(2)
+
+
+def _launcher_stops_the_others():
+    """Whether a launcher that ends every rank once one fails started this one: torchrun
+    (its elastic agent sets TORCHELASTIC_RUN_ID) or SLURM's srun (with --kill-on-bad-exit)."""
+    return any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"))
 
 
 def parse_args_or_exit(argv=None, extra_args_provider=None):
