@@ -1,7 +1,8 @@
 """Megatron-LM's MoE flags (issue #29 point 1) reach the config and the layer spec with
 Megatron-LM's defaults and meanings, the unimplemented ones are refused with their
 reason, and SplitRouter's deferred aux-loss gradient equals megatron-core's unsplit one.
-In-process, no processes; the trained runs are in tests/test_moe_exactness.py."""
+In-process, no processes (but one sinkhorn routing run at pp=2 against one process); the
+trained runs are in tests/test_moe_exactness.py."""
 
 from types import SimpleNamespace
 
@@ -482,3 +483,47 @@ def test_megatron_lms_own_moe_settings_are_accepted(settings):
         assert args.virtual_pipeline_model_parallel_size == 2 and args.mtp_num_layers == 1
         assert "--enable-experimental" in {flag for flag, _ in args.no_op_flags}
         assert args.moe_token_dispatcher_type == "alltoall"  # flex (DeepEP), with a note
+
+
+SINKHORN = ["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"]
+
+
+def test_sinkhorn_routing_runs_on_whole_microbatches_only():
+    """S-BASE routing balances the tokens of one router call against each other: whole
+    microbatches (megatron-core's own routing) run, splits and context parallelism stop
+    before work; megatron-core's rule (no aux-loss coefficient) is checked up front; 0.19's
+    quantile balancing is refused with its reason rather than argparse's "invalid
+    choice"."""
+    args = args_of(*SINKHORN)
+    assert args.moe_router_load_balancing_type == "sinkhorn"
+    assert trainer_model.transformer_config_from_args(
+        args).moe_router_load_balancing_type == "sinkhorn"
+    split = ["--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "2"]
+    for flags, problem in (
+            (split, "--moe-router-load-balancing-type sinkhorn balances the tokens of each "
+                    "router call against each other"),
+            (["--context-parallel-size", "2"], "--moe-router-load-balancing-type sinkhorn "
+                                               "with context parallelism"),
+            (["--moe-aux-loss-coeff", "0.01"], "--moe-router-load-balancing-type sinkhorn "
+                                               "takes no --moe-aux-loss-coeff")):
+        with pytest.raises(ArgumentErrors) as error:
+            args_of(*SINKHORN, *flags, world_size=2)
+        assert any(line.startswith(problem) for line in error.value.problems), (
+            flags, error.value.problems)
+    with pytest.raises(ArgumentErrors, match="quantile_balancing is not implemented here"):
+        args_of("--num-experts", "4", "--moe-router-load-balancing-type", "quantile_balancing")
+
+
+@pytest.mark.distributed  # starts processes
+def test_sinkhorn_routing_trains_as_one_process_at_pp2(tmp_path):
+    from distributed import TINY_MODEL, assert_close_series, init_run, run_configs
+
+    argv = TINY_MODEL + SINKHORN + ["--global-batch-size", "4", "--train-iters", "2",
+                                    "--moe-router-topk", "2"]
+    init, start = init_run("init", tmp_path / "init", argv)  # one set of initial weights
+    argv = argv + start
+    runs = run_configs(tmp_path, 1, [init, {"name": "one", "argv": argv}])
+    runs.update(run_configs(tmp_path, 2, [
+        {"name": "pp2", "argv": argv + ["--pipeline-model-parallel-size", "2"]}]))
+    assert len(runs["one"]["losses"]) == 2
+    assert_close_series(runs["pp2"]["losses"], runs["one"]["losses"], 1e-6, "pp2")

@@ -19,7 +19,8 @@ MOE_FLAGS = (
     "--moe-use-upcycling", "--moe-upcycling-granularity",
 )
 
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                        "quantile_balancing", "none")
 
 
 def layer_pattern(text, one_means):
@@ -220,6 +221,7 @@ def check_moe_args(args, cuda_available):
                         "--sequence-parallel (megatron-core requires it for MoE with TP)")
     problems += _token_dropping_problems(args)
     problems += _upcycling_problems(args)
+    problems += _balancing_problems(args)
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
     overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
@@ -247,6 +249,40 @@ def check_moe_args(args, cuda_available):
         problems.append("--moe-grouped-gemm has no expert biases in megatron-core: add "
                         "--disable-bias-linear, or drop --moe-grouped-gemm to run the "
                         "experts one after the other with their biases")
+    return problems
+
+
+def _balancing_problems(args):
+    """Megatron-LM's S-BASE routing (sinkhorn) balances the tokens of one router call
+    against each other: under sequence splits (or context parallelism) a call holds part
+    of the microbatch, so the routing would not be the unsplit model's; whole microbatches
+    run megatron-core's own. Its quantile balancing (0.19) is not built here."""
+    types = args.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    problems = []
+    if "quantile_balancing" in types:
+        problems.append("--moe-router-load-balancing-type quantile_balancing is not "
+                        "implemented here; use aux_loss, seq_aux_loss, global_aux_loss, "
+                        "sinkhorn, none, or --moe-router-enable-expert-bias")
+    if "sinkhorn" not in types:
+        return problems
+    if len(types) > 1:
+        problems.append("--moe-router-load-balancing-type sinkhorn routes alone (as in "
+                        "megatron-core): give it without other types")
+    coeffs = args.moe_aux_loss_coeff
+    if any(coeff != 0 for coeff in (coeffs if isinstance(coeffs, list) else [coeffs])):
+        problems.append("--moe-router-load-balancing-type sinkhorn takes no "
+                        "--moe-aux-loss-coeff (megatron-core asserts it is 0)")
+    if (args.seq1f1b_splits or 1) > 1 or args.slimpipe_slices is not None:
+        problems.append("--moe-router-load-balancing-type sinkhorn balances the tokens of "
+                        "each router call against each other, and under sequence splits a "
+                        "call holds one split: the routing would not be the whole "
+                        "microbatch's; use --seq1f1b-splits 1, or aux_loss, seq_aux_loss, "
+                        "global_aux_loss or --moe-router-enable-expert-bias")
+    if args.context_parallel_size > 1:
+        problems.append("--moe-router-load-balancing-type sinkhorn with context parallelism "
+                        "would balance each rank's part of the sequence alone here; use "
+                        "another load-balancing type")
     return problems
 
 
