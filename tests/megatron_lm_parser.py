@@ -9,8 +9,8 @@ import typing
 import pytest
 
 
-def megatron_lm_args(flags):
-    """Megatron-LM's parsed namespace for ``flags``, or None without its parser."""
+def _megatron_lm_parser():
+    """Megatron-LM's parser, or None where megatron-core ships no megatron/training."""
     if not hasattr(typing, "override"):  # megatron/training uses it; Python 3.12+
         typing.override = lambda function: function
     try:
@@ -19,8 +19,24 @@ def megatron_lm_args(flags):
             from megatron.training.arguments import add_megatron_arguments
     except ImportError:
         return None
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False,
-                                                            exit_on_error=False))
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False,
+                                                          exit_on_error=False))
+
+
+def megatron_lm_choices(flag):
+    """The values Megatron-LM's parser allows for ``flag``, or None without its parser."""
+    parser = _megatron_lm_parser()
+    if parser is None:
+        return None
+    return next(tuple(action.choices) for action in parser._actions
+                if flag in action.option_strings)
+
+
+def megatron_lm_args(flags):
+    """Megatron-LM's parsed namespace for ``flags``, or None without its parser."""
+    parser = _megatron_lm_parser()
+    if parser is None:
+        return None
     try:
         parsed, unknown = parser.parse_known_args(flags)
     except argparse.ArgumentError:  # a value an older parser has no choice for

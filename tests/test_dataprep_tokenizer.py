@@ -178,5 +178,23 @@ def test_vocab_without_endoftext_is_refused(tmp_path, gpt2_files):
 
 
 def test_tokenizer_type_names():
+    """Every --tokenizer-type Megatron-LM takes is built here or refused with its reason
+    (in the trainer and tools/preprocess_data.py), never argparse's 'invalid choice'."""
+    from megatron_lm_parser import megatron_lm_choices
+    from megatron.dataprep.names import REFUSED_TOKENIZER_TYPES
+    from megatron.trainer.arguments import ArgumentErrors, parse_args
+
     assert TOKENIZER_TYPES == ("GPT2BPETokenizer", "HuggingFaceTokenizer",
-                               "SentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer")
+                               "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                               "Llama2Tokenizer", "NullTokenizer")
+    theirs = megatron_lm_choices("--tokenizer-type")
+    if theirs is not None:  # megatron-core 0.19 ships Megatron-LM's parser
+        assert set(theirs) == set(TOKENIZER_TYPES) | set(REFUSED_TOKENIZER_TYPES)
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--train-iters", "1", "--mock-data",
+            "--global-batch-size", "1"]
+    for name, reason in REFUSED_TOKENIZER_TYPES.items():
+        with pytest.raises(ArgumentErrors) as error:
+            parse_args(base + ["--tokenizer-type", name], world_size=1, cuda_available=False,
+                       check_files=False)
+        assert f"--tokenizer-type {name} is refused: {reason}" in error.value.problems

@@ -681,9 +681,11 @@ def test_megatron_deepseek_v3_example(gpt2_data, tmp_path):
 
 @pytest.mark.distributed
 def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
-    """--tokenizer-type SentencePieceTokenizer / Llama2Tokenizer (with the sentencepiece
-    package): a .model trained here on the standard library, data preprocessed with it,
-    and 2 iterations trained on that data; vocabulary and end-of-document as Megatron-LM."""
+    """--tokenizer-type SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer
+    (with the sentencepiece package): a .model trained here on the standard library, data
+    preprocessed with it, and 2 iterations trained on that data; vocabulary and
+    end-of-document as Megatron-LM. A tokenizer type not built here stops the preprocessing
+    with its reason."""
     from distributed import TINY_MODEL, pretrain
     from megatron.dataprep.tokenizer import build_tokenizer
 
@@ -695,13 +697,17 @@ def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
     assert llama.tokenize("import os")[0] == 1  # bos first, as Megatron-LM's Llama2Tokenizer
     assert plain.vocab_size == 304 and plain.eod == 302  # <CLS> <SEP> <EOD> <MASK> appended
     assert plain.detokenize(plain.tokenize("import os")) == "import os"
+    # Megatron-LM's GPTSentencePieceTokenizer: nothing added, no BOS, documents end with eos
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    assert (gpt.vocab_size, gpt.eod) == (300, 2)
+    assert gpt.tokenize("import os") == llama.tokenize("import os")[1:]
 
     corpus = tmp_path / "corpus.jsonl"
     with corpus.open("w") as out:
         for start in range(0, len(text), 1500):
             out.write(json.dumps({"text": text[start:start + 1500]}) + "\n")
     model_flags = _without(TINY_MODEL, "--mock-data", "--tokenizer-type", "--vocab-size")
-    for kind in ("Llama2Tokenizer", "SentencePieceTokenizer"):
+    for kind in ("Llama2Tokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         prefix = tmp_path / kind
         proc = subprocess.run(
             [sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
@@ -716,6 +722,13 @@ def test_sentencepiece_tokenizers_preprocess_and_train(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         losses = [float(m[2]) for m in ITERATION.findall(run.stdout)]
         assert len(losses) == 2 and abs(losses[0] - math.log(plain.vocab_size)) < 1.0, losses
+    refused = subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+         str(tmp_path / "tik"), "--tokenizer-type", "TikTokenizer", "--tokenizer-model", model],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert "--tokenizer-type TikTokenizer is refused: needs the tiktoken package" in \
+        refused.stderr, refused.stderr[-2000:]
 
 
 def test_deterministic_mode_checks_and_sets_the_environment(monkeypatch):

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from megatron.dataprep import preprocess_flags
 from megatron.dataprep.inputs import InputError, check_columns, iter_chunks, resolve_inputs
-from megatron.dataprep.names import TOKENIZER_TYPES
+from megatron.dataprep.names import REFUSED_TOKENIZER_TYPES, TOKENIZER_TYPES
 
 PROG = "preprocess_data.py"
 
@@ -109,6 +109,9 @@ def check_args(args):
         raise UsageError(f"--partitions: must be at least 1, got {args.partitions}")
     for note in preprocess_flags.noted(args):
         print(f"{PROG}: note: {note}", file=sys.stderr)
+    if args.tokenizer_type in REFUSED_TOKENIZER_TYPES:
+        raise UsageError(f"--tokenizer-type {args.tokenizer_type} is refused: "
+                         f"{REFUSED_TOKENIZER_TYPES[args.tokenizer_type]}")
     if args.tokenizer_type not in TOKENIZER_TYPES:
         raise UsageError(f"--tokenizer-type: unknown {args.tokenizer_type!r}; choose one of "
                          f"{', '.join(TOKENIZER_TYPES)}")

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
-from megatron.dataprep.names import GPT2_EOD_TOKEN, TOKENIZER_TYPES
+from megatron.dataprep.names import GPT2_EOD_TOKEN, SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 
 # Tried in order when a tokenizer.json says nothing about its end-of-document token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
@@ -249,6 +249,19 @@ class Llama2Tokenizer(SentencePieceTokenizer):
         return self._sp.eos_id()
 
 
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """A SentencePiece ``.model`` as Megatron-LM's GPTSentencePieceTokenizer reads it (the
+    Nemotron and GPT SentencePiece models): the model's pieces, no tokens added, texts
+    encoded without a BOS, documents end with its eos (</s>)."""
+
+    def _specials(self):
+        return ()
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+
 class NullTokenizer(_Tokenizer):
     """Text is whitespace-separated integer ids, as Megatron-LM's NullTokenizer.
 
@@ -324,12 +337,13 @@ def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size):
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+    if tokenizer_type in SENTENCEPIECE_TYPES:
         if not tokenizer_model:
             raise TokenizerError(f"--tokenizer-model: {tokenizer_type} needs a SentencePiece "
                                  ".model file")
-        cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" else \
-            Llama2Tokenizer
+        cls = {"SentencePieceTokenizer": SentencePieceTokenizer,
+               "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+               "Llama2Tokenizer": Llama2Tokenizer}[tokenizer_type]
         return cls(tokenizer_model)
     raise TokenizerError(
         f"--tokenizer-type: unknown {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"

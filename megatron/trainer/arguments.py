@@ -21,6 +21,11 @@ from megatron.schedules import registry as schedule_registry
 from megatron.seqsplit.names import BACKEND_NAMES, KV_CACHE_LAYOUTS
 from megatron.trainer.mla_arguments import add_mla_arguments, check_mla_args
 from megatron.trainer.mtp_arguments import add_mtp_arguments, check_mtp_args
+from megatron.dataprep.names import (
+    REFUSED_TOKENIZER_TYPES,
+    SENTENCEPIECE_TYPES,
+    TOKENIZER_TYPES,
+)
 from megatron.trainer.fim_arguments import add_fim_arguments, check_fim_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
@@ -454,9 +459,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    dest="create_attention_mask_in_dataloader",
                    help="accepted; no attention mask is ever built in the data loader here "
                         "(the kernels mask causally, documents by their ids)")
-    g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer",
-                                                "SentencePieceTokenizer", "Llama2Tokenizer",
-                                                "NullTokenizer"], default=None)
+    # Megatron-LM's values; those not built here are refused with the reason (flag checks)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES + tuple(REFUSED_TOKENIZER_TYPES),
+                   default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--tokenizer-model", type=str, default=None)
@@ -1430,7 +1435,10 @@ def _check_data_flags(args, check_files):
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             _require(not check_files or os.path.isfile(path), f"{flag} {path}: no such file")
-    if args.tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+    _require(args.tokenizer_type not in REFUSED_TOKENIZER_TYPES,
+             f"--tokenizer-type {args.tokenizer_type} is refused: "
+             f"{REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)}")
+    if args.tokenizer_type in SENTENCEPIECE_TYPES:
         _require(_sentencepiece_importable(),
                  f"--tokenizer-type {args.tokenizer_type} needs the sentencepiece package: "
                  "pip install sentencepiece")
