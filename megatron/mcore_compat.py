@@ -25,6 +25,19 @@ SUPPORTED_MCORE = ">=0.16.1,<0.20"
 CHECKED_MCORE = ("0.16.1", "0.19.2")
 
 
+def moe_router_score_functions():
+    """The MoE router score functions the installed megatron-core knows (its config's
+    Literal: softmax and sigmoid; 0.19 adds sqrtsoftplus)."""
+    import dataclasses
+    import typing
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = next(f for f in dataclasses.fields(TransformerConfig)
+                 if f.name == "moe_router_score_function")
+    return set(typing.get_args(field.type)) or {"softmax", "sigmoid"}
+
+
 def unsupported_megatron_core():
     """None if the installed megatron-core lies in SUPPORTED_MCORE, else the line saying
     what to install (read from the package's metadata: nothing is imported). A container's

@@ -527,3 +527,54 @@ def test_sinkhorn_routing_trains_as_one_process_at_pp2(tmp_path):
         {"name": "pp2", "argv": argv + ["--pipeline-model-parallel-size", "2"]}]))
     assert len(runs["one"]["losses"]) == 2
     assert_close_series(runs["pp2"]["losses"], runs["one"]["losses"], 1e-6, "pp2")
+
+
+def test_sqrtsoftplus_scores_and_refused_choices_name_their_reason():
+    """0.19's sqrtsoftplus router scores where megatron-core has them (per token: exact
+    under splits like sigmoid), a line naming the version elsewhere; Megatron-LM's mrope
+    and relative positions and its inference-only layer implementation are refused with
+    their reason instead of argparse's 'invalid choice'."""
+    from megatron import mcore_compat
+
+    if "sqrtsoftplus" in mcore_compat.moe_router_score_functions():
+        args = args_of("--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus")
+        assert trainer_model.transformer_config_from_args(
+            args).moe_router_score_function == "sqrtsoftplus"
+    else:
+        with pytest.raises(ArgumentErrors, match="sqrtsoftplus needs megatron-core >= 0.19"):
+            args_of("--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus")
+    for flags, problem in (
+            (["--position-embedding-type", "mrope"], "--position-embedding-type mrope is "
+                                                     "refused: multimodal RoPE"),
+            (["--position-embedding-type", "relative"], "--position-embedding-type relative "
+                                                        "is refused: T5's"),
+            (["--transformer-impl", "inference_optimized"], "--transformer-impl "
+                                                            "inference_optimized is refused")):
+        with pytest.raises(ArgumentErrors) as error:
+            args_of(*flags)
+        assert any(line.startswith(problem) for line in error.value.problems), (
+            flags, error.value.problems)
+
+
+@pytest.mark.distributed  # starts processes
+def test_sqrtsoftplus_routing_under_splits_equals_one_process(tmp_path):
+    """sqrtsoftplus scores with the sequence aux loss and expert bias (DeepSeek-style
+    routing), Seq1F1B s = 2 at pp = 2 against one process (megatron-core >= 0.19)."""
+    from megatron import mcore_compat
+
+    if "sqrtsoftplus" not in mcore_compat.moe_router_score_functions():
+        pytest.skip("sqrtsoftplus needs megatron-core >= 0.19")
+    from distributed import TINY_MODEL, assert_close_series, init_run, run_configs
+
+    argv = TINY_MODEL + ["--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus",
+                         "--moe-router-load-balancing-type", "seq_aux_loss",
+                         "--moe-aux-loss-coeff", "0.1", "--moe-router-enable-expert-bias",
+                         "--global-batch-size", "4", "--train-iters", "2"]
+    init, start = init_run("init", tmp_path / "init", argv)
+    argv = argv + start
+    runs = run_configs(tmp_path, 1, [init, {"name": "one", "argv": argv}])
+    runs.update(run_configs(tmp_path, 2, [{"name": "split", "argv": argv + [
+        "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "2"]}]))
+    assert len(runs["one"]["losses"]) == 2
+    for key in ("losses", "grad_norms"):
+        assert_close_series(runs["split"][key], runs["one"][key], 1e-5, key)

@@ -486,10 +486,13 @@ class CostModel:
         permutation map of the ``k T`` copies (allgather and alltoall alike)."""
         m = self.model
         k, E = m.moe_topk, m.num_experts
-        sigmoid = m.moe_score_function == "sigmoid"
+        # sqrtsoftplus (megatron-core 0.19) also scores every expert and normalises the
+        # top-k: counted as sigmoid, plus the softplus output its sqrt keeps
+        per_expert = {"sigmoid": 1, "sqrtsoftplus": 2}.get(m.moe_score_function, 0)
+        sigmoid = per_expert > 0
         out = tokens * k * (8 + FP32)
         if sigmoid:
-            out += tokens * E * FP32 + (tokens * FP32 if k > 1 else 0)
+            out += per_expert * tokens * E * FP32 + (tokens * FP32 if k > 1 else 0)
         if m.moe_aux_loss:
             out += tokens * (E * FP32 + 8 * k + (FP32 if sigmoid else 0)) + E * FP32
         if m.moe_z_loss:

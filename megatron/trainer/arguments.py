@@ -36,6 +36,7 @@ from megatron.trainer.validation_arguments import (
     check_validation_args,
     validates,
 )
+
 from megatron.trainer.megatron_lm_flags import (
     add_no_op_flags,
     no_op_flags_given,
@@ -43,6 +44,13 @@ from megatron.trainer.megatron_lm_flags import (
     take_refused,
 )
 
+# Megatron-LM's other --position-embedding-type values: why each is not built here
+REFUSED_POSITION_EMBEDDINGS = {
+    "mrope": "multimodal RoPE (Qwen2-VL's) reads the image and video positions of "
+             "multimodal samples, and multimodal models are not built here; use rope",
+    "relative": "T5's relative position buckets belong to its encoder-decoder attention, "
+                "which is not built here (decoder-only GPT); use rope",
+}
 # Megatron-LM's --attention-backend names that are not kernels of ours
 MEGATRON_ATTENTION_BACKENDS = ("local", "unfused", "fused")
 
@@ -130,7 +138,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type",
-                   choices=["rope", "yarn", "learned_absolute", "none"],
+                   # Megatron-LM's mrope and relative are refused with the reason
+                   choices=["rope", "yarn", "learned_absolute", "none",
+                            *REFUSED_POSITION_EMBEDDINGS],
                    default="learned_absolute",
                    help="yarn: RoPE with YaRN's long-context scaling (standard attention; "
                         "the --yarn-* flags, --rotary-scaling-factor, --mscale, "
@@ -208,7 +218,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--embedding-init-method-std", type=float, default=None,
                    help="standard deviation of the embedding's initial weights (default "
                         "--init-method-std)")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+    g.add_argument("--transformer-impl",
+                   choices=["local", "transformer_engine", "inference_optimized"], default=None,
                    help="layer implementation; default as Megatron-LM: transformer_engine "
                         "when Transformer Engine is importable and the run has no sequence "
                         "splits or packed documents, else local (with a note)")
@@ -949,6 +960,12 @@ def _check_megatron_compat(args, cuda_available):
     if args.grad_reduce_in_bf16 and not args.bf16:
         problems.append("--grad-reduce-in-bf16 needs --bf16")
     problems.extend(optimizer_problems(args))
+    if args.position_embedding_type in REFUSED_POSITION_EMBEDDINGS:
+        problems.append(f"--position-embedding-type {args.position_embedding_type} is "
+                        f"refused: {REFUSED_POSITION_EMBEDDINGS[args.position_embedding_type]}")
+    if args.transformer_impl == "inference_optimized":
+        problems.append("--transformer-impl inference_optimized is refused: megatron-core's "
+                        "inference layers do not train; use local or transformer_engine")
     args.no_op_flags = no_op_flags_given(args)
     if problems:
         raise ArgumentErrors(problems)

@@ -1,6 +1,8 @@
 """Megatron-LM's mixture-of-experts flags: names, defaults and meanings as in its
 ``megatron/training/arguments.py``, their checks, and the TransformerConfig fields."""
 
+from megatron import mcore_compat
+
 # the MoE flags implemented here; the other --moe-* flags stay refused
 # (megatron_lm_flags.REFUSED_FLAGS) with their reason
 MOE_FLAGS = (
@@ -65,8 +67,12 @@ def add_moe_arguments(parser):
     g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
                    help='N: an MoE layer every N layers; or "[0]*1+[1]*3": 0 dense, 1 MoE '
                         "per layer (first-k-dense)")
-    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
-                   default="softmax")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid",
+                                                            "sqrtsoftplus"),
+                   default="softmax",
+                   help="as Megatron-LM: the router's scores, a softmax over the experts, "
+                        "or a sigmoid or sqrt(softplus) per expert normalised over the top-k "
+                        "(sqrtsoftplus needs megatron-core >= 0.19)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free balancing: a per-expert routing bias updated after "
                         "each step by --moe-router-bias-update-rate")
@@ -222,6 +228,11 @@ def check_moe_args(args, cuda_available):
     problems += _token_dropping_problems(args)
     problems += _upcycling_problems(args)
     problems += _balancing_problems(args)
+    if (args.moe_router_score_function == "sqrtsoftplus"
+            and "sqrtsoftplus" not in mcore_compat.moe_router_score_functions()):
+        problems.append("--moe-router-score-function sqrtsoftplus needs megatron-core >= 0.19 "
+                        "(the installed one's router has softmax and sigmoid): upgrade "
+                        "megatron-core or choose one of those")
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk go together")
     overlap = any(flag == "--moe-shared-expert-overlap" for flag, _ in args.no_op_flags)
