@@ -25,6 +25,16 @@ SUPPORTED_MCORE = ">=0.16.1,<0.20"
 CHECKED_MCORE = ("0.16.1", "0.19.2")
 
 
+def config_has(field_name):
+    """Whether the installed megatron-core's TransformerConfig has ``field_name`` (imported
+    here, not at the top: flag errors are reported before torch loads)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return field_name in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
 def moe_router_score_functions():
     """The MoE router score functions the installed megatron-core knows (its config's
     Literal: softmax and sigmoid; 0.19 adds sqrtsoftplus)."""

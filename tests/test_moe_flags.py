@@ -578,3 +578,18 @@ def test_sqrtsoftplus_routing_under_splits_equals_one_process(tmp_path):
     assert len(runs["one"]["losses"]) == 2
     for key in ("losses", "grad_norms"):
         assert_close_series(runs["split"][key], runs["one"][key], 1e-5, key)
+
+
+def test_force_biased_router_reaches_the_config_where_megatron_core_has_it():
+    """--moe-router-force-biased (megatron-core 0.19's benchmark routing) in the config
+    there, a line naming the version elsewhere."""
+    from megatron import mcore_compat
+
+    flags = ("--num-experts", "4", "--moe-router-force-biased", "-0.5")
+    if mcore_compat.config_has("moe_router_force_biased"):
+        config = trainer_model.transformer_config_from_args(args_of(*flags))
+        assert config.moe_router_force_biased == -0.5
+    else:
+        with pytest.raises(ArgumentErrors, match="--moe-router-force-biased needs "
+                                                 "megatron-core >= 0.19"):
+            args_of(*flags)

@@ -18,7 +18,7 @@ MOE_FLAGS = (
     "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-expert-capacity-factor",
     "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
     "--moe-router-force-load-balancing", "--moe-input-jitter-eps",
-    "--moe-use-upcycling", "--moe-upcycling-granularity",
+    "--moe-use-upcycling", "--moe-upcycling-granularity", "--moe-router-force-biased",
 )
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
@@ -89,6 +89,12 @@ def add_moe_arguments(parser):
                         "experts get about equal shares of the tokens whatever the weights; "
                         "a split run draws other random logits than an unsplit one (as "
                         "dropout does)")
+    g.add_argument("--moe-router-force-biased", type=float, default=None, metavar="STD",
+                   help="as Megatron-LM (megatron-core >= 0.19), for benchmarks only: random "
+                        "logits as --moe-router-force-load-balancing plus a random per-expert "
+                        "bias of this std (the same on every rank; a negative std draws it once "
+                        "per layer), for a skewed but reproducible expert load; a split run "
+                        "draws per split")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None,
                    help="as Megatron-LM (Switch Transformer's jitter): while training, each "
                         "router's input is multiplied by noise uniform in [1 - eps, 1 + eps] "
@@ -228,6 +234,11 @@ def check_moe_args(args, cuda_available):
     problems += _token_dropping_problems(args)
     problems += _upcycling_problems(args)
     problems += _balancing_problems(args)
+    if args.moe_router_force_biased is not None and not mcore_compat.config_has(
+            "moe_router_force_biased"):
+        problems.append("--moe-router-force-biased needs megatron-core >= 0.19 (the installed "
+                        "one's router has no biased logits): upgrade megatron-core or use "
+                        "--moe-router-force-load-balancing")
     if (args.moe_router_score_function == "sqrtsoftplus"
             and "sqrtsoftplus" not in mcore_compat.moe_router_score_functions()):
         problems.append("--moe-router-score-function sqrtsoftplus needs megatron-core >= 0.19 "
@@ -406,6 +417,7 @@ def _given(args, flag):
                 "--moe-token-drop-policy": "probs",
                 "--moe-router-force-load-balancing": False, "--moe-input-jitter-eps": None,
                 "--moe-use-upcycling": False, "--moe-upcycling-granularity": 1,
+                "--moe-router-force-biased": None,
                 "--expert-tensor-parallel-size": args.tensor_model_parallel_size}
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value != defaults.get(flag)
@@ -442,4 +454,7 @@ def moe_config_fields(args):
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         moe_input_jitter_eps=args.moe_input_jitter_eps,
+        # megatron-core >= 0.19's field (refused before on older ones)
+        **({"moe_router_force_biased": args.moe_router_force_biased}
+           if args.moe_router_force_biased is not None else {}),
     )

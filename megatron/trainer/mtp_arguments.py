@@ -3,7 +3,7 @@ meanings as in its ``megatron/training/arguments.py`` (0.19), their checks, and 
 TransformerConfig fields. The model is megatron-core's MTP block on the last pipeline
 stage; under sequence splits its shifts read past each split (``megatron.seqsplit.mtp``)."""
 
-import dataclasses
+from megatron import mcore_compat
 
 # the MTP flags implemented here; the others (--mtp-standalone, set by a pipeline layout,
 # and --mtp-hybrid-override-pattern, for hybrid models) stay refused with their reason
@@ -33,29 +33,17 @@ def add_mtp_arguments(parser):
                         "trains the MTP layers only (megatron-core >= 0.17)")
 
 
-def _config_has(field):
-    """Whether the installed megatron-core's TransformerConfig has ``field`` (imported
-    here, not at the top: flag errors are reported before torch loads)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return field in {f.name for f in dataclasses.fields(TransformerConfig)}
-
-
 def recompute_runs_under_splits() -> bool:
     """Whether megatron-core's MTP layer can be recomputed (full recomputation) with a
     split: up to 0.17 it hands every argument, the split too, to the checkpoint's
     save_for_backward, which takes tensors only; 0.18+ passes the non-tensors by closure
     (``mcore_compat.mtp_recompute_passes_the_split_by_closure``)."""
-    from megatron import mcore_compat
-
     return mcore_compat.mtp_recompute_passes_the_split_by_closure()
 
 
 def recompute_takes_its_arguments() -> bool:
     """Whether megatron-core's MTP layer can run full recomputation at all (not on 0.18,
     ``mcore_compat.mtp_recompute_takes_its_arguments``)."""
-    from megatron import mcore_compat
-
     return mcore_compat.mtp_recompute_takes_its_arguments()
 
 
@@ -68,7 +56,7 @@ def check_mtp_args(args):
                                 "mtp_use_repeated_layer"),
                                ("--mtp-detach-heads", args.mtp_detach_heads,
                                 "mtp_detach_heads")):
-        if given and not _config_has(field):
+        if given and not mcore_compat.config_has(field):
             problems.append(f"{flag} needs megatron-core >= 0.17 (the installed one has no "
                             f"{field}): upgrade megatron-core or drop it")
         elif given and not depths:
