@@ -188,3 +188,12 @@ def test_bad_flag_exits_nonzero_on_every_rank_with_one_line():
                                      "--decoder-first-pipeline-num-layers / "
                                      "--decoder-last-pipeline-num-layers"), outputs[0][1]
     assert outputs[1][1].strip() == "" and "Traceback" not in outputs[0][1]
+
+
+def test_exit_signal_takes_any_signal_a_process_can_catch():
+    """As Megatron-LM (any signal.Signals), but those no handler can catch."""
+    assert parse(["--exit-signal", "SIGXCPU"]).exit_signal == "SIGXCPU"
+    assert parse(["--exit-signal", "usr1"]).exit_signal == "SIGUSR1"
+    for uncatchable in ("SIGKILL", "SIGSTOP"):
+        with pytest.raises(ArgumentError, match="--exit-signal"):
+            parse(["--exit-signal", uncatchable])

@@ -7,6 +7,7 @@ exists, and reported as one line naming the flag and the fix.
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
@@ -98,9 +99,12 @@ class _HelpFormatter(argparse.HelpFormatter):
         return "\n".join(indent + line for line in self._split_lines(text, width - len(indent)))
 
 
-# the signals --exit-signal takes (Megatron-LM accepts any signal.Signals name; these are
-# the ones a user or scheduler sends to ask for a stop)
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+# the signals --exit-signal takes: as Megatron-LM, any signal, but those no process can
+# catch (SIGKILL, SIGSTOP); schedulers send SIGTERM, SIGUSR1/2 (SLURM's --signal), SIGXCPU
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT") + tuple(
+    sorted(name for name in signal.Signals.__members__ if name not in (
+        "SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGKILL", "SIGSTOP")
+        and not name.startswith("SIG_") and name == signal.Signals[name].name))
 
 
 def _signal_name(value):
@@ -578,8 +582,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "and exit 0")
     g.add_argument("--exit-signal", type=_signal_name, default="SIGTERM",
                    choices=EXIT_SIGNALS, metavar="SIGNAL",
-                   help="the signal --exit-signal-handler saves on: one of "
-                        f"{', '.join(EXIT_SIGNALS)} (default SIGTERM; SIGINT is Ctrl-C)")
+                   help="the signal --exit-signal-handler saves on: any a process can "
+                        "catch (not SIGKILL or SIGSTOP), e.g. SIGTERM (default), SIGUSR1 "
+                        "(SLURM's --signal), SIGINT (Ctrl-C)")
     g.add_argument("--exit-signal-handler-for-training", action="store_true",
                    help="SIGINT or SIGTERM (the one --exit-signal-handler does not take) "
                         "stops every rank at once with one line and exit 0, without "
