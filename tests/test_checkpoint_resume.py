@@ -109,3 +109,21 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     assert mismatch.returncode != 0
     assert "--hidden-size saved 32, now 64" in mismatch.stderr, mismatch.stderr[-2000:]
     assert "--squared-relu saved False, now True" in mismatch.stderr  # math flags too
+
+    # a Megatron-LM checkpoint of --ckpt-format torch: not damaged, another format, and
+    # Megatron-LM's own conversion named
+    legacy = tmp_path / "legacy"
+    (legacy / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    import torch
+
+    torch.save({"iteration": 2, "model": {}}, legacy / "iter_0000002" / "mp_rank_00" /
+               "model_optim_rng.pt")
+    (legacy / "latest_checkpointed_iteration.txt").write_text("2")
+    refused = _pretrain(tmp_path, base + ["--load", str(legacy)])
+    assert refused.returncode != 0
+    assert distributed.one_error_line(refused.stderr) == (
+        f"error: --load {legacy / 'iter_0000002'} is a Megatron-LM checkpoint in the legacy "
+        f"torch format (mp_rank_00/model_optim_rng.pt), which is not read here (torch_dist "
+        f"only): convert it with Megatron-LM's pretrain_gpt.py and this run's model flags "
+        f"plus --ckpt-format torch --load {legacy} --ckpt-convert-format torch_dist "
+        f"--ckpt-convert-save NEW, then --load NEW/torch_dist here")

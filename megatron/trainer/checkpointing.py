@@ -634,12 +634,32 @@ def _verify(root, path, allow_unverified=False, flag="--load"):
         if problem is None and files is None:
             problem = (_structure_problem(path)
                        or _unverified_problem(path, allow_unverified))
-        found[0] = (files or {}, problem)
+        found[0] = (files or {}, problem, _legacy_torch_format(path))
     torch.distributed.broadcast_object_list(found, src=0)
-    files, problem = found[0]
+    files, problem, legacy = found[0]
+    if legacy:  # not damaged: a format this trainer does not read
+        _exit(f"{flag} {path} is a Megatron-LM checkpoint in the legacy torch format "
+              f"({legacy}), which is not read here (torch_dist only): convert it with "
+              f"Megatron-LM's pretrain_gpt.py and this run's model flags plus --ckpt-format "
+              f"torch --load {root} --ckpt-convert-format torch_dist --ckpt-convert-save NEW, "
+              f"then --load NEW/torch_dist here")
     names = sorted(files)
     problems = [p for p in (_file_problem(path, n, files[n]) for n in _my_share(names)) if p]
     _agree(_damaged(root, path, problem or (problems[0] if problems else None), flag))
+
+
+def _legacy_torch_format(path):
+    """The file that marks a Megatron-LM checkpoint of --ckpt-format torch (one
+    mp_rank_*/model_optim_rng.pt per model-parallel rank), or None."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith("mp_rank_") and os.path.isfile(
+                os.path.join(path, name, "model_optim_rng.pt")):
+            return os.path.join(name, "model_optim_rng.pt")
+    return None
 
 
 def _damaged(root, path, problem, flag="--load"):
