@@ -1,7 +1,10 @@
 """--save-wgrads-interval and --save-params-interval (as Megatron-LM): the files a user
 compares to check the schedules' exactness. Seq1F1B's gradients and parameters, written
 per pipeline stage, equal 1F1B's tensor by tensor; under the distributed optimizer every
-gradient is written whole (reduced over the data-parallel ranks, as without it)."""
+gradient is written whole (reduced over the data-parallel ranks, as without it).
+--save-activations-interval and --save-dgrads-interval: the last microbatch's linear
+layers' and routers' inputs, outputs and their gradients; Seq1F1B's, its splits joined,
+equal 1F1B's, also with full recomputation and with MoE routers."""
 
 import pytest
 import torch
@@ -56,6 +59,43 @@ def test_seq1f1b_writes_the_gradients_and_parameters_of_1f1b(tmp_path):
     for iteration in (1, 2):
         _assert_same(_tensors(tmp_path / "dp2_distopt", "wgrads", iteration, "mp_rank_00"),
                      _tensors(tmp_path / "dp2", "wgrads", iteration, "mp_rank_00"), "wgrads")
+
+
+ACTIVATIONS = TINY_MODEL + ["--global-batch-size", "4", "--micro-batch-size", "1",
+                            "--train-iters", "1", "--save-interval", "100",
+                            "--save-activations-interval", "1", "--save-dgrads-interval", "1"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+
+
+@pytest.mark.distributed
+def test_seq1f1b_writes_the_activations_and_dgrads_of_1f1b(tmp_path):
+    runs = {"f1b": PP2, "s4": PP2 + ["--seq1f1b-splits", "4"],
+            "s3_recompute": PP2 + ["--seq1f1b-splits", "3"] + RECOMPUTE,
+            "moe_f1b": PP2 + MOE, "moe_s4": PP2 + MOE + ["--seq1f1b-splits", "4"]}
+    run_configs(tmp_path, 2, [{"name": name, "argv": ACTIVATIONS + flags + [
+        "--save", str(tmp_path / name)]} for name, flags in runs.items()])
+    for reference, split in (("f1b", "s4"), ("f1b", "s3_recompute"), ("moe_f1b", "moe_s4")):
+        for label in ("activations", "dgrads"):
+            for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+                expected = _tensors(tmp_path / reference, label, 1, stage)["model_chunk0"]
+                actual = _tensors(tmp_path / split, label, 1, stage)["model_chunk0"]
+                assert actual.keys() == expected.keys() and expected, (split, label, stage)
+                for key, tensor in expected.items():
+                    assert actual[key].shape == tensor.shape, (split, label, key)
+                    if tensor.is_floating_point():
+                        scale = tensor.abs().max().clamp(min=1e-30)
+                        assert (actual[key] - tensor).abs().max() <= 1e-5 * scale, (
+                            split, label, key)
+                    else:  # a router's routing map
+                        assert torch.equal(actual[key], tensor), (split, label, key)
+    f1b = _tensors(tmp_path / "f1b", "activations", 1, "mp_rank_00_000")["model_chunk0"]
+    # the last microbatch's whole sequence (48 tokens, [s, b, h]) of each linear layer
+    assert f1b["decoder.layers.0.self_attention.linear_qkv/input0"].shape[0] == 48
+    routers = _tensors(tmp_path / "moe_s4", "dgrads", 1, "mp_rank_00_001")["model_chunk0"]
+    # (a stage's modules are named locally: its layers are decoder.layers.0 and 1)
+    assert "decoder.layers.1.mlp.router/input0" in routers
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -702,6 +702,14 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--save-params-interval", type=int, default=None,
                    help="as Megatron-LM: every N iterations the parameters after the "
                         "optimizer step, to SAVE/params/iter_N/ in the same form")
+    g.add_argument("--save-activations-interval", type=int, default=None,
+                   help="as Megatron-LM: every N iterations the inputs and outputs of every "
+                        "linear layer and router in the iteration's last microbatch, to "
+                        "SAVE/activations/iter_N/ ({model_chunkK: {'MODULE/inputI': tensor, "
+                        "...}}); a split microbatch's splits joined along the sequence")
+    g.add_argument("--save-dgrads-interval", type=int, default=None,
+                   help="as Megatron-LM: the same modules' input and output gradients, to "
+                        "SAVE/dgrads/iter_N/")
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="keep only the checkpoints of iterations that are multiples of this "
                         "(and the latest): each save deletes the previous latest one unless "
@@ -1578,13 +1586,14 @@ def _check_checkpoint_flags(args, check_files):
              "--override-opt_param-scheduler (take this command line's schedule) and "
              "--use-checkpoint-opt_param-scheduler (keep the checkpoint's) contradict each "
              "other: keep one")
-    for flag in ("save_wgrads_interval", "save_params_interval"):
+    for flag, label in (("save_wgrads_interval", "wgrads"), ("save_params_interval", "params"),
+                        ("save_activations_interval", "activations"),
+                        ("save_dgrads_interval", "dgrads")):
         interval, name = getattr(args, flag), "--" + flag.replace("_", "-")
         if interval is not None:
             _require(interval >= 1, f"{name} must be >= 1, got {interval}")
             _require(args.save is not None,
-                     f"{name} writes its files under --save DIR/"
-                     f"{'wgrads' if 'wgrads' in flag else 'params'}: give --save")
+                     f"{name} writes its files under --save DIR/{label}: give --save")
     # as Megatron-LM asserts: with the overlapped all-gather the parameters after the step
     # are not all in place yet
     _require(args.save_params_interval is None or not args.overlap_param_gather,

@@ -232,6 +232,8 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     save_wgrads = tensor_dumps.due(args.save_wgrads_interval, iteration)
     for chunk in model:  # as Megatron-LM: the overlapped reductions all-reduce too
         chunk.force_all_reduce = save_wgrads
+    # --save-activations-interval / --save-dgrads-interval: hooks for this pass only
+    activation_hooks = tensor_dumps.start_activation_hooks(args, model, iteration)
     while rerun_machine.should_run_forward_backward(data_iterator):
         pending = rerun.injection_pending()  # results are validated inside the pass
         if before_pass is not None:
@@ -251,6 +253,9 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
             return None, None, False, stop, None
     for chunk in model:
         chunk.force_all_reduce = False
+    if activation_hooks is not None:
+        progress.step = f"iteration {iteration}'s activation / dgrad write"
+        tensor_dumps.save_activation_hooks(args, activation_hooks, iteration)
     if save_wgrads:  # as Megatron-LM: after the reduction, before the step
         progress.step = f"iteration {iteration}'s --save-wgrads-interval write"
         tensor_dumps.save_named_tensors(args, model, "main_grad", iteration)
