@@ -98,3 +98,31 @@ def test_checkpoint_saved_with_several_buckets_reloads_exactly(tmp_path):
     with pytest.raises(AssertionError):  # what it warns about
         assert_params_close(results["legacy_loaded"]["params"], saved["params"], rtol=0,
                             atol=0)
+
+
+def test_averaging_in_the_collective_trains_as_dividing_first(tmp_path):
+    """--ddp-average-in-collective (Megatron-LM's): the data-parallel reduction averages
+    (ReduceOp.AVG over gloo here) instead of each rank dividing first; plain and
+    distributed optimizer, the losses, grad norms and parameters of dividing first."""
+    from distributed import assert_close_series, run_configs
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.training import ddp_config_of
+
+    flagged = parse_args(TINY_MODEL + ["--global-batch-size", "4", "--train-iters", "3",
+                                       "--ddp-average-in-collective"], world_size=2)
+    assert ddp_config_of(flagged).average_in_collective
+    assert not ddp_config_of(parse_args(TINY_MODEL + ["--global-batch-size", "4",
+                                                      "--train-iters", "3"], world_size=2)
+                             ).average_in_collective
+    base = TINY_MODEL + ["--global-batch-size", "4", "--train-iters", "3"]
+    runs = run_configs(tmp_path, 2, [
+        {"name": f"{kind}_{mode}", "params": True,
+         "argv": base + flags + (["--ddp-average-in-collective"] if mode == "avg" else [])}
+        for kind, flags in (("plain", []), ("distopt", ["--use-distributed-optimizer"]))
+        for mode in ("div", "avg")])
+    for kind in ("plain", "distopt"):
+        divided, averaged = runs[f"{kind}_div"], runs[f"{kind}_avg"]
+        assert len(divided["losses"]) == 3
+        for key in ("losses", "grad_norms"):
+            assert_close_series(averaged[key], divided[key], 1e-6, f"{kind} {key}")
+        assert_params_close(averaged["params"], divided["params"])

@@ -319,6 +319,10 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="as Megatron-LM: the data-parallel gradient reduction averages in "
+                        "the collective instead of each rank dividing by the data-parallel "
+                        "size before summing (the same values up to rounding)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (default with --bf16: fp32)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
@@ -972,6 +976,11 @@ def _check_megatron_compat(args, cuda_available):
                         "contradict each other; keep one")
     if args.grad_reduce_in_bf16 and not args.bf16:
         problems.append("--grad-reduce-in-bf16 needs --bf16")
+    if args.ddp_average_in_collective and args.calculate_per_token_loss:
+        # megatron-core asserts it while building the model
+        problems.append("--ddp-average-in-collective does not go with "
+                        "--calculate-per-token-loss (the gradients are summed, then divided "
+                        "by the token count; megatron-core refuses averaging there)")
     problems.extend(optimizer_problems(args))
     if args.position_embedding_type in REFUSED_POSITION_EMBEDDINGS:
         problems.append(f"--position-embedding-type {args.position_embedding_type} is "

@@ -379,7 +379,7 @@ for _reason, _flags in (
                "--lazy-mpu-init "
                "--ddp-reduce-scatter-with-fp32-accumulation "
                "--ddp-param-name-patterns-for-fp32-local-accumulation "
-               "--ddp-average-in-collective --no-gradient-reduce-div-fusion "
+               "--no-gradient-reduce-div-fusion "
                "--num-distributed-optimizer-instances --fake-process-group "
                "--tensor-parallel-num-weight-shards --max-seqlen-per-dp-cp-rank "
                "--use-precision-aware-optimizer --main-grads-dtype "

@@ -75,11 +75,9 @@ def print_last_rank(message):
         print(message, flush=True)
 
 
-def build_model(args, config, model_provider):
-    """This rank's model chunks (one, or one per virtual stage), each wrapped for mixed
-    precision and megatron-core DDP."""
-    num_chunks = args.virtual_pipeline_model_parallel_size or 1
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config_of(args):
+    """megatron-core DDP's config from Megatron-LM's flags."""
+    return DistributedDataParallelConfig(
         # as Megatron-LM: fp32 gradient reduction with bf16/fp16 unless --grad-reduce-in-bf16
         grad_reduce_in_fp32=(args.accumulate_allreduce_grads_in_fp32
                              or ((args.bf16 or args.fp16) and not args.grad_reduce_in_bf16)),
@@ -88,11 +86,21 @@ def build_model(args, config, model_provider):
         # the distributed optimizer's all-gather waits for the next forward (param_gather)
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
+        # --ddp-average-in-collective: the reduction averages (ReduceOp.AVG) instead of
+        # each rank dividing its gradients by the data-parallel size first
+        average_in_collective=args.ddp_average_in_collective,
         use_distributed_optimizer=args.use_distributed_optimizer,
         # --rerun-mode validate_results: each bucket's grad norm validated before the
         # data-parallel reduction (NaN/Inf, --check-for-large-grads), as Megatron-LM
         **rerun.ddp_checks(args),
     )
+
+
+def build_model(args, config, model_provider):
+    """This rank's model chunks (one, or one per virtual stage), each wrapped for mixed
+    precision and megatron-core DDP."""
+    num_chunks = args.virtual_pipeline_model_parallel_size or 1
+    ddp_config = ddp_config_of(args)
     chunks = []
     for index in range(num_chunks):
         vp_stage = index if num_chunks > 1 else None
