@@ -192,6 +192,8 @@ for _reason, _flags in (
     ("p2p overlap is chosen by the schedule (interleaved stages overlap it)",
      "--overlap-p2p-communication"),
     ("the local rank is read from LOCAL_RANK (set by torchrun)", "--local_rank=N"),
+    ("only megatron-core's FSDP gradient buffers read it (FSDP is not supported here; "
+     "the DDP reduction divides as without it)", "--no-gradient-reduce-div-fusion"),
     # MoE options that change no value here
     ("overlaps the shared expert with the token dispatch on CUDA streams (a performance "
      "setting); here the shared expert runs beside the routed experts with the same values",
@@ -379,7 +381,6 @@ for _reason, _flags in (
                "--lazy-mpu-init "
                "--ddp-reduce-scatter-with-fp32-accumulation "
                "--ddp-param-name-patterns-for-fp32-local-accumulation "
-               "--no-gradient-reduce-div-fusion "
                "--num-distributed-optimizer-instances --fake-process-group "
                "--tensor-parallel-num-weight-shards --max-seqlen-per-dp-cp-rank "
                "--use-precision-aware-optimizer --main-grads-dtype "
