@@ -151,7 +151,8 @@ def fail(args, iteration, staging, error, needed, previous, tracker):
             if previous is not None else "no earlier checkpoint was saved")
     # an error with an errno is the disk's (or the file system's); another one (an
     # assertion inside the checkpoint code) is no reason to free space
-    advice = ("free space or point --save elsewhere, then resume" if text.startswith("[Errno")
+    # (torch's writer may wrap it in its own message: "Worker failure: [Errno 27] ...")
+    advice = ("free space or point --save elsewhere, then resume" if "[Errno" in text
               else "the disk is not the cause (an error inside the checkpoint code: please "
                    "report it with the command line); resume")
     # printed now, not as the SystemExit's message at interpreter exit: the other ranks
