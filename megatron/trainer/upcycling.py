@@ -14,6 +14,7 @@ Megatron-LM).
 import contextlib
 import copy
 
+import torch
 import torch.nn.functional as F
 
 from megatron.trainer import checkpointing
@@ -45,7 +46,7 @@ def upcycle(args, model, optimizer, scheduler, build_model, model_provider, conf
                          f"this model: {error}") from None
     del dense_model
     optimizer.reload_model_params()  # the optimizer's main copies follow the new weights
-    if checkpointing._rank() == 0:
+    if torch.distributed.get_rank() == 0:
         print(f"  upcycled the dense checkpoint in --load {args.load} into "
               f"{args.num_experts} experts per MoE layer (granularity "
               f"{args.moe_upcycling_granularity}); saving it as iteration 1 in --save "
