@@ -453,3 +453,21 @@ def test_extending_the_context_with_yarn_needs_finetune(tmp_path):
             f"weights start this run (--finetune), as when extending the context"
             in extended.stdout)
     assert f"loaded the weights of {ckpt / ITER2} (--finetune)" in extended.stdout
+
+
+def test_a_failed_save_advises_freeing_space_only_for_disk_errors():
+    """The disk advice follows an OSError anywhere in the failure (torch wraps it, at times
+    keeping only its name); an error inside the checkpoint code says the disk is not the
+    cause (the distributed optimizer's pre-step AssertionError was once told to free
+    space)."""
+    from megatron.trainer.save_failure import advice_for, cause
+
+    full = OSError(28, "No space left on device")
+    wrapped = RuntimeError("Worker failure")
+    wrapped.__cause__ = full
+    named = RuntimeError("Worker failure: An error is caught while starting worker 0, "
+                         "error: <class 'OSError'>")
+    for error in (full, wrapped, named):
+        assert advice_for(error, cause(error)[1]).startswith("free space"), error
+    internal = AssertionError()
+    assert advice_for(internal, cause(internal)[1]).startswith("the disk is not the cause")

@@ -78,26 +78,46 @@ def warn_if_short(args, iteration, needed, rank):
               f"likely fail; free space or point --save elsewhere", flush=True)
 
 
+def _chain(error):
+    """``error`` and the exceptions it wraps (torch's failures, causes, contexts)."""
+    seen, stack = set(), [error]
+    while stack:
+        current = stack.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        for wrapped in getattr(current, "failures", {}).values():
+            stack.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        stack += [current.__cause__, current.__context__]
+
+
+def advice_for(error, text):
+    """What a failed save's line tells the user to do. An OSError is the disk's (or the
+    file system's); another error (an assertion inside the checkpoint code) is no reason
+    to free space. torch's writers may keep only its name or errno in their own message
+    ("Worker failure: ... <class 'OSError'>")."""
+    disk = ("[Errno" in text or "OSError" in text
+            or any(isinstance(current, OSError) for current in _chain(error)))
+    if disk:
+        return "free space or point --save elsewhere, then resume"
+    return ("the disk is not the cause (an error inside the checkpoint code: please report "
+            "it with the command line); resume")
+
+
 def cause(error):
     """(rank, text): the rank torch's CheckpointException names as failing (None if it
     names none) and the root cause in a few words (an OSError's errno if there is one,
     found through torch's wrapped exceptions and exception chains)."""
     failures = getattr(error, "failures", None) or {}
     rank = min(failures) if failures else None
-    seen, stack, first = set(), [error], None
-    while stack:
-        current = stack.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
+    first = None
+    for current in _chain(error):
         if isinstance(current, OSError) and current.errno is not None:
             where = f": {current.filename}" if current.filename else ""
             return rank, f"[Errno {current.errno}] {current.strerror}{where}"
         if first is None and not hasattr(current, "failures"):
             first = current
-        for wrapped in getattr(current, "failures", {}).values():
-            stack.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
-        stack += [current.__cause__, current.__context__]
     first = first or error
     text = str(first).strip().splitlines()
     return rank, f"{type(first).__name__}: {text[-1][:200] if text else ''}".rstrip(": ")
@@ -149,12 +169,7 @@ def fail(args, iteration, staging, error, needed, previous, tracker):
     free = free_bytes(args.save)
     kept = (f"the checkpoint of iteration {previous} and {tracker} are intact"
             if previous is not None else "no earlier checkpoint was saved")
-    # an error with an errno is the disk's (or the file system's); another one (an
-    # assertion inside the checkpoint code) is no reason to free space
-    # (torch's writer may wrap it in its own message: "Worker failure: [Errno 27] ...")
-    advice = ("free space or point --save elsewhere, then resume" if "[Errno" in text
-              else "the disk is not the cause (an error inside the checkpoint code: please "
-                   "report it with the command line); resume")
+    advice = advice_for(error, text)
     # printed now, not as the SystemExit's message at interpreter exit: the other ranks
     # exit at once, and a launcher that sees them fail (torchrun) could end this rank first
     print(f"error: checkpoint save of iteration {iteration} into --save {args.save} failed "
