@@ -23,28 +23,34 @@ from typing import Tuple
 
 SUPPORTED_MCORE = ">=0.16.1,<0.20"
 CHECKED_MCORE = ("0.16.1", "0.19.2")
+CHECKED_TORCH = ("2.13.0",)
+
+_BOTH = "megatron-core " + ", ".join(CHECKED_MCORE)
+_TORCH = "torch " + ", ".join(CHECKED_TORCH)
 
 
-def config_has(field_name):
-    """Whether the installed megatron-core's TransformerConfig has ``field_name`` (imported
-    here, not at the top: flag errors are reported before torch loads)."""
+def _config_field(field_name):
+    """The installed megatron-core's TransformerConfig field ``field_name``, or None
+    (imported here, not at the top: flag errors are reported before torch loads)."""
     import dataclasses
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return field_name in {f.name for f in dataclasses.fields(TransformerConfig)}
+    return next((f for f in dataclasses.fields(TransformerConfig) if f.name == field_name),
+                None)
+
+
+def config_has(field_name):
+    """Whether the installed megatron-core's TransformerConfig has ``field_name``."""
+    return _config_field(field_name) is not None
 
 
 def moe_router_score_functions():
     """The MoE router score functions the installed megatron-core knows (its config's
     Literal: softmax and sigmoid; 0.19 adds sqrtsoftplus)."""
-    import dataclasses
     import typing
 
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    field = next(f for f in dataclasses.fields(TransformerConfig)
-                 if f.name == "moe_router_score_function")
+    field = _config_field("moe_router_score_function")
     return set(typing.get_args(field.type)) or {"softmax", "sigmoid"}
 
 
@@ -66,10 +72,6 @@ def unsupported_megatron_core():
         return None
     return (f"megatron-core {installed} is installed; this project runs on megatron-core "
             f"{SUPPORTED_MCORE} ({' and '.join(CHECKED_MCORE)} tested in CI): {install}")
-CHECKED_TORCH = ("2.13.0",)
-
-_BOTH = "megatron-core " + ", ".join(CHECKED_MCORE)
-_TORCH = "torch " + ", ".join(CHECKED_TORCH)
 
 
 class CompatError(RuntimeError):

@@ -101,10 +101,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 # the signals --exit-signal takes: as Megatron-LM, any signal, but those no process can
 # catch (SIGKILL, SIGSTOP); schedulers send SIGTERM, SIGUSR1/2 (SLURM's --signal), SIGXCPU
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT") + tuple(
-    sorted(name for name in signal.Signals.__members__ if name not in (
-        "SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGKILL", "SIGSTOP")
-        and not name.startswith("SIG_") and name == signal.Signals[name].name))
+EXIT_SIGNALS = tuple(s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP"))
 
 
 def _signal_name(value):

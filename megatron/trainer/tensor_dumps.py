@@ -91,10 +91,8 @@ class ActivationHooks:
         self._calls = 0  # numbers the calls without a split, so the last one wins
         self._sequence_dim = {}  # key -> the dim its splits join along
         self._handles = []
-        self._modules = {}
         for index, chunk in enumerate(model):
             inner = unwrap_model(chunk)
-            self._modules[f"model_chunk{index}"] = dict(inner.named_modules())
             self._handles.append(inner.register_forward_pre_hook(self._enter, with_kwargs=True))
             for name, module in inner.named_modules():
                 if isinstance(module, TransformerLayer):
@@ -102,7 +100,7 @@ class ActivationHooks:
                         module.register_forward_pre_hook(self._enter, with_kwargs=True))
                 if isinstance(module, LOGGED_TYPES):
                     self._handles.append(module.register_forward_hook(
-                        self._logger(f"model_chunk{index}", name), with_kwargs=True))
+                        self._logger(f"model_chunk{index}", name, module), with_kwargs=True))
 
     def _enter(self, module, args, kwargs):
         split = kwargs.get("packed_seq_params")
@@ -112,10 +110,10 @@ class ActivationHooks:
             self._calls += 1
             self._unit = (self._calls, 0)
 
-    def _logger(self, chunk, name):
+    def _logger(self, chunk, name, module):
         # an embedding's ids and rows are [b, s, ...]; the rest megatron-core's [s, b, ...]
         # or token rows in sequence order
-        dim = 1 if isinstance(self._module_of(chunk, name), torch.nn.Embedding) else 0
+        dim = 1 if isinstance(module, torch.nn.Embedding) else 0
 
         def hook(module, args, kwargs, output):
             unit = self._unit or (0, 0)
@@ -139,9 +137,6 @@ class ActivationHooks:
                         lambda grad, chunk=chunk, key=key, unit=unit:
                         _keep(self.dgrads[chunk], key, unit, grad))
         return hook
-
-    def _module_of(self, chunk, name):
-        return self._modules[chunk][name]
 
     def remove(self):
         for handle in self._handles:
@@ -177,8 +172,8 @@ def _keep(kept, key, unit, tensor):
 def start_activation_hooks(args, model, iteration):
     """The hooks of this iteration's --save-activations-interval / --save-dgrads-interval,
     or None when neither is due."""
-    activations = due(getattr(args, "save_activations_interval", None), iteration)
-    dgrads = due(getattr(args, "save_dgrads_interval", None), iteration)
+    activations = due(args.save_activations_interval, iteration)
+    dgrads = due(args.save_dgrads_interval, iteration)
     return ActivationHooks(model, activations, dgrads) if activations or dgrads else None
 
 

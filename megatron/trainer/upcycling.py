@@ -24,11 +24,11 @@ from megatron.trainer.model import tanh_gelu
 
 def upcycle(args, model, optimizer, scheduler, build_model, model_provider, config_of):
     """Fill ``model`` (the MoE run's chunks) from the dense checkpoint in --load and save
-    it into --save as iteration 1. Returns (iteration, consumed samples): (1, 0), where
-    Megatron-LM's training goes on. Collective."""
+    it into --save as iteration 1 (``refuse_a_second_conversion`` has run, before --save
+    was claimed). Returns (iteration, consumed samples): (1, 0), where Megatron-LM's
+    training goes on. Collective."""
     from megatron.core.transformer.moe import upcycling_utils
 
-    refuse_a_second_conversion(args)
     dense_args = dense_model_args(args)
     dense_model = build_model(dense_args, config_of(dense_args), model_provider)
     checkpointing.load_checkpoint(dense_args, dense_model, None, scheduler)
@@ -73,8 +73,7 @@ def dense_model_args(args):
     dense.num_experts = None
     dense.expert_model_parallel_size = 1
     dense.ffn_hidden_size = args.moe_ffn_hidden_size * args.moe_upcycling_granularity
-    dense.finetune = True  # the weights only
-    dense.no_load_optim = dense.no_load_rng = True
+    dense.finetune = True  # the weights only (--no-load-optim/-rng: set by the flag checks)
     return dense
 
 
