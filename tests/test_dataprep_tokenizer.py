@@ -186,7 +186,7 @@ def test_tokenizer_type_names():
 
     assert TOKENIZER_TYPES == ("GPT2BPETokenizer", "HuggingFaceTokenizer",
                                "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                               "Llama2Tokenizer", "NullTokenizer")
+                               "Llama2Tokenizer", "NullTokenizer", "SFTTokenizer")
     theirs = megatron_lm_choices("--tokenizer-type")
     if theirs is not None:  # megatron-core 0.19 ships Megatron-LM's parser
         assert set(theirs) == set(TOKENIZER_TYPES) | set(REFUSED_TOKENIZER_TYPES)

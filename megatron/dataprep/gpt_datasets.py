@@ -18,13 +18,17 @@ class DataPathError(ValueError):
     """`--data-path` (or a flag beside it) does not describe usable data."""
 
 
-def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
-                    ) -> Tuple[List[str], Optional[List[float]]]:
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path",
+                    conversations: bool = False) -> Tuple[List[str], Optional[List[float]]]:
     """(prefixes, weights or None). Weights must be all given or all omitted. `flag` is the
-    option the list came from, named in the errors. Each prefix's files are checked."""
+    option the list came from, named in the errors. Each prefix's files are checked; with
+    `conversations` (--sft) each "prefix" is a JSON-lines conversation file."""
     prefixes, weights = blend_of(data_path, flag)
     for prefix in prefixes:
-        _check_prefix(prefix, flag)
+        if conversations:
+            _check_conversation_file(prefix, flag)
+        else:
+            _check_prefix(prefix, flag)
     return prefixes, weights
 
 
@@ -69,6 +73,14 @@ def _check_prefix(prefix: str, flag: str) -> None:
                             f"the .bin/.idx pair written by tools/preprocess_data.py, e.g. "
                             f"data/corpus_content_document)")
     _check_pair(prefix, flag)
+
+
+def _check_conversation_file(path: str, flag: str) -> None:
+    if not os.path.isfile(path):
+        hint = (" (a .bin/.idx prefix: --sft reads JSON-lines conversations, not "
+                "preprocessed data)" if os.path.isfile(path + ".idx") else "")
+        raise DataPathError(f"{flag}: {path} not found{hint}; with --sft each path names a "
+                            f"JSON-lines file of {{\"messages\": [...]}} records")
 
 
 # megatron-core's IndexedDataset index (.idx), version 1: a 34-byte header (magic, version,
@@ -163,10 +175,12 @@ def _blocks(count: int) -> Iterator[Tuple[int, int]]:
 
 
 def check_splits(prefixes: Sequence[str], split: str,
-                 used: Sequence[str] = ("train", "valid", "test")) -> None:
+                 used: Sequence[str] = ("train", "valid", "test"),
+                 conversations: bool = False) -> None:
     """Refuse a split that gets no sequence of some prefix: megatron-core 0.16.1's
     GPTDataset loops forever on an empty split instead of failing. Only the parts in
-    `used` are checked (the others are not built)."""
+    `used` are checked (the others are not built). With `conversations` (--sft) the
+    prefixes are conversation files, split by record."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -183,7 +197,13 @@ def check_splits(prefixes: Sequence[str], split: str,
         raise DataPathError(f"--split: {split!r} is not like '949,50,1' (train,valid,test "
                             f"weights, at least one positive)") from None
     for prefix in prefixes:
-        count = IndexedDataset(prefix).sequence_lengths.shape[0]
+        if conversations:
+            from megatron.dataprep.sft_dataset import count_records
+
+            count = count_records(prefix)
+        else:
+            count = IndexedDataset(prefix).sequence_lengths.shape[0]
+        unit = "records" if conversations else "sequences"
         for part, bookends in zip(Split, matrix):
             if bookends is None or part.name not in used:
                 continue
@@ -191,7 +211,7 @@ def check_splits(prefixes: Sequence[str], split: str,
             if end <= begin:
                 raise DataPathError(
                     f"--split: {split!r} leaves the {part.name} split of {prefix} empty (it has "
-                    f"{count} sequences); give {part.name} a 0 share or use more data")
+                    f"{count} {unit}); give {part.name} a 0 share or use more data")
 
 
 def smaller_than_a_sample(prefixes: Sequence[str], split: str, seq_length: int,
@@ -243,6 +263,8 @@ def build_gpt_datasets(
     allow_ambiguous_pad_tokens: bool = False,
     sample_documents: bool = False,
     fim=None,
+    sft: bool = False,
+    context_parallel_size: int = 1,
 ):
     """(train, valid, test) GPTDatasets (None for a split with no share in `split`).
 
@@ -256,6 +278,9 @@ def build_gpt_datasets(
     from the documents it was packed from (Megatron-LM's --dataloader-inter-document-masking,
     megatron.dataprep.sample_documents).
     fim (a megatron.dataprep.fim.FimSettings): fill-in-the-middle samples (--fim-data).
+    sft=True: the paths are JSON-lines conversation files, packed into samples by the
+    SFTTokenizer `tokenizer` (--sft, megatron.dataprep.sft_dataset); context_parallel_size
+    sets its padding granule.
     mock=True ignores data_path and builds megatron-core's MockGPTDataset. Under
     torch.distributed every rank must call this (the builder synchronises); pass
     is_built_on_rank to build on some ranks only (default: all).
@@ -274,15 +299,15 @@ def build_gpt_datasets(
     if data_path_per_split is not None:
         # a part nobody reads (0 samples) is not built, as below
         blend_per_split = [
-            parse_data_path(path, f"--{part.name}-data-path")
+            parse_data_path(path, f"--{part.name}-data-path", conversations=sft)
             if path and part.name in used else None
             for part, path in zip(Split, data_path_per_split)]
         split = None  # megatron-core: each part's blend is read whole
         if not any(blend_per_split):  # nothing read (--train-iters 0): megatron-core would
             return None, None, None   # take the missing blends for mock data
     elif not mock:
-        blend = parse_data_path(data_path)
-        check_splits(blend[0], split, used)
+        blend = parse_data_path(data_path, conversations=sft)
+        check_splits(blend[0], split, used, conversations=sft)
     blended = [b for b in [blend] + (blend_per_split or []) if b is not None]
     if any(len(b[0]) > 1 for b in blended) and not torch.distributed.is_initialized():
         # megatron-core 0.16.1's BlendedDataset asks torch.distributed for the rank whenever
@@ -307,12 +332,17 @@ def build_gpt_datasets(
         mid_level_dataset_surplus=mid_level_dataset_surplus,
         allow_ambiguous_pad_tokens=allow_ambiguous_pad_tokens,
         full_validation=train_valid_test_num_samples[1] is None,
+        context_parallel_size=context_parallel_size,
     )
     if blend_per_split is None:
         # a part nobody reads (0 samples) is not built: an empty one would never finish
         config.split_matrix = [bookends if part.name in used else None
                                for part, bookends in zip(Split, config.split_matrix)]
     dataset_class = MockGPTDataset if mock else GPTDataset
+    if sft:
+        from megatron.dataprep.sft_dataset import SFTDataset
+
+        dataset_class = SFTDataset
     if sample_documents:
         from megatron.dataprep.sample_documents import with_sample_documents
 

@@ -4,7 +4,8 @@ Kept apart so those light modules need not import megatron-core (seconds on a CP
 """
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer")
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer",
+                   "SFTTokenizer")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 # Megatron-LM's other --tokenizer-type values: why each is not built here
 _NOT_GPT = ("build no GPT vocabulary here; use GPT2BPETokenizer, HuggingFaceTokenizer or a "
@@ -16,6 +17,7 @@ REFUSED_TOKENIZER_TYPES = {
                      "vocabulary as a Hugging Face tokenizer.json (HuggingFaceTokenizer)"),
     "MultimodalTokenizer": "multimodal models are not built here (GPT only)",
     "NullMultimodalTokenizer": "multimodal models are not built here (GPT only)",
-    "SFTTokenizer": "supervised fine-tuning (--sft) is not part of this trainer; use Megatron-LM",
 }
 GPT2_EOD_TOKEN = "<|endoftext|>"
+# SFTTokenizer's --sft-tokenizer-prompt-format values (megatron/dataprep/sft_tokenizer.py)
+SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default); another needs nltk's punkt_tab data for it installed")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True,
-                   help=f"one of {', '.join(TOKENIZER_TYPES)}")
+                   help=f"one of {', '.join(t for t in TOKENIZER_TYPES if t != 'SFTTokenizer')}")
     g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     g.add_argument("--tokenizer-model", help="HF tokenizer.json or its directory")
@@ -112,6 +112,10 @@ def check_args(args):
     if args.tokenizer_type in REFUSED_TOKENIZER_TYPES:
         raise UsageError(f"--tokenizer-type {args.tokenizer_type} is refused: "
                          f"{REFUSED_TOKENIZER_TYPES[args.tokenizer_type]}")
+    if args.tokenizer_type == "SFTTokenizer":
+        raise UsageError("--tokenizer-type SFTTokenizer: SFT data is not preprocessed; the "
+                         "trainer's --sft reads the JSON-lines conversation files themselves "
+                         "(--data-path chat.jsonl)")
     if args.tokenizer_type not in TOKENIZER_TYPES:
         raise UsageError(f"--tokenizer-type: unknown {args.tokenizer_type!r}; choose one of "
                          f"{', '.join(TOKENIZER_TYPES)}")

@@ -28,6 +28,7 @@ from megatron.dataprep.names import (
     TOKENIZER_TYPES,
 )
 from megatron.trainer.fim_arguments import add_fim_arguments, check_fim_args
+from megatron.trainer.sft_arguments import add_sft_arguments, check_sft_args
 from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_rope_scaling_args
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args, router_losses_on
@@ -492,6 +493,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                         "reads the boundaries from EOD tokens")
     g.add_argument("--eod-mask-loss", action="store_true")
     add_fim_arguments(g)
+    add_sft_arguments(g)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=100)
@@ -780,6 +782,8 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: problems.extend(check_validation_args(args)),
         lambda: problems.extend(check_fim_args(
             args, (lambda: tokenizer_of(args)) if check_files else None)),
+        lambda: problems.extend(check_sft_args(
+            args, (lambda: tokenizer_of(args)) if check_files else None)),
         lambda: _check_per_token_router_losses(args),
     )
     for check in checks:
@@ -803,7 +807,8 @@ def tokenizer_of(args):
 
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                           vocab_size=args.vocab_size)
+                           vocab_size=args.vocab_size,
+                           sft_prompt_format=args.sft_tokenizer_prompt_format)
 
 
 def _apply_checkpoint_args(args, check_files):
@@ -885,9 +890,10 @@ def _check_megatron_compat(args, cuda_available):
     Megatron-LM flags whose values this trainer cannot honour."""
     problems = []
     args.flag_notes = []
-    if args.dataloader_inter_document_masking:
+    if args.dataloader_inter_document_masking or args.sft:
         # the document attention of --reset-attention-mask, with the boundaries (and
-        # positions) of the samples' packing (megatron.dataprep.sample_documents)
+        # positions) of the samples' packing (megatron.dataprep.sample_documents) or of
+        # the conversations (megatron.dataprep.sft_dataset)
         args.reset_attention_mask = True
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
@@ -1482,8 +1488,8 @@ def _check_data_flags(args, check_files):
                                        "--tokenizer-model (a .model file)")
         _require(not check_files or os.path.isfile(args.tokenizer_model),
                  f"--tokenizer-model {args.tokenizer_model}: no such file")
-    if args.tokenizer_type == "HuggingFaceTokenizer":
-        _require(args.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs "
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "SFTTokenizer"):
+        _require(args.tokenizer_model, f"--tokenizer-type {args.tokenizer_type} needs "
                                        "--tokenizer-model (a tokenizer.json file or directory)")
         _require(not check_files or os.path.exists(args.tokenizer_model),
                  f"--tokenizer-model {args.tokenizer_model}: no such file or directory "
@@ -1491,10 +1497,10 @@ def _check_data_flags(args, check_files):
     if args.data_path and check_files:
         args.flag_notes = getattr(args, "flag_notes", []) + _check_data(args.data_path, args.split,
                                        ["train"] + (["valid"] if validates(args) else []),
-                                       args.seq_length)
+                                       args.seq_length, args.sft)
     if args.data_path_per_split is not None and check_files:
         args.flag_notes = getattr(args, "flag_notes", []) + _check_data_per_split(
-            args.data_path_per_split, args.seq_length)
+            args.data_path_per_split, args.seq_length, args.sft)
 
 
 def _take_data_sources(args, check_files):
@@ -1845,9 +1851,10 @@ def _validate_virtual_pipeline(args):
         raise ArgumentError(str(err))
 
 
-def _check_data_per_split(per_split, seq_length):
+def _check_data_per_split(per_split, seq_length, conversations=False):
     """Each part's blend as megatron-core will read it (whole), before any process group
-    (also a part no evaluation reads: a wrong path is a mistake either way)."""
+    (also a part no evaluation reads: a wrong path is a mistake either way).
+    ``conversations``: --sft's JSON-lines files."""
     from megatron.dataprep.gpt_datasets import (DataPathError, parse_data_path,
                                                 smaller_than_a_sample)
 
@@ -1857,26 +1864,29 @@ def _check_data_per_split(per_split, seq_length):
             continue
         flag = f"--{part}-data-path"
         try:
-            prefixes, _ = parse_data_path(path, flag)
+            prefixes, _ = parse_data_path(path, flag, conversations)
         except DataPathError as error:
             raise ArgumentError(str(error)) from None
-        if part == "train":
+        if part == "train" and not conversations:
             notes += smaller_than_a_sample(prefixes, "1,0,0", seq_length, flag)
     return notes
 
 
-def _check_data(data_path, split, used, seq_length=None):
+def _check_data(data_path, split, used, seq_length=None, conversations=False):
     """The data files and the split, as the dataset builder will read them, checked
-    before any process group exists (its errors name the flag)."""
+    before any process group exists (its errors name the flag). ``conversations``:
+    --sft's JSON-lines files (each record a sample: none is smaller than one)."""
     from megatron.dataprep.gpt_datasets import (DataPathError, check_splits, parse_data_path,
                                                 smaller_than_a_sample)
 
     try:
-        prefixes, _ = parse_data_path(data_path)
-        check_splits(prefixes, split, used)
+        prefixes, _ = parse_data_path(data_path, conversations=conversations)
+        check_splits(prefixes, split, used, conversations)
     except DataPathError as error:
         raise ArgumentError(str(error)) from None
-    return smaller_than_a_sample(prefixes, split, seq_length) if seq_length else []
+    if conversations or not seq_length:
+        return []
+    return smaller_than_a_sample(prefixes, split, seq_length)
 
 
 def _validate_seq1f1b(args):

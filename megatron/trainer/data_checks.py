@@ -21,8 +21,8 @@ def check_token_ids(args, vocab_size, padded_vocab_size):
         ("--train-data-path", "--valid-data-path", "--test-data-path"),
         args.data_path_per_split or []))
     lists = [(flag, path) for flag, path in lists if path]
-    if args.mock_data or not lists:
-        return
+    if args.mock_data or args.sft or not lists:
+        return  # --sft: the tokenizer makes the ids, from its own vocabulary
     found = [None]
     if torch.distributed.get_rank() == 0:
         from megatron.dataprep.gpt_datasets import parse_data_path

@@ -44,22 +44,25 @@ def datasets_provider(args):
                    else 0]
     # --dataloader-inter-document-masking: documents and positions from the samples'
     # packing (sample_documents), not from end-of-document tokens
-    by_packing = args.dataloader_inter_document_masking
+    by_packing = args.dataloader_inter_document_masking and not args.sft
+    # documents from the samples themselves (packing or conversations), not from EOD tokens
+    documents_given = by_packing or args.sft
     train, valid, test = build_gpt_datasets(
         data_path=args.data_path, data_path_per_split=args.data_path_per_split,
         split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
         data_cache_path=args.data_cache_path,
-        reset_position_ids=args.reset_position_ids and not by_packing,
-        reset_attention_mask=args.reset_attention_mask and not by_packing,
+        reset_position_ids=args.reset_position_ids and not documents_given,
+        reset_attention_mask=args.reset_attention_mask and not documents_given,
         eod_mask_loss=args.eod_mask_loss, sample_documents=by_packing,
         mock=args.mock_data, mmap_bin_files=args.mmap_bin_files,
         create_attention_mask=False,  # the kernels mask causally
         multiple_validation_sets=args.multiple_validation_sets,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
-        fim=fim_settings(args, tokenizer) if args.fim_data else None)
-    if args.reset_attention_mask and not by_packing:  # per-token document ids, O(L) a row
+        fim=fim_settings(args, tokenizer) if args.fim_data else None,
+        sft=args.sft, context_parallel_size=args.context_parallel_size)
+    if args.reset_attention_mask and not documents_given:  # per-token document ids, O(L) a row
         def with_ids(ds):
             return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
 
@@ -86,7 +89,8 @@ def _has_test_split(args):
     if args.mock_data:
         return True
     try:
-        check_splits(parse_data_path(args.data_path)[0], args.split, ["test"])
+        check_splits(parse_data_path(args.data_path, conversations=args.sft)[0], args.split,
+                     ["test"], conversations=args.sft)
     except DataPathError:
         return False
     return True

@@ -325,8 +325,6 @@ for _reason, _flags in (
      "--overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params"),
     ("RL training is not part of this trainer (GPT pretraining only); use Megatron-LM",
      "--rl- --no-rl- --grpo- --langrl-env-config --perform-rl-step --refit-method"),
-    ("supervised fine-tuning datasets are not built here; use Megatron-LM", "--sft"
-     " --sft-tokenizer-prompt-format"),
     ("knowledge distillation from saved logits is not supported here", "--logits-"),
     ("fault-tolerance and restart packages (nvidia-resiliency-ext, ADLR autoresume) are "
      "not used here; use --exit-signal-handler and --exit-duration-in-mins with a "

@@ -179,16 +179,26 @@ def build_optimizer(args, model):
     return optimizer, scheduler
 
 
-def reduce_losses(losses_reduced):
+def reduce_losses(losses_reduced, per_microbatch=False):
     """Sum each key's (loss sum, token count) over microbatches and data-parallel ranks
-    (and the context-parallel ranks, each of which holds a part of every sequence)."""
+    (and the context-parallel ranks, each of which holds a part of every sequence).
+    ``per_microbatch`` (--sft's validation, as Megatron-LM): the mean over microbatches
+    and data-parallel ranks of each microbatch's own token average (a microbatch's
+    context-parallel parts summed first)."""
     out = {}
     if not losses_reduced:
         return out
     for key in losses_reduced[0]:
-        values = torch.stack([x[key].view(-1).float() for x in losses_reduced]).sum(dim=0)
-        torch.distributed.all_reduce(
-            values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        values = torch.stack([x[key].view(-1).float() for x in losses_reduced])
+        if per_microbatch:
+            torch.distributed.all_reduce(values, group=parallel_state.get_context_parallel_group())
+            averages = values[:, 0] / values[:, 1].clamp(min=1)
+            values = torch.stack([averages.sum(), averages.new_tensor(float(len(averages)))])
+            torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        else:
+            values = values.sum(dim=0)
+            torch.distributed.all_reduce(
+                values, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         out[key] = (values[0] / values[1].clamp(min=1)).item()
     return out
 
@@ -316,7 +326,9 @@ def evaluate(args, forward_step_func, data_set, model, forward_backward_func,
                 monitor.empty_unused_memory(level=1)
     for chunk in model:
         chunk.train()
-    return reduce_losses(totals) if parallel_state.is_pipeline_last_stage() else {}
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    return reduce_losses(totals, per_microbatch=args.sft)
 
 
 @dataclass
