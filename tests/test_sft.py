@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer
 
 from distributed import TINY_MODEL, assert_close_series, init_run, run_configs
 from megatron.dataprep.sft_dataset import (ConversationFile, ConversationFileError,
@@ -211,11 +211,12 @@ def test_a_bad_line_is_named_before_training(tmp_path, line, message):
         ConversationFile(path)
 
 
-def test_records_are_read_by_line_and_blank_lines_counted(tmp_path):
+def test_records_are_read_by_line_and_blank_lines_counted(tmp_path, capsys):
     other = _messages(("user", "u"), ("assistant", "a"))
     path = write_jsonl(tmp_path / "chat.jsonl", [b"", GOOD, b"  ", other])
     records = ConversationFile(path)
     assert (len(records), records.blank_lines) == (2, 2)
+    assert f"note: --sft: {path}: 2 blank line(s) skipped" in capsys.readouterr().out
     assert records[1] == other["messages"] and records[0] == GOOD["messages"]
     assert [records.line_of(0), records.line_of(1)] == [2, 4]
 
@@ -376,3 +377,39 @@ def test_split_and_parallel_sft_runs_equal_one_process(tmp_path, tokenizer_dir, 
         assert_close_series(runs[name]["validation_losses"], one["validation_losses"], 1e-5,
                             name)
         assert_close_series(runs[name]["grad_norms"], one["grad_norms"], 1e-4, name)
+
+
+def _merging_tokenizer(directory):
+    """Characters, plus one merge ("\\n" + "p") that crosses the boundary between a
+    nemotron user turn (ending "Assistant\\n") and an assistant turn starting with p."""
+    from tokenizers import models
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,\n()_"))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["\np"] = len(vocab)
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=[("\n", "p")]))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in SPECIALS + ["<eos>"]])
+    hf.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return str(directory)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_record_that_cannot_be_masked_by_turn_stops_the_run_naming_it(tmp_path, workers):
+    from distributed import pretrain
+
+    tokenizer = _merging_tokenizer(tmp_path)
+    fine = _messages(("user", "hi"), ("assistant", "x"))
+    chat = write_jsonl(tmp_path / "chat.jsonl", [fine] * 3 + [
+        _messages(("user", "hi"), ("assistant", "print"))] + [fine] * 4)
+    run = pretrain(_sft_model(tokenizer, chat, "--num-workers", workers, "--train-iters", "3",
+                              "--global-batch-size", "2", seq_length=32))
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {chat} line 4: turn 0 (user) tokenizes differently alone than "
+                      "inside its conversation (the tokenizer merges across the turn "
+                      "boundary), so its tokens cannot be masked by turn"], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert " iteration        1/       3 " in run.stdout  # the record is sample 3

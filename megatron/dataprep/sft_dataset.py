@@ -93,6 +93,8 @@ class ConversationFile:
                 offset += len(line)
         if not starts:
             raise ConversationFileError(f"--data-path: {path} holds no conversation")
+        if self.blank_lines and _global_rank() == 0:
+            print(f"note: --sft: {path}: {self.blank_lines} blank line(s) skipped", flush=True)
         self.starts = numpy.asarray(starts, dtype=numpy.int64)
         self.lengths = numpy.asarray(lengths, dtype=numpy.int64)
         self.line_numbers = None  # computed when an error needs one

@@ -310,21 +310,12 @@ def build_tokenizer(
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
     include_special_tokens: bool = True,
-    sft_prompt_format: str = "nemotron-h-aligned",
 ):
-    """Build one of TOKENIZER_TYPES; raises TokenizerError naming the flag to fix.
+    """Build one of TOKENIZER_TYPES but SFTTokenizer (built with its prompt format by
+    megatron.dataprep.sft_tokenizer); raises TokenizerError naming the flag to fix.
     ``include_special_tokens=False`` (--tokenizer-hf-no-include-special-tokens): HF
-    tokenizers encode without their special tokens. ``sft_prompt_format``: the
-    SFTTokenizer's --sft-tokenizer-prompt-format."""
-    if tokenizer_type == "SFTTokenizer":
-        from megatron.dataprep.sft_tokenizer import SFTTokenizer
-
-        if not tokenizer_model:
-            raise TokenizerError("--tokenizer-model: SFTTokenizer needs a Hugging Face "
-                                 "tokenizer directory (tokenizer.json, tokenizer_config.json)")
-        tokenizer = SFTTokenizer(tokenizer_model, sft_prompt_format)
-    else:
-        tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
+    tokenizers encode without their special tokens."""
+    tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
     if isinstance(tokenizer, _HFTokenizer):
         tokenizer._add_special = include_special_tokens
     return tokenizer
@@ -355,6 +346,9 @@ def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size):
                "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
                "Llama2Tokenizer": Llama2Tokenizer}[tokenizer_type]
         return cls(tokenizer_model)
+    if tokenizer_type == "SFTTokenizer":
+        raise TokenizerError("--tokenizer-type SFTTokenizer is built with its prompt format: "
+                             "megatron.dataprep.sft_tokenizer.SFTTokenizer")
     raise TokenizerError(
         f"--tokenizer-type: unknown {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
     )

@@ -805,10 +805,13 @@ def tokenizer_of(args):
     """The tokenizer of the run's flags (raises TokenizerError, a ValueError)."""
     from megatron.dataprep.tokenizer import build_tokenizer
 
+    if args.tokenizer_type == "SFTTokenizer":
+        from megatron.dataprep.sft_tokenizer import SFTTokenizer
+
+        return SFTTokenizer(args.tokenizer_model, args.sft_tokenizer_prompt_format)
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                           vocab_size=args.vocab_size,
-                           sft_prompt_format=args.sft_tokenizer_prompt_format)
+                           vocab_size=args.vocab_size)
 
 
 def _apply_checkpoint_args(args, check_files):

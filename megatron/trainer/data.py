@@ -74,9 +74,14 @@ class MicrobatchIterator:
         return self
 
     def close(self):
-        """End the DataLoader's worker processes (dropping the only reference to its
-        iterator shuts them down); the workers ignore SIGTERM, so nothing else would."""
-        self.loader = None
+        """End the DataLoader's worker processes; the workers ignore SIGTERM, so nothing
+        else would. Shut down explicitly: dropping this reference is not enough while an
+        exception's traceback (a sample that failed in a worker) still holds the loader,
+        and at exit multiprocessing would wait forever for the workers it signalled."""
+        loader, self.loader = self.loader, None
+        shutdown = getattr(loader, "_shutdown_workers", None)  # torch's multi-worker loader
+        if shutdown is not None:
+            shutdown()
 
     def next_indices(self):
         """The sample indices of this rank's next microbatch."""

@@ -27,6 +27,7 @@ import torch
 
 from megatron.core import parallel_state
 
+from megatron.dataprep.sft_dataset import ConversationFileError
 from megatron.trainer import async_save, device
 from megatron.trainer.agreed_stop import AgreedStop, stop_every_rank
 from megatron.trainer.rerun import RerunStop
@@ -255,6 +256,12 @@ def stops_cleanly(args, progress, guard=None):
         stop_every_rank(f"error: {stop} {_latest_checkpoint(args)}", stop.code)
     except Interrupted as interrupt:
         _interrupted(args, progress, interrupt.signum)
+    except ConversationFileError as error:  # --sft: a record read on this rank failed
+        # (a DataLoader worker's error comes with its traceback: its last line says it)
+        line = str(error).strip().splitlines()[-1]
+        print(f"error: {line.split('ConversationFileError: ')[-1]}", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors
         if stop_signals is not None and stop_signals.settle():
             # a peer stopping on the same signal closed its connections first

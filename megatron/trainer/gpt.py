@@ -27,10 +27,10 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 def datasets_provider(args):
     """(train, validation, test, tokenizer): megatron-core GPT datasets over --data-path, or
     mock; test is None where --split gives it nothing."""
-    from megatron.dataprep.gpt_datasets import build_gpt_datasets
+    from megatron.dataprep.sft_dataset import ConversationFileError
+    from megatron.trainer.agreed_stop import AgreedStop
     from megatron.trainer.arguments import tokenizer_of
     from megatron.trainer.evaluation_schedule import evaluations_through
-    from megatron.trainer.fim_arguments import fim_settings
 
     tokenizer = tokenizer_of(args)
     # the periodic evaluations and the one after training
@@ -47,7 +47,25 @@ def datasets_provider(args):
     by_packing = args.dataloader_inter_document_masking and not args.sft
     # documents from the samples themselves (packing or conversations), not from EOD tokens
     documents_given = by_packing or args.sft
-    train, valid, test = build_gpt_datasets(
+    try:
+        train, valid, test = _build_datasets(args, tokenizer, num_samples, by_packing,
+                                             documents_given)
+    except ConversationFileError as error:  # every rank reads the same files: all stop
+        raise AgreedStop(str(error), code=2) from None
+    if args.reset_attention_mask and not documents_given:  # per-token document ids, O(L) a row
+        def with_ids(ds):
+            return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
+
+        train, test = with_ids(train), with_ids(test)
+        valid = [with_ids(ds) for ds in valid] if isinstance(valid, list) else with_ids(valid)
+    return train, valid, test, tokenizer
+
+
+def _build_datasets(args, tokenizer, num_samples, by_packing, documents_given):
+    from megatron.dataprep.gpt_datasets import build_gpt_datasets
+    from megatron.trainer.fim_arguments import fim_settings
+
+    return build_gpt_datasets(
         data_path=args.data_path, data_path_per_split=args.data_path_per_split,
         split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=tokenizer, train_valid_test_num_samples=num_samples,
@@ -62,13 +80,6 @@ def datasets_provider(args):
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
         fim=fim_settings(args, tokenizer) if args.fim_data else None,
         sft=args.sft, context_parallel_size=args.context_parallel_size)
-    if args.reset_attention_mask and not documents_given:  # per-token document ids, O(L) a row
-        def with_ids(ds):
-            return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
-
-        train, test = with_ids(train), with_ids(test)
-        valid = [with_ids(ds) for ds in valid] if isinstance(valid, list) else with_ids(valid)
-    return train, valid, test, tokenizer
 
 
 def _has_test_split(args):
