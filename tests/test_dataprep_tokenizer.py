@@ -145,6 +145,23 @@ def test_huggingface_tokenizer_file_without_config_finds_endoftext(tmp_path, gpt
     assert tok.tokenize("hello") == build_tokenizer("GPT2BPETokenizer", *gpt2_files).tokenize("hello")
 
 
+def test_huggingface_tokenizer_makes_the_configs_special_tokens_whole(tmp_path, gpt2_files):
+    """As transformers loads a tokenizer (Megatron-LM's HuggingFaceTokenizer): the special
+    tokens tokenizer_config.json names are whole tokens in any text, also where
+    tokenizer.json has them as ordinary vocabulary entries; one it lacks is appended."""
+    _gpt2_tokenizer_json(tmp_path, gpt2_files)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|endoftext|>"}, "unk_token": "<unk>",
+         "additional_special_tokens": ["<tool>"]}))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    gpt2 = build_tokenizer("GPT2BPETokenizer", *gpt2_files)
+    assert tok.eod == gpt2.eod == 299 and tok.vocab_size == 302
+    assert tok.tokenize("a <|endoftext|> b") == (gpt2.tokenize("a ") + [299]
+                                                 + gpt2.tokenize(" b"))
+    assert tok.tokenize("<unk><tool>") == [300, 301]
+    assert gpt2.eod not in gpt2.tokenize("a <|endoftext|> b")  # GPT-2's files: bytes
+
+
 def _gpt2_tokenizer_json(directory, gpt2_files):
     path = str(directory / "tokenizer.json")
     build_tokenizer("GPT2BPETokenizer", *gpt2_files)._hf.save(path)

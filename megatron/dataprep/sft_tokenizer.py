@@ -109,12 +109,9 @@ class SFTTokenizer(HuggingFaceTokenizer):
         self._identity["prompt_format"] = prompt_format
         self.prompt_format = prompt_format
         self._format = FORMATS[prompt_format]
-        config = _full_tokenizer_config(os.path.dirname(self.path))
-        self._special_tokens = _special_token_texts(config)
-        self._register_special_tokens()
         self._template = None
         if self._format.render_message is None:
-            source = _chat_template_of(config)
+            source = _chat_template_of(self.tokenizer_config)
             if source is None:
                 raise TokenizerError(
                     f"--sft-tokenizer-prompt-format default uses the tokenizer's chat template, "
@@ -124,23 +121,10 @@ class SFTTokenizer(HuggingFaceTokenizer):
             self._template = compile_chat_template(source)
         self._sft_pad = self._pad_id_of_format()
 
-    def _register_special_tokens(self):
-        """The special tokens tokenizer_config.json names (eos_token, ...) become whole
-        tokens in any text, as transformers makes them on loading: a template writing
-        ``eos_token`` then gives its id even where tokenizer.json lists it as an ordinary
-        vocabulary entry (a token it lacks is appended, as transformers appends it)."""
-        from tokenizers import AddedToken
-
-        texts = [t for name, t in self._special_tokens.items()
-                 if name != "additional_special_tokens"]
-        texts += self._special_tokens.get("additional_special_tokens", [])
-        self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                     for t in texts if t])
-
     def _pad_id_of_format(self) -> int:
         token = self._format.pad_token
         if token is None:  # the pad token tokenizer_config.json names, else its EOS
-            named = [self._hf.token_to_id(self._special_tokens.get(name) or "")
+            named = [self._hf.token_to_id(self.special_tokens.get(name) or "")
                      for name in ("pad_token", "eos_token")]
             pad = next((i for i in named if i is not None), None)
             if pad is None:
@@ -164,7 +148,7 @@ class SFTTokenizer(HuggingFaceTokenizer):
         """The text of ``messages`` in this prompt format (no generation prompt)."""
         if self._template is not None:
             return self._template.render(messages=list(messages), add_generation_prompt=False,
-                                         **self._special_tokens)
+                                         **self.special_tokens)
         return "".join(self._format.render_message(m) for m in messages)
 
     def _encode(self, text: str) -> numpy.ndarray:
@@ -198,32 +182,6 @@ class SFTTokenizer(HuggingFaceTokenizer):
             raise ConversationError(f"the turns cover {at} of the conversation's {len(tokens)} "
                                     f"tokens, so they cannot be masked by turn")
         return tokens, targets
-
-
-def _full_tokenizer_config(directory: str) -> dict:
-    try:
-        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def _special_token_texts(config: dict) -> dict:
-    """The special tokens a chat template may name (bos_token, eos_token, ...), as texts."""
-    names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-             "mask_token")
-    out = {}
-    for name in names:
-        value = config.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            out[name] = value
-    extra = config.get("additional_special_tokens")
-    if isinstance(extra, list):
-        out["additional_special_tokens"] = [t.get("content") if isinstance(t, dict) else t
-                                            for t in extra]
-    return out
 
 
 def _chat_template_of(config: dict) -> Optional[str]:

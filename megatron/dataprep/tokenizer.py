@@ -171,9 +171,12 @@ class HuggingFaceTokenizer(_HFTokenizer):
         except Exception as exc:
             raise TokenizerError(f"--tokenizer-model: cannot load {path}: {exc}") from exc
         config = _read_tokenizer_config(os.path.dirname(path))
-        eod = _special_id(hf, config.get("eos_token"), _EOD_CANDIDATES)
-        pad = _special_id(hf, config.get("pad_token"), _PAD_CANDIDATES)
+        special = special_token_texts(config)
+        _register_special_tokens(hf, special)
+        eod = _special_id(hf, special.get("eos_token"), _EOD_CANDIDATES)
+        pad = _special_id(hf, special.get("pad_token"), _PAD_CANDIDATES)
         super().__init__(hf, path, eod=eod, pad=pad)
+        self.tokenizer_config, self.special_tokens = config, special
 
 
 class SentencePieceTokenizer(_Tokenizer):
@@ -360,17 +363,43 @@ def _require_file(path: str, flag: str, what: str) -> None:
 
 
 def _read_tokenizer_config(directory: str) -> dict:
+    """tokenizer_config.json beside a tokenizer.json ({} where there is none)."""
     try:
         with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError):
         return {}
-    # Special tokens appear either as strings or as {"content": ...} objects.
-    return {
-        k: (v.get("content") if isinstance(v, dict) else v)
-        for k, v in config.items()
-        if k in ("eos_token", "pad_token")
-    }
+    return config if isinstance(config, dict) else {}
+
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                        "cls_token", "mask_token")
+
+
+def special_token_texts(config: dict) -> dict:
+    """The special tokens a tokenizer_config.json names (bos_token, eos_token, ...,
+    additional_special_tokens), as texts (they appear as strings or {"content": ...})."""
+    def text(value):
+        return value.get("content") if isinstance(value, dict) else value
+
+    out = {name: text(config[name]) for name in _SPECIAL_TOKEN_NAMES
+           if isinstance(text(config.get(name)), str)}
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        out["additional_special_tokens"] = [t for t in map(text, extra) if isinstance(t, str)]
+    return out
+
+
+def _register_special_tokens(hf, special: dict) -> None:
+    """The special tokens tokenizer_config.json names become whole tokens in any text, as
+    transformers (Megatron-LM's HuggingFaceTokenizer) makes them on loading, also where
+    tokenizer.json lists them as ordinary vocabulary entries; one it lacks is appended,
+    as transformers appends it."""
+    from tokenizers import AddedToken
+
+    texts = [t for name, t in special.items() if name != "additional_special_tokens"]
+    texts += special.get("additional_special_tokens", [])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in texts if t])
 
 
 def _special_id(hf, preferred: Optional[str], candidates: Sequence[str]) -> Optional[int]:
