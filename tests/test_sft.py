@@ -19,7 +19,7 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer
 
-from distributed import TINY_MODEL, assert_close_series, init_run, run_configs
+from distributed import TINY_MODEL, assert_close_series, init_run
 from megatron.dataprep.sft_dataset import (ConversationFile, ConversationFileError,
                                            pack_conversations)
 from megatron.dataprep.sft_tokenizer import IGNORE_INDEX, SFTTokenizer, conversations_of
@@ -350,26 +350,43 @@ def test_sft_validation_averages_each_microbatch(monkeypatch):
 
 # ---- training -----------------------------------------------------------------------------
 
-@pytest.mark.distributed
-def test_split_and_parallel_sft_runs_equal_one_process(tmp_path, tokenizer_dir, chat_file):
-    """pp 2 with Seq1F1B splits (both balance methods), dp 2, and cp 2 with splits: the
-    training losses and the validation losses (per microbatch) of one process."""
+def plan(tmp, corpus):
+    """The training runs, in the exactness suites' shared launches (tests/conftest.py):
+    one process, pp 2 with Seq1F1B splits (both balance methods), dp 2, and cp 2 with
+    splits, from one set of weights, validating at iteration 2."""
+    from distributed import Plan
+    from megatron.dataprep.train_bpe import train_gpt2_bpe
+    from test_dataprep_fixtures import TRAINING_TEXT
+
+    (tmp / "bpe").mkdir()
+    (tmp / "tokenizer").mkdir()
+    tokenizer = _tokenizer_dir(tmp / "tokenizer",
+                               train_gpt2_bpe(TRAINING_TEXT, 300, str(tmp / "bpe")))
+    chat = write_jsonl(tmp / "chat.jsonl", _chat_records())
+
     def model(*flags):
-        return _sft_model(tokenizer_dir, chat_file, "--split", "80,20,0", "--eval-iters", "2",
+        return _sft_model(tokenizer, chat, "--split", "80,20,0", "--eval-iters", "2",
                           "--eval-interval", "2", "--train-iters", "3",
                           "--position-embedding-type", "rope", *flags)
 
-    init, start = init_run("init", tmp_path / "init", model())
-    runs = run_configs(tmp_path, 1, [init, {"name": "one", "argv": model() + start}])
-    runs.update(run_configs(tmp_path, 2, [
-        {"name": "pp2_s4_average", "argv": model("--pipeline-model-parallel-size", "2",
-                                                 "--seq1f1b-splits", "4") + start},
-        {"name": "pp2_s3_uniform_comp", "argv": model(
-            "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "3",
-            "--seq1f1b-balance-method", "uniform_comp") + start},
-        {"name": "dp2", "argv": model() + start},
-        {"name": "cp2_s2", "argv": model("--context-parallel-size", "2",
-                                         "--seq1f1b-splits", "2") + start}]))
+    init, start = init_run("init", tmp / "init", model())
+    return Plan([init], {
+        1: [{"name": "one", "argv": model() + start}],
+        2: [{"name": "pp2_s4_average", "argv": model(
+                "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "4") + start},
+            {"name": "pp2_s3_uniform_comp", "argv": model(
+                "--pipeline-model-parallel-size", "2", "--seq1f1b-splits", "3",
+                "--seq1f1b-balance-method", "uniform_comp") + start},
+            {"name": "dp2", "argv": model() + start},
+            {"name": "cp2_s2", "argv": model("--context-parallel-size", "2",
+                                             "--seq1f1b-splits", "2") + start}]})
+
+
+@pytest.mark.distributed
+def test_split_and_parallel_sft_runs_equal_one_process(exactness_runs):
+    """The training losses, grad norms and validation losses (per microbatch) of every
+    layout in `plan` equal one process's."""
+    runs = exactness_runs[__name__]
     one = runs["one"]
     assert len(one["losses"]) == 3 and len(one["validation_losses"]) == 1
     for name in ("pp2_s4_average", "pp2_s3_uniform_comp", "dp2", "cp2_s2"):
