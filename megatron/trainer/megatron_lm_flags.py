@@ -176,6 +176,10 @@ for _reason, _flags in (
      "--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --trust-remote-code "
      # Megatron-LM 0.17's spellings of the defaults
      "--tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens"),
+    ("a chat template given to Megatron-LM's tokenizer is read only by its inference "
+     "(apply_chat_template); training reads token ids, and --sft writes conversations in "
+     "--sft-tokenizer-prompt-format (Megatron-LM's SFTTokenizer ignores it too)",
+     "--chat-template=V"),
     # the original Seq1F1B fork's (Megatron-LM of 2023) flags that Megatron-LM dropped
     ("gradients are reduced by megatron-core's DistributedDataParallel, with contiguous "
      "buffers", "--DDP-impl=V --no-contiguous-buffers-in-local-ddp"),
@@ -354,7 +358,7 @@ for _reason, _flags in (
      "--tiktoken-num-special-tokens --tiktoken-special-tokens --tokenizer-sentencepiece-legacy "
      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
-     "--null-tokenizer-eod-id --null-tokenizer-pad-id --chat-template"),
+     "--null-tokenizer-eod-id --null-tokenizer-pad-id"),
     ("evaluation here runs --eval-iters batches (of --eval-global-batch-size samples), or "
      "the whole validation set with --full-validation, every --eval-interval iterations; "
      "this evaluation option is not implemented", "--test-mode"),
