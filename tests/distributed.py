@@ -20,6 +20,22 @@ TINY_MODEL = [
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
     "--seed", "1234",
 ]
+# TINY_MODEL without its data and tokenizer (--mock-data, NullTokenizer, --vocab-size)
+TINY_MODEL_WITHOUT_DATA = TINY_MODEL[:TINY_MODEL.index("--mock-data")] + TINY_MODEL[
+    TINY_MODEL.index("--vocab-size") + 2:]
+
+
+def argument_problems(argv):
+    """(the trainer's flag problems, args or None) of a command line."""
+    from megatron.trainer.arguments import ArgumentErrors, parse_args
+
+    try:
+        args = parse_args(argv)
+    except ArgumentErrors as errors:
+        return errors.problems, None
+    return [], args
+
+
 # the second model family of the exactness suites: GQA (4 heads, 2 groups), RoPE,
 # SwiGLU, RMSNorm, untied embeddings (TINY_MODEL is MHA, learned positions, LayerNorm,
 # GeLU, tied)

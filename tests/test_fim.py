@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from distributed import TINY_MODEL, pretrain
+from distributed import TINY_MODEL, TINY_MODEL_WITHOUT_DATA, argument_problems, pretrain
 from megatron.dataprep.fim import FimSettings, fill_in_the_middle
 from megatron.dataprep.tokenizer import build_tokenizer
 from test_dataprep_fixtures import TRAINING_TEXT, gpt2_files  # noqa: F401
@@ -179,9 +179,7 @@ def _model(fim_corpus, *flags, tokenizer_flags=None):
     if tokenizer_flags is None:
         tokenizer_flags = ["--tokenizer-type", "HuggingFaceTokenizer",
                            "--tokenizer-model", tokenizer]
-    without_mock = TINY_MODEL[:TINY_MODEL.index("--mock-data")] + TINY_MODEL[
-        TINY_MODEL.index("--vocab-size") + 2:]
-    return (without_mock + tokenizer_flags + [
+    return (TINY_MODEL_WITHOUT_DATA + tokenizer_flags + [
         "--data-path", prefix, "--split", "100,0,0", "--global-batch-size", "2",
         "--micro-batch-size", "1", "--train-iters", "2"] + list(flags))
 
@@ -246,20 +244,10 @@ def test_rate_zero_reads_the_plain_samples(fim_corpus):
 
 # ---- the flags' checks ----------------------------------------------------------------------
 
-def _problems(argv):
-    from megatron.trainer.arguments import ArgumentErrors, parse_args
-
-    try:
-        args = parse_args(argv)
-    except ArgumentErrors as errors:
-        return errors.problems, None
-    return [], args
-
-
 def test_fim_flags_problems_name_the_flag(fim_corpus, gpt2_files):
     mock = TINY_MODEL + ["--global-batch-size", "2", "--fim-data", "--fim-rate", "1.5",
                          "--fim-split-sample", "|", "--dataloader-inter-document-masking"]
-    problems, _ = _problems(mock)
+    problems, _ = argument_problems(mock)
     assert "--fim-rate 1.5 is a probability: give a value in [0, 1]" in problems
     assert ("--fim-split-sample needs --fim-fragment-rate (the probability that each "
             "fragment is rearranged)") in problems
@@ -272,24 +260,24 @@ def test_fim_flags_problems_name_the_flag(fim_corpus, gpt2_files):
     vocab, merges = gpt2_files
     plain_gpt2 = _model(fim_corpus, tokenizer_flags=[
         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges])
-    problems, _ = _problems(plain_gpt2 + ["--fim-data"])
+    problems, _ = argument_problems(plain_gpt2 + ["--fim-data"])
     assert problems == [
         f"--fim-data: the tokenizer (--tokenizer-type GPT2BPETokenizer of {vocab}) has no "
         "--fim-prefix-token <fim_prefix>; no --fim-middle-token <fim_middle>; no "
         "--fim-suffix-token <fim_suffix>; no --fim-pad-token <fim_pad>: give the tokens your "
         "tokenizer has for them (e.g. --fim-prefix-token '<|fim_prefix|>'), or a tokenizer "
         "with FIM tokens"]
-    problems, _ = _problems(_model(fim_corpus, "--fim-data", "--fim-split-sample", "<sep>",
+    problems, _ = argument_problems(_model(fim_corpus, "--fim-data", "--fim-split-sample", "<sep>",
                                    "--fim-fragment-rate", "0.5"))
     assert len(problems) == 1 and "no --fim-split-sample <sep>:" in problems[0]
 
 
 def test_fim_flags_without_fim_data_are_noted(fim_corpus):
-    problems, args = _problems(_model(fim_corpus, "--fim-rate", "0.9", "--fim-no-prefix", "#"))
+    problems, args = argument_problems(_model(fim_corpus, "--fim-rate", "0.9", "--fim-no-prefix", "#"))
     assert problems == []
     assert ("note: --fim-rate, --fim-no-prefix have no effect without --fim-data (as in "
             "Megatron-LM)") in args.flag_notes
-    assert not any("fim" in note for note in _problems(_model(fim_corpus))[1].flag_notes)
+    assert not any("fim" in note for note in argument_problems(_model(fim_corpus))[1].flag_notes)
 
 
 @pytest.mark.distributed

@@ -19,7 +19,8 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer
 
-from distributed import TINY_MODEL, assert_close_series, init_run
+from distributed import (TINY_MODEL, TINY_MODEL_WITHOUT_DATA, argument_problems,
+                         assert_close_series, init_run)
 from megatron.dataprep.sft_dataset import (ConversationFile, ConversationFileError,
                                            pack_conversations)
 from megatron.dataprep.sft_tokenizer import IGNORE_INDEX, SFTTokenizer, conversations_of
@@ -248,24 +249,13 @@ def chat_file(tmp_path_factory):
 
 
 def _sft_model(tokenizer_dir, chat_file, *flags, seq_length=64):
-    without_mock = TINY_MODEL[:TINY_MODEL.index("--mock-data")] + TINY_MODEL[
-        TINY_MODEL.index("--vocab-size") + 2:]
-    without_mock[without_mock.index("--seq-length") + 1] = str(seq_length)
-    without_mock[without_mock.index("--max-position-embeddings") + 1] = str(seq_length)
-    return without_mock + [
+    model = list(TINY_MODEL_WITHOUT_DATA)
+    model[model.index("--seq-length") + 1] = str(seq_length)
+    model[model.index("--max-position-embeddings") + 1] = str(seq_length)
+    return model + [
         "--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", tokenizer_dir,
         "--data-path", chat_file, "--split", "100,0,0", "--global-batch-size", "4",
         "--micro-batch-size", "1", "--train-iters", "2"] + list(flags)
-
-
-def _problems(argv):
-    from megatron.trainer.arguments import ArgumentErrors, parse_args
-
-    try:
-        args = parse_args(argv)
-    except ArgumentErrors as errors:
-        return errors.problems, None
-    return [], args
 
 
 def test_trainer_samples_are_the_records_in_file_order(tokenizer_dir, chat_file, capsys):
@@ -296,22 +286,22 @@ def test_trainer_samples_are_the_records_in_file_order(tokenizer_dir, chat_file,
 
 
 def test_sft_flags_problems_name_the_flag(tokenizer_dir, chat_file, tmp_path):
-    problems, _ = _problems(TINY_MODEL + ["--global-batch-size", "2", "--sft",
+    problems, _ = argument_problems(TINY_MODEL + ["--global-batch-size", "2", "--sft",
                                           "--reset-position-ids", "--fim-data"])
     assert ("--sft needs --tokenizer-type SFTTokenizer (a Hugging Face tokenizer directory "
             "in --tokenizer-model), got NullTokenizer") in problems
     for flag in ("--mock-data", "--fim-data", "--reset-position-ids"):
         assert any(p.startswith(f"--sft with {flag} is not supported") for p in problems), flag
     # the format's pad token is checked with the flags
-    problems, _ = _problems(_sft_model(tokenizer_dir, chat_file, "--sft-tokenizer-prompt-format",
+    problems, _ = argument_problems(_sft_model(tokenizer_dir, chat_file, "--sft-tokenizer-prompt-format",
                                        "default"))
     assert problems == []
-    problems, _ = _problems(_sft_model(tokenizer_dir, str(tmp_path / "none.jsonl")))
+    problems, _ = argument_problems(_sft_model(tokenizer_dir, str(tmp_path / "none.jsonl")))
     assert any(f"--data-path: {tmp_path}/none.jsonl not found" in p for p in problems)
-    problems, args = _problems(_sft_model(tokenizer_dir, chat_file, "--eod-mask-loss"))
+    problems, args = argument_problems(_sft_model(tokenizer_dir, chat_file, "--eod-mask-loss"))
     assert problems == [] and any(n.startswith("note: --eod-mask-loss has no effect with --sft")
                                   for n in args.flag_notes)
-    problems, args = _problems(TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "1",
+    problems, args = argument_problems(TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "1",
                                              "--sft-tokenizer-prompt-format", "identity"])
     assert "note: --sft-tokenizer-prompt-format has no effect without --tokenizer-type " \
            "SFTTokenizer (as in Megatron-LM)" in args.flag_notes
