@@ -24,6 +24,18 @@
 # rest evenly, so change them with PP: e.g. PP=4 FIRST_STAGE_LAYERS=9 LAST_STAGE_LAYERS=9),
 # SEQ_LENGTH (16384) and CP (1, --context-parallel-size: each of CP ranks runs an equal
 # part of every split, so the job takes PP x CP GPUs; e.g. SEQ_LENGTH=32768 CP=2 on 16).
+#
+# Supervised fine-tuning (Megatron-LM's --sft) instead of pretraining:
+#
+#   TOKENIZER_MODEL=/path/to/Qwen3-4B SFT_DATA=/data/chat.jsonl \
+#       PRETRAINED_CHECKPOINT=checkpoints/qwen3_4b_seq1f1b bash examples/train_qwen3_4b_seq1f1b.sh
+#
+# SFT_DATA: JSON-lines conversations ({"messages": [{"role", "content"}, ...]} per line),
+# written with the tokenizer's own chat template (SFT_PROMPT_FORMAT, default "default";
+# the nemotron formats need Nemotron's special tokens), each line's conversations packed
+# into one sample; PRETRAINED_CHECKPOINT: the weights to start from (--pretrained-checkpoint
+# with --finetune: iteration 0, no optimizer state), while CHECKPOINT_PATH gets the
+# fine-tuned ones.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -51,7 +63,6 @@ MODEL_ARGS=(
     --disable-bias-linear
     --attention-dropout 0.0
     --hidden-dropout 0.0
-    --tokenizer-type HuggingFaceTokenizer
     --tokenizer-model ${TOKENIZER_MODEL:-Qwen/Qwen3-4B}
     --vocab-size 151936
     --make-vocab-size-divisible-by 128
@@ -84,9 +95,26 @@ PARALLEL_ARGS=(
     --seq1f1b-splits 4
     --seq1f1b-balance-method uniform_comp
 )
+if [ -n "${SFT_DATA:-}" ]; then
+    DATA_ARGS=(
+        --sft
+        --tokenizer-type SFTTokenizer
+        --sft-tokenizer-prompt-format ${SFT_PROMPT_FORMAT:-default}
+        --data-path $SFT_DATA
+        --split 98,2,0
+    )
+    if [ -n "${PRETRAINED_CHECKPOINT:-}" ]; then
+        DATA_ARGS+=(--pretrained-checkpoint $PRETRAINED_CHECKPOINT --finetune)
+    fi
+else
+    DATA_ARGS=(
+        --tokenizer-type HuggingFaceTokenizer
+        --data-path ${DATA_PATH:-data/corpus_text_document}
+        --split 949,50,1
+    )
+fi
 DATA_AND_LOGGING_ARGS=(
-    --data-path ${DATA_PATH:-data/corpus_text_document}
-    --split 949,50,1
+    "${DATA_ARGS[@]}"
     --log-interval 1
     --log-throughput
     --eval-interval 500

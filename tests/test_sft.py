@@ -112,6 +112,68 @@ def test_identity_and_default_train_on_every_token(tokenizer_dir):
     assert tokens[-1] == default.eod and default.pad == default.eod  # no pad_token: EOS
 
 
+# A ChatML template in the style of Qwen's (a default system turn, a namespace, loop
+# variables, string methods, whitespace control, tool turns merged into one user turn)
+CHATML_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- for tool in tools %}{{- tool | tojson }}{%- endfor %}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(turns=0) %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+           or (message.role == "assistant") %}
+        {%- set ns.turns = ns.turns + 1 %}
+        {%- if message.role == "assistant" and '</think>' in message.content %}
+            {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def test_a_chatml_template_renders_as_transformers_renders_it(tmp_path, gpt2_files):  # noqa: F811
+    """The text below is what transformers 5.25's apply_chat_template rendered for this
+    template (checked by hand; Megatron-LM's SFTTokenizer gave the same tokens)."""
+    directory = tmp_path / "chatml"
+    directory.mkdir()
+    _tokenizer_dir(directory, gpt2_files, specials=["<|im_start|>", "<|im_end|>"],
+                   template=CHATML_TEMPLATE)
+    tokenizer = SFTTokenizer(str(directory), "default")
+    conversation = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "<think>\nhmm</think>\n\nanswer"},
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+        {"role": "tool", "content": "t1"}, {"role": "tool", "content": "t2"}]
+    assert tokenizer.render(conversation) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nq"
+        "<|im_end|>\n<|im_start|>assistant\nanswer<|im_end|>\n<|im_start|>user\nx<|im_end|>\n"
+        "<|im_start|>assistant\ny<|im_end|>\n<|im_start|>user\n<tool_response>\nt1\n"
+        "</tool_response>\n<tool_response>\nt2\n</tool_response><|im_end|>\n")
+    tokens, targets = tokenizer.tokenize_conversation(conversation)
+    assert np.array_equal(tokens, targets)  # the default format trains on every token
+    assert tokens[0] == tokenizer.token_id("<|im_start|>") != tokens[1]
+
+
 def test_template_errors_and_missing_tokens_are_clear(tmp_path, tokenizer_dir,
                                                       gpt2_files):  # noqa: F811
     with pytest.raises(Exception, match="bad role narrator"):
@@ -293,16 +355,17 @@ def test_sft_flags_problems_name_the_flag(tokenizer_dir, chat_file, tmp_path):
     for flag in ("--mock-data", "--fim-data", "--reset-position-ids"):
         assert any(p.startswith(f"--sft with {flag} is not supported") for p in problems), flag
     # the format's pad token is checked with the flags
-    problems, _ = argument_problems(_sft_model(tokenizer_dir, chat_file, "--sft-tokenizer-prompt-format",
-                                       "default"))
+    problems, _ = argument_problems(_sft_model(tokenizer_dir, chat_file,
+                                               "--sft-tokenizer-prompt-format", "default"))
     assert problems == []
     problems, _ = argument_problems(_sft_model(tokenizer_dir, str(tmp_path / "none.jsonl")))
     assert any(f"--data-path: {tmp_path}/none.jsonl not found" in p for p in problems)
     problems, args = argument_problems(_sft_model(tokenizer_dir, chat_file, "--eod-mask-loss"))
     assert problems == [] and any(n.startswith("note: --eod-mask-loss has no effect with --sft")
                                   for n in args.flag_notes)
-    problems, args = argument_problems(TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "1",
-                                             "--sft-tokenizer-prompt-format", "identity"])
+    problems, args = argument_problems(TINY_MODEL + [
+        "--global-batch-size", "2", "--train-iters", "1", "--sft-tokenizer-prompt-format",
+        "identity"])
     assert "note: --sft-tokenizer-prompt-format has no effect without --tokenizer-type " \
            "SFTTokenizer (as in Megatron-LM)" in args.flag_notes
 
