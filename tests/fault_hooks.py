@@ -18,6 +18,9 @@ file in its place), set by environment variables:
   project's (a checkpoint as Megatron-LM writes it, for the load side).
 * FAULT_PRE_GELU_SHAPE=1: saves carry the model shape without its GeLU record (a
   checkpoint as this project wrote it before it honoured --no-bias-gelu-fusion).
+* FAULT_LOCAL_SPEC_NORM_NAMES=1: models save their norms under megatron-core's
+  local-spec names (as this project did before 2026-12-07, and Megatron-LM does with
+  --transformer-impl local).
 * FAULT_RERUN_AS_ON_GPU=1: --rerun-mode takes a GPU job's path for a result reproduced in
   place (save the rerun, exit 16), which a CPU run refuses.
 * FAULT_NODE_NAME=NAME: the node name megatron-core's rerun state machine sees (a job
@@ -111,6 +114,18 @@ if os.environ.get("FAULT_PRE_GELU_SHAPE"):
         return shape
 
     checkpointing.model_shape = _pre_gelu_shape
+
+if os.environ.get("FAULT_LOCAL_SPEC_NORM_NAMES"):
+    from megatron.seqsplit import model as _seqsplit_model
+
+    def _local_spec_norm_names(multi_latent_attention, dense):
+        # megatron-core's local spec: the fused QKV and fc1 names for every layer, no
+        # names for MLA's
+        return {} if multi_latent_attention else {
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+    _seqsplit_model.transformer_engine_norm_names = _local_spec_norm_names
 
 if os.environ.get("FAULT_RERUN_AS_ON_GPU"):
     from megatron.trainer import rerun

@@ -97,6 +97,27 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
                                             self.eps)
 
 
+def transformer_engine_norm_names(multi_latent_attention, dense):
+    """The checkpoint names of a layer's norms in megatron-core's Transformer Engine spec
+    (Megatron-LM's default), which fuses a norm into the linear layer after it where it
+    can and saves it as that layer's ``layer_norm_weight``/``layer_norm_bias``. The local
+    spec's own map (for every layer: the QKV and fc1 fused names) is right for dense
+    attention layers only: an MoE layer keeps a separate ``pre_mlp_layernorm`` under
+    Transformer Engine, and MLA a separate ``input_layernorm`` while its query/key-value
+    norms are fused into the up-projections (DeepSeek-V3's q_a/kv_a_layernorm). With
+    these names a checkpoint of Megatron-LM's MoE and MLA models loads here and back
+    (older checkpoints of this project: megatron.trainer.checkpoint_names)."""
+    names = {}
+    if multi_latent_attention:
+        names["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"
+        names["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"
+    else:
+        names["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+    if dense:
+        names["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return names
+
+
 def _swap_torch_norms(submodules):
     for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm",
                  "kv_layernorm"):
@@ -119,6 +140,8 @@ def _split_aware_layer_spec(normalization, attention_backend, kv_cache, qk_layer
     # MLA: its own rotary part follows the split (mla.py); selective recomputation of
     # core attention keeps megatron-core's checkpoint (SplitSelfAttention's is for the
     # fused-QKV attention)
+    spec.submodules.sharded_state_dict_keys_map = transformer_engine_norm_names(
+        multi_latent_attention, dense=num_experts is None)
     spec.submodules.self_attention.module = (SplitMLASelfAttention if multi_latent_attention
                                              else SplitSelfAttention)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(

@@ -63,7 +63,8 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron import mcore_compat
 from megatron.model_shape import no_rope_pattern, window_layer_pattern
-from megatron.trainer import async_save, rerun, save_failure, save_results_queue, stop_signals
+from megatron.trainer import (async_save, checkpoint_names, rerun, save_failure,
+                              save_results_queue, stop_signals)
 from megatron.trainer.agreed_stop import AgreedStop
 from megatron.trainer.model import biased_gelu
 from megatron.trainer.schedule_check import schedule_decision
@@ -447,10 +448,13 @@ def _warn_if_disagreeing(args, disagreeing):
 
 
 def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, with_rng,
-                        loading=False, with_optimizer=True, avoid_prefix=True):
+                        loading=False, with_optimizer=True, avoid_prefix=True,
+                        saved_keys=None):
     """``avoid_prefix``: the chained optimizer's keys without megatron-core's
     ``chained_<i>.`` prefix (what this project saves; a load asks for the keys the
-    checkpoint has: earlier saves of chained optimizers carry the prefix)."""
+    checkpoint has: earlier saves of chained optimizers carry the prefix).
+    ``saved_keys`` (a load): the checkpoint's tensor keys; norms it holds under
+    megatron-core's local-spec names are asked for under those (checkpoint_names)."""
     # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual stages (their
     # tensors carry global layer numbers, so a checkpoint reshards across layouts)
     # metadata as a dict that megatron-core fills with its data-parallel group: 0.16's
@@ -458,6 +462,8 @@ def _sharded_state_dict(args, model, optimizer, scheduler, iteration, consumed, 
     # stays None when none is given
     model_sd = {_model_key(model, i): unwrap_model(chunk).sharded_state_dict(metadata={})
                 for i, chunk in enumerate(model)}
+    if saved_keys is not None:  # before the optimizer's state, whose keys are these
+        checkpoint_names.ask_for_saved_names(model_sd, saved_keys)
     state = {
         **model_sd,
         "opt_param_scheduler": scheduler.state_dict(),
@@ -1100,9 +1106,14 @@ def load_checkpoint(args, model, optimizer, scheduler):
     same_layout = list(common.get("layout", [])) == list(_layout())
     load_rng = (same_layout and not args.no_load_rng and not args.finetune
                 and common.get("has_rng", True))
+    try:
+        saved_keys = checkpoint_names.saved_tensor_keys(path)
+    except Exception as error:
+        _exit(_unreadable(load_dir, path, error, flag=flag))
     template = _sharded_state_dict(args, model, optimizer, scheduler, 0, 0, with_rng=load_rng,
                                    loading=True, with_optimizer=load_optim,
-                                   avoid_prefix=_saved_without_prefix(common))
+                                   avoid_prefix=_saved_without_prefix(common),
+                                   saved_keys=saved_keys)
     # as Megatron-LM: a rerun saved by --rerun-mode resumes in the same layout only; its
     # per-rank object is read whenever the layout allows, so that a strict load
     # (--dist-ckpt-strictness raise_*) does not call it unexpected
