@@ -9,11 +9,14 @@ Megatron-LM's checkpoints (e.g. DeepSeek's q_a_layernorm is
 post_attention_layernorm ``mlp.linear_fc1.layer_norm_weight``, an MoE layer's
 ``pre_mlp_layernorm.weight``)."""
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 
-from distributed import TINY_MODEL, pretrain, run_layer_child
+from distributed import ONE_PROCESS_PRELUDE, ROOT, TINY_MODEL, _single_process_env, pretrain
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,1,1]"]
 MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
@@ -43,8 +46,7 @@ FLAGS = {"dense": [], "moe": MOE, "mla_moe": MLA + MOE}
 
 @pytest.mark.distributed
 def test_norms_carry_the_transformer_engine_specs_names():
-    base = [a for a in TINY_MODEL if a not in ("--mock-data",)] + [
-        "--mock-data", "--global-batch-size", "1", "--train-iters", "1", "--qk-layernorm",
+    base = TINY_MODEL + ["--global-batch-size", "1", "--train-iters", "1", "--qk-layernorm",
         "--normalization", "RMSNorm", "--transformer-impl", "local"]
     code = r'''
 for case, flags in json.loads(sys.argv[2]).items():
@@ -53,12 +55,6 @@ for case, flags in json.loads(sys.argv[2]).items():
                    if "norm" in k and "final" not in k and "k_layernorm" not in k})
     print(json.dumps({case: keys}))
 '''
-    import json
-    import subprocess
-    import sys
-
-    from distributed import ONE_PROCESS_PRELUDE, ROOT, _single_process_env
-
     proc = subprocess.run([sys.executable, "-c", ONE_PROCESS_PRELUDE + code, json.dumps(base),
                            json.dumps(FLAGS)], cwd=ROOT, env=_single_process_env(),
                           capture_output=True, text=True, timeout=300)
