@@ -16,6 +16,8 @@ file in its place), set by environment variables:
 * FAULT_FREE_BYTES=B: the free space shutil.disk_usage reports (the pre-save check).
 * FAULT_MEGATRON_LM_COMMON=1: saves carry Megatron-LM's common keys instead of this
   project's (a checkpoint as Megatron-LM writes it, for the load side).
+* FAULT_OPTIMIZER_FORMAT=F: distributed-optimizer state saved in megatron-core's format F
+  (e.g. dp_reshardable, Megatron-LM's default) instead of fully_reshardable.
 * FAULT_PRE_GELU_SHAPE=1: saves carry the model shape without its GeLU record (a
   checkpoint as this project wrote it before it honoured --no-bias-gelu-fusion).
 * FAULT_LOCAL_SPEC_NORM_NAMES=1: models save their norms under megatron-core's
@@ -104,6 +106,9 @@ if os.environ.get("FAULT_MEGATRON_LM_COMMON"):
         return state
 
     checkpointing._sharded_state_dict = _megatron_lm_state
+
+if os.environ.get("FAULT_OPTIMIZER_FORMAT"):
+    checkpointing.DISTRIBUTED_OPTIMIZER_FORMAT = os.environ["FAULT_OPTIMIZER_FORMAT"]
 
 if os.environ.get("FAULT_PRE_GELU_SHAPE"):
     _shape = checkpointing.model_shape

@@ -148,6 +148,33 @@ def test_megatron_lm_checkpoint_without_manifest_loads(tmp_path):
     assert f"loaded checkpoint from {ckpt / 'iter_0000001'} at iteration 1" in loaded.stdout
 
 
+def test_megatron_lm_dp_reshardable_optimizer_state_is_named(tmp_path):
+    """A distributed-optimizer checkpoint as Megatron-LM writes it by default (its common
+    keys, which do not record the flag; the state in megatron-core's dp_reshardable
+    format; saved here through tests/fault_hooks.py): one line saying what it holds and
+    the two ways on, not "the checkpoint lacks ... (another model?)"; --no-load-optim
+    loads its weights."""
+    ckpt = tmp_path / "ckpt"
+    distopt = [*BASE, "--use-distributed-optimizer", "--override-opt_param-scheduler"]
+    saved = pretrain([*distopt, "--train-iters", "1", "--save", str(ckpt), "--save-interval",
+                      "1"], env={"FAULT_MEGATRON_LM_COMMON": "1",
+                                 "FAULT_OPTIMIZER_FORMAT": "dp_reshardable"},
+                     script="tests/fault_hooks.py")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    loaded = pretrain(distopt + ["--train-iters", "2", "--load", str(ckpt)])
+    assert loaded.returncode != 0
+    assert one_error_line(loaded.stderr) == (
+        f"error: --load {ckpt / 'iter_0000001'} holds distributed-optimizer state in "
+        f"megatron-core's dp_reshardable format (Megatron-LM's default): per data-parallel "
+        f"rank flattened gradient buckets, which load only into the exact data-parallel size "
+        f"and bucket layout of the run that saved them; this project reads the "
+        f"fully_reshardable format. Pass --no-load-optim to load the weights only, or have "
+        f"Megatron-LM save it with --dist-ckpt-optim-fully-reshardable")
+    weights = pretrain(distopt + ["--train-iters", "2", "--load", str(ckpt), "--no-load-optim"])
+    assert weights.returncode == 0, weights.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt / 'iter_0000001'} at iteration 1" in weights.stdout
+
+
 def test_tracker_not_an_ascii_decimal(pristine, tmp_path):
     """Bytes that are not UTF-8 (in a real run), or a digit that str.isdigit() takes (the
     same reader, in this process): one line naming the file and what to write, no

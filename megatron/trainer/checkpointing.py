@@ -911,7 +911,16 @@ def _check_optimizer_kind(args, path, common):
         _exit(f"--load {path} holds the state of --optimizer {saved_type} and this run uses "
               f"--optimizer {args.optimizer}: it does not load; use --optimizer "
               f"{saved_type}, or pass --no-load-optim to load the weights only")
-    saved = bool(common.get("distributed_optimizer", False))
+    saved_format = _saved_optimizer_format(common.get("optimizer"))
+    # Megatron-LM's checkpoints do not record the flag: its state's format says it
+    saved = bool(common.get("distributed_optimizer", saved_format is not None))
+    if saved and saved_format == "dp_reshardable" and args.use_distributed_optimizer:
+        _exit(f"--load {path} holds distributed-optimizer state in megatron-core's "
+              f"dp_reshardable format (Megatron-LM's default): per data-parallel rank "
+              f"flattened gradient buckets, which load only into the exact data-parallel "
+              f"size and bucket layout of the run that saved them; this project reads the "
+              f"fully_reshardable format. Pass --no-load-optim to load the weights only, or "
+              f"have Megatron-LM save it with --dist-ckpt-optim-fully-reshardable")
     if saved == bool(args.use_distributed_optimizer):
         return
     with_, without = "with", "without"
@@ -919,6 +928,26 @@ def _check_optimizer_kind(args, path, common):
           f"--use-distributed-optimizer and this run is {without if saved else with_} it: "
           f"its optimizer state does not load; match the flag, or pass --no-load-optim to "
           f"load the weights only")
+
+
+def _saved_optimizer_format(optimizer_common):
+    """megatron-core's distributed-optimizer state format a checkpoint's common optimizer
+    state records ("fully_reshardable", "dp_reshardable", ...; in any chained part), or
+    None (a plain optimizer's state)."""
+    if isinstance(optimizer_common, dict):
+        found = optimizer_common.get("param_state_sharding_type")
+        if isinstance(found, str):
+            return found
+        values = optimizer_common.values()
+    elif isinstance(optimizer_common, (list, tuple)):
+        values = optimizer_common
+    else:
+        return None
+    for value in values:
+        found = _saved_optimizer_format(value)
+        if found is not None:
+            return found
+    return None
 
 
 def optimizer_parts(optimizer) -> int:
