@@ -483,3 +483,40 @@ def test_a_record_that_cannot_be_masked_by_turn_stops_the_run_naming_it(tmp_path
                       "boundary), so its tokens cannot be masked by turn"], run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     assert " iteration        1/       3 " in run.stdout  # the record is sample 3
+
+
+# ---- tools/check_sft_data.py --------------------------------------------------------------
+
+def test_check_sft_data_reports_cuts_and_the_records_that_would_stop_training(
+        tmp_path, tokenizer_dir, chat_file, capsys):
+    from megatron.dataprep.sft_survey import main
+
+    assert main(["--tokenizer-model", tokenizer_dir, "--seq-length", "256", chat_file]) == 0
+    out = capsys.readouterr().out
+    tokenizer = SFTTokenizer(tokenizer_dir, "nemotron-h-aligned")
+    records = ConversationFile(chat_file)
+    packed = [pack_conversations([tokenizer.tokenize_conversation(c)
+                                  for c in conversations_of(records[i])], 256, tokenizer.pad)
+              for i in range(len(records))]
+    cut = sum(was_cut for _, was_cut, _ in packed)
+    left_out = sum(n for _, _, n in packed)
+    assert f"{chat_file}: 24 records (0 blank lines skipped)" in out
+    assert (f"at --seq-length 256: {cut} records cut on the right ({100 * cut / 24:.1f}%), "
+            f"{left_out} conversations left out after a cut") in out
+    assert 0 < cut < 24
+    # a tokenizer that merges across a turn boundary: the records that would stop a run
+    merging = tmp_path / "merging"
+    merging.mkdir()
+    fine = _messages(("user", "hi"), ("assistant", "x"))
+    chat = write_jsonl(tmp_path / "chat.jsonl", [fine, _messages(
+        ("system", "s"), ("user", "hi"), ("assistant", "x"), ("system", "t"), ("user", "hi"),
+        ("assistant", "print")), fine])
+    assert main(["--tokenizer-model", _merging_tokenizer(merging), "--seq-length", "32",
+                 chat]) == 1
+    out = capsys.readouterr().out
+    assert ("1 records cannot be tokenized in this prompt format (training stops at the "
+            "first one it reads):\n    line 2: conversation 1, turn 1 (user) tokenizes "
+            "differently alone") in out
+    assert main(["--tokenizer-model", tokenizer_dir, "--seq-length", "32",
+                 str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl does not exist" in capsys.readouterr().err

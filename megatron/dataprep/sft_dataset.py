@@ -69,9 +69,10 @@ def check_record(record, where: str) -> List[dict]:
 
 class ConversationFile:
     """The records of one JSON-lines file, indexed by line and checked once; a record is
-    read from the file when asked for (``os.pread``: safe in data-loader workers)."""
+    read from the file when asked for (``os.pread``: safe in data-loader workers).
+    Blank lines are skipped, and counted in a note on rank 0 unless ``quiet``."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, quiet: bool = False):
         if not os.path.isfile(path):
             raise ConversationFileError(
                 f"--data-path: {path} does not exist (with --sft, --data-path names JSON-lines "
@@ -93,7 +94,7 @@ class ConversationFile:
                 offset += len(line)
         if not starts:
             raise ConversationFileError(f"--data-path: {path} holds no conversation")
-        if self.blank_lines and _global_rank() == 0:
+        if self.blank_lines and not quiet and _global_rank() == 0:
             print(f"note: --sft: {path}: {self.blank_lines} blank line(s) skipped", flush=True)
         self.starts = numpy.asarray(starts, dtype=numpy.int64)
         self.lengths = numpy.asarray(lengths, dtype=numpy.int64)
@@ -171,6 +172,20 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))  # a data-loader worker has no process group
 
 
+def tokenize_record(tokenizer, messages):
+    """[(tokens, targets)] of each conversation of one record's messages (ValueError
+    naming the conversation, when the record holds several, and the turn)."""
+    conversations = conversations_of(messages)
+    pieces = []
+    for number, conversation in enumerate(conversations):
+        try:
+            pieces.append(tokenizer.tokenize_conversation(conversation))
+        except ValueError as error:
+            where = f"conversation {number}, " if len(conversations) > 1 else ""
+            raise ValueError(f"{where}{error}") from None
+    return pieces
+
+
 def pack_conversations(pieces: Sequence, seq_length: int, pad: int, context_parallel: int = 1):
     """Megatron-LM's packing of one record's tokenized conversations ``pieces`` [(tokens,
     targets)] into a sample of ``seq_length`` tokens: (sample dict, conversations cut,
@@ -232,14 +247,11 @@ class SFTDataset(MegatronDataset):
         config = self.config
         record = int(self.indices[(0 if idx is None else idx) % len(self.indices)])
         tokenizer = config.tokenizer
-        pieces = []
-        for conversation in conversations_of(self.dataset[record]):
-            try:
-                pieces.append(tokenizer.tokenize_conversation(conversation))
-            except ValueError as error:
-                raise ConversationFileError(
-                    f"{self.dataset.path} line {self.dataset.line_of(record)}: {error}"
-                ) from None
+        try:
+            pieces = tokenize_record(tokenizer, self.dataset[record])
+        except ValueError as error:
+            raise ConversationFileError(
+                f"{self.dataset.path} line {self.dataset.line_of(record)}: {error}") from None
         sample, cut, left_out = pack_conversations(
             pieces, config.sequence_length, tokenizer.pad, config.context_parallel_size or 1)
         if idx is None:  # a padding sample: nothing trains on it
