@@ -309,6 +309,10 @@ from megatron import cpu_support
 cpu_support.apply()
 torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
                                      world_size=1)
+import atexit
+# the group ended before the interpreter: once in a CI run (megatron-core 0.19.2, a
+# loaded host) a child aborted at exit, "terminate called without an active exception"
+atexit.register(torch.distributed.destroy_process_group)
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 parallel_state.initialize_model_parallel()

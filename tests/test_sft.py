@@ -347,6 +347,28 @@ def test_trainer_samples_are_the_records_in_file_order(tokenizer_dir, chat_file,
     assert "is longer than --seq-length 64 + 1 tokens and was cut" in capsys.readouterr().out
 
 
+def test_per_split_paths_read_their_files_whole(tokenizer_dir, chat_file, tmp_path):
+    """--train-data-path / --valid-data-path name conversation files, each read whole."""
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import datasets_provider
+
+    valid_file = write_jsonl(tmp_path / "valid.jsonl", _chat_records(count=3, seed=9))
+    argv = _sft_model(tokenizer_dir, chat_file, "--eval-iters", "1")
+    argv = argv[:argv.index("--data-path")] + argv[argv.index("--data-path") + 2:]
+    argv = [a for a in argv if a not in ("--split", "100,0,0")]
+    args = parse_args(argv + ["--train-data-path", chat_file, "--valid-data-path", valid_file])
+    train, valid, _, tokenizer = datasets_provider(args)
+    valid_records = ConversationFile(valid_file)
+    for i in range(4):  # the 3 records, then the first again
+        pieces = [tokenizer.tokenize_conversation(c)
+                  for c in conversations_of(valid_records[i % 3])]
+        expected, _, _ = pack_conversations(pieces, 64, tokenizer.pad)
+        assert torch.equal(valid[i]["tokens"], expected["tokens"]), i
+    assert torch.equal(train[23]["tokens"], pack_conversations(
+        [tokenizer.tokenize_conversation(c) for c in conversations_of(
+            ConversationFile(chat_file)[23])], 64, tokenizer.pad)[0]["tokens"])
+
+
 def test_sft_flags_problems_name_the_flag(tokenizer_dir, chat_file, tmp_path):
     problems, _ = argument_problems(TINY_MODEL + ["--global-batch-size", "2", "--sft",
                                           "--reset-position-ids", "--fim-data"])
