@@ -542,3 +542,20 @@ def test_check_sft_data_reports_cuts_and_the_records_that_would_stop_training(
     assert main(["--tokenizer-model", tokenizer_dir, "--seq-length", "32",
                  str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_a_bad_line_stops_the_run_before_training_in_one_line(tmp_path, tokenizer_dir):
+    """Every rank indexes the files alike: an agreed stop, one line naming file and line,
+    exit 2, no iteration trained."""
+    from distributed import pretrain
+
+    fine = _messages(("user", "hi"), ("assistant", "x"))
+    chat = write_jsonl(tmp_path / "chat.jsonl", [fine, fine, _messages(
+        ("system", "s"), ("assistant", "a")), fine])
+    run = pretrain(_sft_model(tokenizer_dir, chat, seq_length=32))
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {chat} line 3: message 1 is an assistant turn after a system "
+                      "turn; an assistant answers a user or tool turn"], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and " iteration " not in run.stdout

@@ -33,16 +33,13 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.dataprep.sample_documents import ids_and_positions
 from megatron.dataprep.sft_tokenizer import IGNORE_INDEX, ROLES, conversations_of
 
-_READ_BLOCK = 1 << 24
-
-
 class ConversationFileError(ValueError):
     """A conversation file cannot be read as SFT data."""
 
 
-def check_record(record, where: str) -> List[dict]:
-    """The messages of one decoded line; ConversationFileError naming ``where`` (file and
-    line) and what is wrong otherwise."""
+def check_record(record, where: str) -> None:
+    """ConversationFileError naming ``where`` (file and line) and what is wrong, unless
+    ``record`` (one decoded line) is an SFT record."""
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise ConversationFileError(
@@ -64,7 +61,6 @@ def check_record(record, where: str) -> List[dict]:
                 f"{'nothing' if previous is None else 'a ' + previous + ' turn'}; an "
                 f"assistant answers a user or tool turn")
         previous = role
-    return messages
 
 
 class ConversationFile:
@@ -79,7 +75,7 @@ class ConversationFile:
                 f"conversation files, e.g. data/chat.jsonl)")
         self.path = path
         self.blank_lines = 0
-        starts, lengths = [], []
+        starts, lengths, line_numbers = [], [], []
         with open(path, "rb") as stream:
             offset, number = 0, 0
             for line in stream:
@@ -91,6 +87,7 @@ class ConversationFile:
                     check_record(self._decode(text, number), f"{path} line {number}")
                     starts.append(offset)
                     lengths.append(len(line))
+                    line_numbers.append(number)
                 offset += len(line)
         if not starts:
             raise ConversationFileError(f"--data-path: {path} holds no conversation")
@@ -98,7 +95,7 @@ class ConversationFile:
             print(f"note: --sft: {path}: {self.blank_lines} blank line(s) skipped", flush=True)
         self.starts = numpy.asarray(starts, dtype=numpy.int64)
         self.lengths = numpy.asarray(lengths, dtype=numpy.int64)
-        self.line_numbers = None  # computed when an error needs one
+        self.line_numbers = numpy.asarray(line_numbers, dtype=numpy.int64)
         self._fd, self._pid = None, None
 
     def _decode(self, text: bytes, number: int):
@@ -118,21 +115,7 @@ class ConversationFile:
 
     def line_of(self, index: int) -> int:
         """The 1-based line number of record ``index``."""
-        if self.line_numbers is None:
-            self.line_numbers = _line_numbers(self.path, self.starts)
         return int(self.line_numbers[index])
-
-
-def _line_numbers(path: str, starts: numpy.ndarray) -> numpy.ndarray:
-    newlines = []
-    with open(path, "rb") as stream:
-        base = 0
-        while block := stream.read(_READ_BLOCK):
-            found = numpy.flatnonzero(numpy.frombuffer(block, numpy.uint8) == 10)
-            newlines.append(found + base)
-            base += len(block)
-    newlines = numpy.concatenate(newlines) if newlines else numpy.zeros(0, numpy.int64)
-    return numpy.searchsorted(newlines, starts) + 1
 
 
 def count_records(path: str) -> int:
@@ -152,15 +135,15 @@ class PackingReport:
         self.samples = self.cut = self.left_out = 0
         self._next_report = 1
 
-    def add(self, cut: int, left_out: int, where, seq_length: int):
-        """One sample's counts; ``where()`` names its record (called only to report)."""
+    def add(self, cut: int, left_out: int, where: str, seq_length: int):
+        """One sample's counts; ``where`` names its record."""
         self.samples += 1
         self.cut += cut
         self.left_out += left_out
         if cut and self.cut >= self._next_report:
             self._next_report = self.cut * 10
             if _global_rank() == 0:
-                print(f"warning: --sft: {where()} is longer than --seq-length {seq_length} + 1 "
+                print(f"warning: --sft: {where} is longer than --seq-length {seq_length} + 1 "
                       f"tokens and was cut on the right (as Megatron-LM does); so far on rank "
                       f"0: {self.cut} conversation(s) cut and {self.left_out} left out after a "
                       f"cut, in {self.samples} sample(s)", flush=True)
@@ -246,18 +229,16 @@ class SFTDataset(MegatronDataset):
     def __getitem__(self, idx: Optional[int]):
         config = self.config
         record = int(self.indices[(0 if idx is None else idx) % len(self.indices)])
+        where = f"{self.dataset.path} line {self.dataset.line_of(record)}"
         tokenizer = config.tokenizer
         try:
             pieces = tokenize_record(tokenizer, self.dataset[record])
         except ValueError as error:
-            raise ConversationFileError(
-                f"{self.dataset.path} line {self.dataset.line_of(record)}: {error}") from None
+            raise ConversationFileError(f"{where}: {error}") from None
         sample, cut, left_out = pack_conversations(
             pieces, config.sequence_length, tokenizer.pad, config.context_parallel_size or 1)
         if idx is None:  # a padding sample: nothing trains on it
             sample["loss_mask"].zero_()
         else:
-            self.report.add(
-                cut, left_out, lambda: f"{self.dataset.path} line "
-                f"{self.dataset.line_of(record)}", config.sequence_length)
+            self.report.add(cut, left_out, where, config.sequence_length)
         return sample

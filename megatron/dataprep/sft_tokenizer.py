@@ -166,7 +166,7 @@ class SFTTokenizer(HuggingFaceTokenizer):
             return tokens, targets
         at = 0  # (only the built-in formats mask, and none of them writes a BOS)
         for number, turn in enumerate(conversation):
-            role = turn["role"].lower()
+            role = turn["role"]
             piece = self._encode(self.render([turn]))
             if not numpy.array_equal(tokens[at:at + len(piece)], piece):
                 raise ConversationError(

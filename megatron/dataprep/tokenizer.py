@@ -171,7 +171,7 @@ class HuggingFaceTokenizer(_HFTokenizer):
         except Exception as exc:
             raise TokenizerError(f"--tokenizer-model: cannot load {path}: {exc}") from exc
         config = _read_tokenizer_config(os.path.dirname(path))
-        special = special_token_texts(config)
+        special = _special_token_texts(config)
         _register_special_tokens(hf, special)
         eod = _special_id(hf, special.get("eos_token"), _EOD_CANDIDATES)
         pad = _special_id(hf, special.get("pad_token"), _PAD_CANDIDATES)
@@ -376,7 +376,7 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
                         "cls_token", "mask_token")
 
 
-def special_token_texts(config: dict) -> dict:
+def _special_token_texts(config: dict) -> dict:
     """The special tokens a tokenizer_config.json names (bos_token, eos_token, ...,
     additional_special_tokens), as texts (they appear as strings or {"content": ...})."""
     def text(value):

@@ -42,17 +42,12 @@ def datasets_provider(args):
                    evaluations * args.eval_iters * args.eval_global_batch_size,
                    args.eval_iters * args.eval_global_batch_size if _has_test_split(args)
                    else 0]
-    # --dataloader-inter-document-masking: documents and positions from the samples'
-    # packing (sample_documents), not from end-of-document tokens
-    by_packing = args.dataloader_inter_document_masking and not args.sft
-    # documents from the samples themselves (packing or conversations), not from EOD tokens
-    documents_given = by_packing or args.sft
     try:
-        train, valid, test = _build_datasets(args, tokenizer, num_samples, by_packing,
-                                             documents_given)
+        train, valid, test = _build_datasets(args, tokenizer, num_samples)
     except ConversationFileError as error:  # every rank reads the same files: all stop
         raise AgreedStop(str(error), code=2) from None
-    if args.reset_attention_mask and not documents_given:  # per-token document ids, O(L) a row
+    if args.reset_attention_mask and not _samples_carry_documents(args):
+        # the documents from end-of-document tokens: per-token document ids, O(L) a row
         def with_ids(ds):
             return DocumentIdsDataset(ds, tokenizer.eod) if ds is not None else None
 
@@ -61,10 +56,19 @@ def datasets_provider(args):
     return train, valid, test, tokenizer
 
 
-def _build_datasets(args, tokenizer, num_samples, by_packing, documents_given):
+def _samples_carry_documents(args):
+    """Whether the samples bring their documents and positions: from the dataset's packing
+    (--dataloader-inter-document-masking, sample_documents) or as conversations (--sft),
+    not from end-of-document tokens."""
+    return args.dataloader_inter_document_masking or args.sft
+
+
+def _build_datasets(args, tokenizer, num_samples):
     from megatron.dataprep.gpt_datasets import build_gpt_datasets
     from megatron.trainer.fim_arguments import fim_settings
 
+    documents_given = _samples_carry_documents(args)
+    by_packing = args.dataloader_inter_document_masking and not args.sft
     return build_gpt_datasets(
         data_path=args.data_path, data_path_per_split=args.data_path_per_split,
         split=args.split, seq_length=args.seq_length,
