@@ -15,7 +15,7 @@ import typing
 import pytest
 
 from megatron.trainer.arguments import ArgumentErrors, build_parser, parse_args
-from megatron.trainer.megatron_lm_flags import NO_OP_FLAGS
+from megatron.trainer.megatron_lm_flags import DEFAULT_VALUES_ACCEPTED, NO_OP_FLAGS
 
 GOOD = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--train-iters", "2", "--mock-data", "--vocab-size", "128",
@@ -64,9 +64,15 @@ def megatron_lm_actions():
 
 def values_for(action):
     """A valid value list for the action: its default where it is a plain value, else its
-    first choice, else one of its type."""
+    first choice, else one of its type. A refused flag that accepts its default is
+    classified by another value (what it answers to every value but the default)."""
     if action.nargs == 0:
         return []
+    flag = action.option_strings[0]
+    if flag in DEFAULT_VALUES_ACCEPTED:
+        accepted = DEFAULT_VALUES_ACCEPTED[flag][0]
+        other = [str(choice) for choice in action.choices or () if str(choice) not in accepted]
+        return [other[0] if other else str(int(float(accepted[0])) + 2)]
     default = action.default
     if isinstance(default, (list, tuple)) and default:
         default = default[0]
@@ -137,6 +143,29 @@ def test_no_op_reasons_are_in_help():
     assert not missing, missing
 
 
+def test_refused_flags_accept_the_value_this_trainer_follows():
+    """Launch scripts spell defaults out (`--cuda-graph-impl none`): a refused flag given
+    Megatron-LM's default is accepted with a note; every other value stays refused, the
+    reason naming what is accepted."""
+    actions = megatron_lm_actions()
+    for flag, (accepted, note) in DEFAULT_VALUES_ACCEPTED.items():
+        assert flag in actions, f"{flag} is not Megatron-LM's"
+        if actions[flag].choices:  # one of Megatron-LM's (its default, or mcore's async)
+            assert set(accepted) <= {str(choice) for choice in actions[flag].choices}, flag
+        else:  # else its default
+            assert [float(actions[flag].default)] == [float(value) for value in accepted], flag
+        for spelling in ([flag, accepted[0]], [f"{flag}={accepted[0]}"]):
+            assert (flag, note) in parse(*spelling).no_op_flags
+        assert outcome(flag, values_for(actions[flag])) == "refused", flag
+    with pytest.raises(ArgumentErrors) as error:
+        parse("--cuda-graph-impl", "local", "--num-distributed-optimizer-instances", "2")
+    assert any(p.startswith("--cuda-graph-impl is refused: ") and
+               p.endswith("(accepted: --cuda-graph-impl none)")
+               for p in error.value.problems), error.value.problems
+    assert any(p.startswith("--num-distributed-optimizer-instances is refused: megatron-core's "
+                            "partial distributed optimizer") for p in error.value.problems)
+
+
 def test_seq1f1b_fork_flags_are_answered():
     values = {"--pipe-sp-strategy": ["average"], "--data-impl": ["mmap"],
               "--DDP-impl": ["local"]}
@@ -180,7 +209,8 @@ def test_megatron_lm_spellings_and_ignored_values():
 if __name__ == "__main__":  # the counts for docs/megatron_lm.md
     counts = classify(megatron_lm_actions())
     print(", ".join(f"{name}: {len(flags)}" for name, flags in sorted(counts.items())),
-          f"(of {sum(map(len, counts.values()))})")
+          f"(of {sum(map(len, counts.values()))}); of the refused, "
+          f"{len(DEFAULT_VALUES_ACCEPTED)} accept Megatron-LM's default value")
     for name in ("unknown", "broken"):
         for flag in counts.get(name, []):
             print(name, flag)

@@ -2056,7 +2056,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_availa
     Megatron-LM features, bad values, failed checks) is raised together."""
     parser = build_parser(extra_args_provider)
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv, refused = take_refused(argv)
+    argv, refused, accepted_defaults = take_refused(argv)
     problems = [f"{flag} is refused: {reason}" for flag, reason in refused]
     args, unknown = parser.parse_known_args(argv)
     problems += parser.problems
@@ -2068,7 +2068,9 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None, cuda_availa
 
         cuda_available = torch.cuda.is_available()
     if not problems:
-        return validate_args(args, world_size, cuda_available, check_files)
+        args = validate_args(args, world_size, cuda_available, check_files)
+        args.no_op_flags += accepted_defaults
+        return args
     try:  # the checks that still make sense, so that one run shows everything
         validate_args(args, world_size, cuda_available, check_files)
     except ArgumentErrors as error:

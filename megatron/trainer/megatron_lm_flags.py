@@ -294,6 +294,10 @@ for _reason, _flags in (
     ("MTP in a standalone pipeline stage (a virtual stage of its own in "
      "--pipeline-model-parallel-layout) is not supported here: drop it and keep the MTP "
      "layers on the loss's stage (e.g. '...tmL')", "--mtp-standalone"),
+    ("megatron-core's partial distributed optimizer (several instances, each sharding "
+     "the optimizer state over a part of the data-parallel ranks and all-reducing between "
+     "them on CUDA streams) is not set up here: --use-distributed-optimizer shards it over "
+     "all data-parallel ranks", "--num-distributed-optimizer-instances"),
     ("hybrid (Mamba) models are not built here; use Megatron-LM",
      "--mtp-hybrid-override-pattern"),
     ("this attention or layer variant is not built here (standard softmax attention "
@@ -383,12 +387,53 @@ for _reason, _flags in (
                "--lazy-mpu-init "
                "--ddp-reduce-scatter-with-fp32-accumulation "
                "--ddp-param-name-patterns-for-fp32-local-accumulation "
-               "--num-distributed-optimizer-instances --fake-process-group "
+               "--fake-process-group "
                "--tensor-parallel-num-weight-shards --max-seqlen-per-dp-cp-rank "
                "--use-precision-aware-optimizer --main-grads-dtype "
                "--main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype"),
 ):
     REFUSED_FLAGS.update(dict.fromkeys(_flags.split(), _reason))
+
+
+# Refused flags given the value that asks for what this trainer does anyway (Megatron-LM's
+# default, or its "off"): launch scripts spell defaults out. flag -> (accepted values,
+# what the start-up note says); any other value is refused with the flag's reason.
+DEFAULT_VALUES_ACCEPTED = {
+    "--cuda-graph-impl": (("none",), "Megatron-LM's default: no CUDA graphs (none are "
+                                     "captured here)"),
+    "--async-strategy": (("mcore",), "--async-save here writes with megatron-core's own "
+                                     "strategy (mcore), as asked"),
+    "--num-distributed-optimizer-instances": (
+        ("1",), "Megatron-LM's default: one distributed-optimizer instance over all the "
+                "data-parallel ranks, as here"),
+    "--main-grads-dtype": (("fp32",), "Megatron-LM's default: main gradients are fp32 here"),
+    "--main-params-dtype": (("fp32",), "Megatron-LM's default: the optimizer's main "
+                                       "parameters are fp32 here"),
+    "--exp-avg-dtype": (("fp32",), "Megatron-LM's default: Adam's first moment is fp32 here"),
+    "--exp-avg-sq-dtype": (("fp32",), "Megatron-LM's default: Adam's second moment is fp32 "
+                                      "here"),
+    "--mlp-chunks-for-training": (("1",), "Megatron-LM's default: the MLP is not run in "
+                                          "sequence chunks"),
+    "--vocab-extra-ids": (("0",), "Megatron-LM's default: no extra sentinel tokens"),
+    "--cpu-offloading-num-layers": (("0",), "Megatron-LM's default: no layer is offloaded"),
+}
+
+
+def _same_value(given, accepted):
+    if given == accepted:
+        return True
+    try:
+        return float(given) == float(accepted)
+    except ValueError:
+        return False
+
+
+def _default_value_note(flag, values):
+    """The start-up note for a refused flag given only a value it accepts, else None."""
+    accepted, note = DEFAULT_VALUES_ACCEPTED.get(flag, ((), None))
+    if len(values) == 1 and any(_same_value(values[0], value) for value in accepted):
+        return note
+    return None
 
 
 def refusal_for(flag: str):
@@ -404,24 +449,33 @@ def refusal_for(flag: str):
 
 
 def take_refused(argv):
-    """Split argv into (the rest, [(flag, reason)]): refused flags and their values are
-    taken out before parsing, so every other flag is still checked."""
-    rest, refused, index = [], [], 0
+    """Split argv into (the rest, [(flag, reason)] refused, [(flag, note)] accepted):
+    refused flags and their values are taken out before parsing, so every other flag is
+    still checked; one given only the value this trainer follows anyway is accepted."""
+    rest, refused, accepted, index = [], [], [], 0
     while index < len(argv):
         token = argv[index]
-        flag = token.split("=", 1)[0]
+        flag, _, value = token.partition("=")
         reason = refusal_for(flag) if token.startswith("--") else None
         if reason is None:
             rest.append(token)
             index += 1
             continue
-        refused.append((flag, reason))
         index += 1
+        values = [value] if "=" in token else []
         # its values (the tokens up to the next flag: numbers may be negative; this
         # command line has no positional arguments)
         while "=" not in token and index < len(argv) and not _is_flag(argv[index]):
+            values.append(argv[index])
             index += 1
-    return rest, refused
+        note = _default_value_note(flag, values)
+        if note is None:
+            if flag in DEFAULT_VALUES_ACCEPTED:
+                reason += f" (accepted: {flag} {'/'.join(DEFAULT_VALUES_ACCEPTED[flag][0])})"
+            refused.append((flag, reason))
+        else:
+            accepted.append((flag, note))
+    return rest, refused, accepted
 
 
 def _is_flag(token: str) -> bool:
@@ -450,7 +504,10 @@ def add_no_op_flags(parser):
         "Megatron-LM features refused",
         "These stop the run before any work, with the reason and the alternative: "
         + "; ".join(f"{flag}{'*' if flag.endswith('-') else ''}"
-                    for flag in REFUSED_FLAGS) + ".")
+                    for flag in REFUSED_FLAGS) + ". Given the value this trainer follows "
+        "anyway, these are accepted: " + ", ".join(
+            f"{flag} {'/'.join(values)}"
+            for flag, (values, _) in DEFAULT_VALUES_ACCEPTED.items()) + ".")
 
 
 def _no_op_dest(flag):
