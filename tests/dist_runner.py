@@ -202,6 +202,7 @@ def main(spec_path, out_path):
                  "moe_losses": result.moe_losses,
                  "mtp_losses": result.mtp_losses,
                  "pipeline_ranks": captured.get("pipeline_ranks"),
+                 "iteration": result.iteration, "exit_reason": result.exit_reason,
                  "seconds": time.time() - started}  # this run's wall time, on this rank
         if captured.get("params") is not None:
             path = f"{out_path}.{run['name']}.pt"

@@ -33,6 +33,7 @@ from megatron.trainer.rope_arguments import add_rope_scaling_arguments, check_ro
 from megatron.trainer.attention_arguments import add_attention_arguments, check_attention_args
 from megatron.trainer.moe_arguments import add_moe_arguments, check_moe_args, router_losses_on
 from megatron.trainer.optimizers import UNSUPPORTED_OPTIMIZERS, optimizer_problems
+from megatron.trainer import phases
 from megatron.trainer.validation_arguments import (
     add_validation_arguments,
     check_validation_args,
@@ -455,6 +456,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} "
                         "holding --train/--valid/--test-data-path's lists (a string or a list; "
                         "null for none)")
+    g.add_argument("--phase-transition-iterations", type=str, default=None,
+                   help="comma-separated iterations ending training phases, as Megatron-LM: "
+                        "the run saves and stops at each; relaunched with the next phase's "
+                        "data flags it reads that data from the start, built for the "
+                        "phase's samples (needs a fixed global batch size)")
     g.add_argument("--dataloader-type", choices=["single", "cyclic", "external"], default=None,
                    help="single (the default, the only one here): one pass over megatron-core's "
                         "shuffled samples")
@@ -767,6 +773,7 @@ def validate_args(args, world_size: int, cuda_available: bool, check_files: bool
         lambda: _check_data_flags(args, check_files),
         lambda: _check_checkpoint_flags(args, check_files),
         lambda: _check_exit_flags(args),
+        lambda: problems.extend(phases.problems(args)),
         lambda: _check_rerun_mode(args),
         lambda: _validate_seq1f1b(args),
         lambda: problems.extend(check_moe_args(args, cuda_available)),

@@ -1054,6 +1054,27 @@ def load_source(args):
     return args.load, "--load"
 
 
+def resume_iteration(args):
+    """The iteration a run will resume after, told before anything loads (0: a start, a
+    --finetune or --pretrained-checkpoint run); what depends on it is built before the
+    load (a phase's dataset) and checked against load_checkpoint's answer. A checkpoint
+    that will not load answers 0 here: the load then stops on it."""
+    if args.load is None and getattr(args, "pretrained_checkpoint", None) is None:
+        return 0
+    load_dir, flag = load_source(args)
+    if flag == "--pretrained-checkpoint" or args.finetune:
+        return 0
+    override = getattr(args, "override_ckpt_iteration", None)
+    if override is not None:
+        return override
+    if args.ckpt_step is not None:
+        return args.ckpt_step
+    try:
+        return (_latest_iteration(load_dir) if os.path.isdir(load_dir) else None) or 0
+    except CheckpointError:
+        return 0
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore a checkpoint. Returns (iteration, consumed_samples); (0, 0) if none exists.
     ``optimizer`` None (a model without one: --moe-use-upcycling's dense model, with
@@ -1122,7 +1143,12 @@ def load_checkpoint(args, model, optimizer, scheduler):
         _exit(_unreadable(load_dir, path, error, flag=flag))
     _check_model_shape(args, path, common, flag)
     if override is not None:
-        _check_override_batch(args, path, common, override)
+        _check_saved_batch(args, path, common, f"--override-ckpt-iteration {override}",
+                           f"the samples of iteration {override} would not be the ones "
+                           f"that run read")
+    elif getattr(args, "phase_transitions", None) and not args.finetune:
+        _check_saved_batch(args, path, common, "--phase-transition-iterations",
+                           "the phases' iterations would not hold the samples they held")
     # --finetune: the weights only, from iteration 0 (as Megatron-LM)
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim and not common.get("has_optimizer", True):
@@ -1190,15 +1216,14 @@ def load_checkpoint(args, model, optimizer, scheduler):
     return state["iteration"], state["consumed_samples"]
 
 
-def _check_override_batch(args, path, common, iteration):
-    """As Megatron-LM, --override-ckpt-iteration refuses a checkpoint saved with another
-    global batch size: its sample offsets would not be this run's."""
+def _check_saved_batch(args, path, common, flag, why):
+    """As Megatron-LM, --override-ckpt-iteration and --phase-transition-iterations refuse a
+    checkpoint saved with another global batch size: their sample offsets count
+    iterations x the batch."""
     saved_batch = common.get("global_batch_size")  # absent from older checkpoints
     if saved_batch is not None and saved_batch != args.global_batch_size:
-        _exit(f"--override-ckpt-iteration {iteration}: --load {path} was saved with "
-              f"--global-batch-size {saved_batch}, this run has {args.global_batch_size}: "
-              f"the samples of iteration {iteration} would not be the ones that run read; "
-              f"use its global batch size")
+        _exit(f"{flag}: --load {path} was saved with --global-batch-size {saved_batch}, "
+              f"this run has {args.global_batch_size}: {why}; use its global batch size")
 
 
 def _overridden_position(args, state, iteration):

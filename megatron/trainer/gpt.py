@@ -28,6 +28,7 @@ def datasets_provider(args):
     """(train, validation, test, tokenizer): megatron-core GPT datasets over --data-path, or
     mock; test is None where --split gives it nothing."""
     from megatron.dataprep.sft_dataset import ConversationFileError
+    from megatron.trainer import phases
     from megatron.trainer.agreed_stop import AgreedStop
     from megatron.trainer.arguments import tokenizer_of
     from megatron.trainer.evaluation_schedule import evaluations_through
@@ -37,7 +38,7 @@ def datasets_provider(args):
     evaluations = evaluations_through(args, args.train_iters) + 1
     # as Megatron-LM: the test set is evaluated once, --eval-iters batches, after training
     # --full-validation: one pass over the validation data (megatron-core sizes it)
-    num_samples = [args.train_samples_total,
+    num_samples = [phases.train_samples_to_build(args),
                    None if args.full_validation else
                    evaluations * args.eval_iters * args.eval_global_batch_size,
                    args.eval_iters * args.eval_global_batch_size if _has_test_split(args)

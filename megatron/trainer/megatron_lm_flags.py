@@ -354,7 +354,7 @@ for _reason, _flags in (
      "--async-strategy --async-ckpt-"),
     ("this trainer's datasets come from --data-path with --split, or --train-data-path, "
      "--valid-data-path and --test-data-path (or the files naming them) only; give the "
-     "blend there", "--per-dataset-sequences-path --phase-transition-iterations "
+     "blend there", "--per-dataset-sequences-path "
      "--sample-rate --object-storage-cache-path --enable-msc"),
     ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
      "--tokenizer-model only; this option would change the token ids",

@@ -40,11 +40,13 @@ from megatron.trainer import (
     monitoring,
     norms,
     optimizers,
+    phases,
     rerun,
     tensor_dumps,
     upcycling,
     validation_sets,
 )
+from megatron.trainer.agreed_stop import AgreedStop
 from megatron.trainer.arguments import parse_args_or_exit
 from megatron.trainer.data import (
     GlobalBatchSizes,
@@ -387,6 +389,8 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
               forward_step_func, on_finish):
     initialize.set_seeds(args.seed, args.data_parallel_random_init)
     rerun.initialize(args)  # before the load: a checkpoint may hold a rerun to resume
+    # a phase's training data is built for the phase the resumed iteration starts
+    args.phase_start_iteration = phases.phase_start(args, checkpointing.resume_iteration(args))
     # (train, valid, tokenizer), or (train, valid, test, tokenizer) with a test set
     datasets = datasets_provider(args)
     train_ds, valid_ds, tokenizer = datasets[0], datasets[1], datasets[-1]
@@ -420,6 +424,12 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         iteration, consumed_samples = checkpointing.load_checkpoint(
             args, model, optimizer, scheduler)
     rerun.start_at(iteration)
+    if phases.phase_start(args, iteration) != args.phase_start_iteration:
+        raise AgreedStop(f"--phase-transition-iterations: the checkpoint loaded resumes after "
+                         f"iteration {iteration}, not in the phase its training data was "
+                         f"built for (after iteration {args.phase_start_iteration})", code=2)
+    if phases.describe(args) is not None:
+        print_rank_0(phases.describe(args))
 
     recorder = timeline_recorder(args)
     probe = ActivationMemoryProbe() if args.activation_memory_file else None
@@ -441,7 +451,8 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
     )
     step_func = functools.partial(forward_step_func, args=args)
     train_iterator = chunk_iterators(model, lambda: MicrobatchIterator(
-        train_ds, args.micro_batch_size, consumed_samples,
+        train_ds, args.micro_batch_size,
+        phases.samples_into_phase(args, iteration, consumed_samples),
         num_microbatches=args.num_microbatches, num_workers=args.num_workers))
     # a resumed run evaluates on the validation samples the uninterrupted run would reach
     # (Megatron-LM's consumed_valid_samples, derived from the iteration)
@@ -561,6 +572,8 @@ _EXIT_REASONS = {
     "interval": "--exit-interval reached",
     "sigterm": "{signal} received (--exit-signal-handler)",
     "duration": "--exit-duration-in-mins reached",
+    "phase": ("the phase ends (--phase-transition-iterations): relaunch from its checkpoint "
+              "with the next phase's data flags"),
 }
 
 
@@ -778,6 +791,8 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
         monitor.after_step(iteration)  # profile end, manual gc
         if args.exit_interval and iteration % args.exit_interval == 0:
             exit_reason = "interval"
+        if iteration in args.phase_transitions:
+            exit_reason = "phase"
         if exit_reason is not None:
             print_rank_0(f" exiting at iteration {iteration}: "
                          f"{_EXIT_REASONS[exit_reason].format(signal=args.exit_signal)}")
