@@ -1,11 +1,12 @@
 """tools/plan.py reads a pretrain_gpt.py command line as it is (training's own parser
 and checks), takes the dtype from --bf16/--fp16 and models the CPU kernels with --gpu cpu."""
 
+import dataclasses
 import json
 
 import pytest
 
-from megatron.planner.cli import config_from_args, main, parse
+from megatron.planner.cli import config_from_args, main, parse, report
 from megatron.planner.predict import PlanError, predict
 
 TRAINING = [
@@ -194,7 +195,6 @@ def test_moe_flops_count_active_parameters_and_dispatch_volume():
     assert a2a.cost.moe_comm_bytes(tokens) == 2 * 2 * tokens * 2 * 1024 * 3 / 4
     ag = plan(TRAINING + MOE + ["--expert-model-parallel-size", "4"])  # allgather, SP on
     assert ag.cost.moe_comm_bytes(tokens) == 2 * tokens * 2 * 1024 * 7 / 2
-    from megatron.planner.cli import report
     text = report(a2a)
     assert "active per token" in text and "8 experts of FFN 512, top-2" in text
     assert "EP 4 (2 experts per GPU), ETP 2, alltoall dispatcher" in text
@@ -269,7 +269,6 @@ def _example_argv(script, **env):
 def test_moe_examples_are_planned_as_they_are(capsys):
     """The DeepSeek-V3-style and Mixtral-style scripts' flags are accepted unchanged and
     planned with their experts (and MLA), fitting an 80 GB GPU as their comments say."""
-    from megatron.planner.cli import report
 
     deepseek = _example_argv("train_deepseek_v3_style_seq1f1b.sh")
     assert main(deepseek + ["--json"]) == 0
@@ -340,3 +339,101 @@ def test_yarn_is_planned_as_rope_and_learned_positions_are_not():
                            for kind in ("rope", "yarn", "learned_absolute"))
     assert [s["activations"] for s in yarn] == [s["activations"] for s in rope]
     assert yarn[0]["activations"] > learned[0]["activations"]
+
+
+# Public models as their Megatron-LM flags (shapes from each model's published config),
+# each with a long-context Seq1F1B layout; (billions total, billions active per token) as
+# their publishers round them, embeddings and output layer included. DeepSeek-V3's 685B
+# hold its MTP layer with its own copies of the embedding and output layer (1.85B), which
+# Megatron-LM's MTP shares with the model: 683B here
+COMMON = ["--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-4", "--bf16",
+          "--use-distributed-optimizer", "--sequence-parallel",
+          "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+          "--untie-embeddings-and-output-weights", "--tokenizer-type", "NullTokenizer",
+          "--attention-dropout", "0", "--hidden-dropout", "0", "--gpu", "h100-80g"]
+PUBLISHED_MODELS = {
+    "Qwen3-8B": ((8.2, 8.2), "--disable-bias-linear --swiglu --num-layers 36 --hidden-size 4096 --ffn-hidden-size 12288 "
+                 "--num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+                 "--kv-channels 128 --qk-layernorm --rotary-base 1000000 "
+                 "--vocab-size 151935 --make-vocab-size-divisible-by 128 "
+                 "--seq-length 131072 --tensor-model-parallel-size 4 "
+                 "--pipeline-model-parallel-size 4 --context-parallel-size 2 "
+                 "--global-batch-size 16 --seq1f1b-splits 8 --world-size 32"),
+    "Qwen3-30B-A3B": ((30.5, 3.3), "--disable-bias-linear --swiglu --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 "
+                      "--num-attention-heads 32 --group-query-attention --num-query-groups 4 "
+                      "--kv-channels 128 --qk-layernorm --num-experts 128 "
+                      "--moe-ffn-hidden-size 768 --moe-router-topk 8 "
+                      "--moe-token-dispatcher-type alltoall --vocab-size 151935 "
+                      "--make-vocab-size-divisible-by 128 --seq-length 65536 "
+                      "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 "
+                      "--expert-model-parallel-size 8 --global-batch-size 32 "
+                      "--seq1f1b-splits 4 --world-size 64"),
+    "Llama-3.1-70B": ((70.6, 70.6), "--disable-bias-linear --swiglu --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 "
+                      "--num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+                      "--rotary-base 500000 --use-rope-scaling --rope-scaling-factor 8 "
+                      "--vocab-size 128255 --make-vocab-size-divisible-by 128 "
+                      "--seq-length 131072 --tensor-model-parallel-size 8 "
+                      "--pipeline-model-parallel-size 8 --context-parallel-size 2 "
+                      "--global-batch-size 16 --seq1f1b-splits 4 "
+                      "--recompute-granularity full --recompute-method uniform "
+                      "--recompute-num-layers 1 --world-size 128"),
+    "DeepSeek-V3": ((685 - 1.85, 37), "--disable-bias-linear --swiglu --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+                    "--num-attention-heads 128 --multi-latent-attention --q-lora-rank 1536 "
+                    "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+                    "--v-head-dim 128 --qk-layernorm --num-experts 256 "
+                    "--moe-layer-freq ([0]*3+[1]*58) --moe-ffn-hidden-size 2048 "
+                    "--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 "
+                    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                    "--moe-router-num-groups 8 --moe-router-group-topk 4 "
+                    "--moe-router-topk-scaling-factor 2.5 --moe-token-dispatcher-type alltoall "
+                    "--mtp-num-layers 1 --vocab-size 129279 --make-vocab-size-divisible-by 128 "
+                    "--seq-length 32768 --max-position-embeddings 163840 "
+                    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 "
+                    "--expert-model-parallel-size 32 --decoder-first-pipeline-num-layers 7 "
+                    "--decoder-last-pipeline-num-layers 6 --global-batch-size 128 "
+                    "--seq1f1b-splits 4 --world-size 512"),
+    "Kimi-K2": ((1040, 32.6), "--disable-bias-linear --swiglu --num-layers 61 "
+                "--hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 64 "
+                "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
+                "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
+                "--num-experts 384 --moe-layer-freq ([0]*1+[1]*60) --moe-ffn-hidden-size 2048 "
+                "--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 "
+                "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                "--moe-router-topk-scaling-factor 2.827 --moe-token-dispatcher-type alltoall "
+                "--vocab-size 163839 --make-vocab-size-divisible-by 128 --seq-length 32768 "
+                "--max-position-embeddings 131072 --tensor-model-parallel-size 2 "
+                "--pipeline-model-parallel-size 8 --expert-model-parallel-size 32 "
+                "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 6 "
+                "--global-batch-size 128 --seq1f1b-splits 4 --world-size 512"),
+    # biased linear layers (biases are not counted here: 0.1% of it), attention sinks,
+    # a 128-token window on every other layer; OpenAI's 5.13B active leave out the input
+    # embedding (201088 x 2880, 0.58B)
+    "gpt-oss-120b": ((116.8, 5.13 + 0.58), "--num-layers 36 --hidden-size 2880 "
+                     "--ffn-hidden-size 2880 --num-attention-heads 64 --group-query-attention "
+                     "--num-query-groups 8 --kv-channels 64 --num-experts 128 "
+                     "--moe-ffn-hidden-size 2880 --moe-router-topk 4 --quick-geglu "
+                     "--glu-linear-offset 1.0 --activation-func-clamp-value 7.0 "
+                     "--softmax-type learnable --window-size 127,0 --window-attn-skip-freq 2 "
+                     "--rotary-base 150000 --moe-token-dispatcher-type alltoall "
+                     "--padded-vocab-size 201088 --vocab-size 201087 --seq-length 65536 "
+                     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 "
+                     "--expert-model-parallel-size 8 --expert-tensor-parallel-size 1 "
+                     "--global-batch-size 32 --seq1f1b-splits 4 --seq1f1b-kv-cache chunked "
+                     "--world-size 64"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MODELS))
+def test_public_models_have_their_published_sizes_and_are_planned(name):
+    """The flags that define these models here give their published parameter counts,
+    pass the trainer's checks at their full shapes and a cluster layout, and are planned."""
+    (total, active), flags = PUBLISHED_MODELS[name]
+    flags = flags.split()
+    prediction = plan(COMMON + flags)
+    shape = prediction.config.model
+    # the published figures are rounded (Qwen3-30B-A3B's 3.3B active is 3.35B)
+    assert shape.parameter_count() / 1e9 == pytest.approx(total, rel=0.02)
+    # published active counts leave MTP out
+    without_mtp = dataclasses.replace(shape, mtp_num_layers=0)
+    assert without_mtp.parameter_count(active=True) / 1e9 == pytest.approx(active, rel=0.02)
+    assert prediction.peak_memory_gb > 0 and "tokens/s" in report(prediction)
