@@ -441,6 +441,22 @@ def test_hf_special_tokens_only_without_the_flag(tmp_path, gpt2_files):
     assert [d[0] for d in without] == [d[0][1:] for d in with_bos]
 
 
+def test_special_tokens_flag_writes_them_as_one_id(tmp_path, gpt2_args, gpt2_files):
+    """--tokenizer-special-tokens (Megatron-LM's; its 0.17 spelling too): each is one id in
+    the output, in the workers as in the main process."""
+    src = write_jsonl(tmp_path / "in.jsonl",
+                      [{"text": f"def f{i}(): <fim_prefix> return {i} <tool>"} for i in range(9)])
+    for flag in ("--tokenizer-special-tokens", "--tiktoken-special-tokens"):
+        out = tmp_path / flag.strip("-")
+        assert run_preprocess("--input", src, "--output-prefix", out, *gpt2_args, flag,
+                              "<fim_prefix>", "<tool>", "--workers", "2") == 0
+        docs = documents(tmp_path / f"{flag.strip('-')}_text_document")
+        plain = build_tokenizer("GPT2BPETokenizer", *gpt2_files)
+        assert [d[0] for d in docs] == [
+            plain.tokenize(f"def f{i}(): ") + [300] + plain.tokenize(f" return {i} ") + [301]
+            for i in range(9)]
+
+
 def test_append_eod_without_an_eod_token(tmp_path, gpt2, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

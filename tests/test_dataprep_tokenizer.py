@@ -162,6 +162,32 @@ def test_huggingface_tokenizer_makes_the_configs_special_tokens_whole(tmp_path, 
     assert gpt2.eod not in gpt2.tokenize("a <|endoftext|> b")  # GPT-2's files: bytes
 
 
+def test_special_tokens_flag_adds_whole_tokens_as_megatron_lm(tmp_path, gpt2_files):
+    """--tokenizer-special-tokens, as Megatron-LM's HuggingFaceTokenizer adds them (checked
+    against megatron-core 0.19.2's with transformers, by hand: the same vocabulary size
+    and ids for these texts): tokens the vocabulary lacks are appended in order, one it
+    holds ("in", "<|endoftext|>") keeps its id and becomes a whole token in any text."""
+    _gpt2_tokenizer_json(tmp_path, gpt2_files)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    special = ["<fim_prefix>", "<fim_middle>", "<|endoftext|>", "in", "<tool>"]
+    plain = build_tokenizer("GPT2BPETokenizer", *gpt2_files)
+    for tok in (build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path),
+                                special_tokens=special),
+                build_tokenizer("GPT2BPETokenizer", *gpt2_files, special_tokens=special)):
+        in_id = plain.token_id("in")
+        assert tok.vocab_size == plain.vocab_size + 3 == 303 and tok.eod == 299
+        assert [tok.token_id(t) for t in special] == [300, 301, 299, in_id, 302]
+        assert tok.tokenize("a<fim_prefix>b<fim_middle>c") == (
+            plain.tokenize("a") + [300] + plain.tokenize("b") + [301] + plain.tokenize("c"))
+        assert tok.tokenize("x <|endoftext|> y") == (plain.tokenize("x ") + [299]
+                                                     + plain.tokenize(" y"))
+        assert tok.tokenize("int") == [in_id] + plain.tokenize("t")
+        assert tok.unique_identifiers["special_tokens"] == str(special)
+    assert plain.tokenize("int") != [in_id] + plain.tokenize("t")  # one token, "int"
+    with pytest.raises(TokenizerError, match="--tokenizer-special-tokens: .* not to NullTokenizer"):
+        build_tokenizer("NullTokenizer", vocab_size=10, special_tokens=["<x>"])
+
+
 def _gpt2_tokenizer_json(directory, gpt2_files):
     path = str(directory / "tokenizer.json")
     build_tokenizer("GPT2BPETokenizer", *gpt2_files)._hf.save(path)

@@ -224,6 +224,35 @@ def test_trainer_datasets_rearrange_with_the_tokenizers_fim_tokens(fim_corpus):
         [prefix] + tokenizer.tokenize("x = 1") + [pad]) == "x = 1"
 
 
+def test_fim_tokens_given_by_flag_to_a_gpt2_tokenizer(fim_corpus, gpt2_files):
+    """Megatron-LM's way to FIM with a GPT-2 vocabulary: --tokenizer-special-tokens adds
+    the FIM tokens (after its 300 entries, in order: the ids of the tokenizer holding
+    them), and the training samples are those of that tokenizer."""
+    vocab, merges = gpt2_files
+    gpt2_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                  "--merge-file", merges, "--tokenizer-special-tokens", *FIM_TOKENS]
+    flags = ("--fim-data", "--fim-rate", "0.5", "--fim-spm-rate", "0.5")
+    held, tokenizer = _train_samples(fim_corpus, *flags)
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import datasets_provider
+
+    args = parse_args(_model(fim_corpus, "--seq-length", "256", "--max-position-embeddings",
+                             "256", *flags, tokenizer_flags=gpt2_flags))
+    given, _, _, by_flag = datasets_provider(args)
+    assert [by_flag.token_id(t) for t in FIM_TOKENS] == [tokenizer.token_id(t)
+                                                         for t in FIM_TOKENS]
+    assert by_flag.vocab_size == tokenizer.vocab_size
+    for i in range(8):
+        assert (np.asarray(given[i]["tokens"]).tolist()
+                == np.asarray(held[i]["tokens"]).tolist())
+    # without the flag the GPT-2 vocabulary lacks them: refused naming the flag
+    from megatron.trainer.arguments import ArgumentErrors
+
+    with pytest.raises(ArgumentErrors) as error:
+        parse_args(_model(fim_corpus, *flags, tokenizer_flags=gpt2_flags[:6]))
+    assert any("<fim_prefix>" in p for p in error.value.problems), error.value.problems
+
+
 def test_a_sample_is_the_same_whatever_was_read_before(fim_corpus):
     flags = ("--fim-data", "--fim-rate", "0.5", "--fim-spm-rate", "0.5")
     first, _ = _train_samples(fim_corpus, *flags)

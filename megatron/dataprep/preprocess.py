@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     g.add_argument("--tokenizer-model", help="HF tokenizer.json or its directory")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, eod = N")
+    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+",
+                   dest="special_tokens", metavar="TOKEN",
+                   help="as Megatron-LM: tokens added to a HuggingFaceTokenizer or "
+                        "GPT2BPETokenizer as special (whole) tokens, those the vocabulary "
+                        "lacks appended (give training the same)")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
     g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_false",
@@ -180,7 +185,8 @@ def _need_file(path, flag, what):
 def _tokenizer_args(args) -> dict:
     return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                 merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                vocab_size=args.vocab_size, include_special_tokens=args.include_special_tokens)
+                vocab_size=args.vocab_size, include_special_tokens=args.include_special_tokens,
+                special_tokens=args.special_tokens)
 
 
 def load_tokenizer(args):

@@ -32,9 +32,6 @@ REFUSED = {
                                       "runs here; a slow tokenizer may split text otherwise"),
     "--vocab-extra-ids": (1, "T5's span-masking tokens are not added here; drop it"),
     "--tokenizer-metadata": (1, _TOKEN_IDS),
-    "--tokenizer-special-tokens": ("+", _TOKEN_IDS),
-    "--tiktoken-special-tokens": ("+", "Megatron-LM 0.17's spelling of "
-                                       "--tokenizer-special-tokens: " + _TOKEN_IDS),
     "--tiktoken-pattern": (1, "TikTokenizer is not supported here (--tokenizer-type)"),
     "--tiktoken-num-special-tokens": (1, "TikTokenizer is not supported here "
                                          "(--tokenizer-type)"),

@@ -313,15 +313,32 @@ def build_tokenizer(
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
     include_special_tokens: bool = True,
+    special_tokens: Optional[Sequence[str]] = None,
 ):
     """Build one of TOKENIZER_TYPES but SFTTokenizer (built with its prompt format by
     megatron.dataprep.sft_tokenizer); raises TokenizerError naming the flag to fix.
     ``include_special_tokens=False`` (--tokenizer-hf-no-include-special-tokens): HF
-    tokenizers encode without their special tokens."""
+    tokenizers encode without their special tokens. ``special_tokens``
+    (--tokenizer-special-tokens): added to an HF or GPT-2 tokenizer as Megatron-LM adds
+    them (``add_special_tokens``)."""
     tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
     if isinstance(tokenizer, _HFTokenizer):
         tokenizer._add_special = include_special_tokens
+    if special_tokens:
+        add_special_tokens(tokenizer, special_tokens)
     return tokenizer
+
+
+def add_special_tokens(tokenizer, tokens: Sequence[str]) -> None:
+    """--tokenizer-special-tokens, as Megatron-LM's HuggingFaceTokenizer (its GPT-2
+    tokenizer too) adds them: each becomes a whole token in any text, one the vocabulary
+    lacks appended after it (the vocabulary grows by those)."""
+    if not isinstance(tokenizer, _HFTokenizer):
+        raise TokenizerError(
+            f"--tokenizer-special-tokens: adds tokens to HuggingFaceTokenizer and "
+            f"GPT2BPETokenizer here, not to {type(tokenizer).__name__}; drop it")
+    _register_special_tokens(tokenizer._hf, {"additional_special_tokens": list(tokens)})
+    tokenizer._identity["special_tokens"] = list(tokens)
 
 
 def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size):

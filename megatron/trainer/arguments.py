@@ -488,6 +488,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+",
+                   dest="special_tokens", default=None, metavar="TOKEN",
+                   help="as Megatron-LM: tokens added to a HuggingFaceTokenizer or "
+                        "GPT2BPETokenizer as special (whole) tokens, those the vocabulary "
+                        "lacks appended (give tools/preprocess_data.py the same)")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -818,7 +823,7 @@ def tokenizer_of(args):
         return SFTTokenizer(args.tokenizer_model, args.sft_tokenizer_prompt_format)
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                           vocab_size=args.vocab_size)
+                           vocab_size=args.vocab_size, special_tokens=args.special_tokens)
 
 
 def _apply_checkpoint_args(args, check_files):
@@ -1487,6 +1492,10 @@ def _check_data_flags(args, check_files):
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             _require(not check_files or os.path.isfile(path), f"{flag} {path}: no such file")
+    _require(not args.special_tokens or args.tokenizer_type in ("HuggingFaceTokenizer",
+                                                                 "GPT2BPETokenizer"),
+             f"--tokenizer-special-tokens adds tokens to HuggingFaceTokenizer and "
+             f"GPT2BPETokenizer here, not to {args.tokenizer_type}: drop it")
     _require(args.tokenizer_type not in REFUSED_TOKENIZER_TYPES,
              f"--tokenizer-type {args.tokenizer_type} is refused: "
              f"{REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)}")

@@ -358,8 +358,8 @@ for _reason, _flags in (
      "--sample-rate --object-storage-cache-path --enable-msc"),
     ("the tokenizer is configured by --tokenizer-type, --vocab-file, --merge-file and "
      "--tokenizer-model only; this option would change the token ids",
-     "--vocab-extra-ids --tokenizer-metadata --tokenizer-special-tokens "
-     "--tiktoken-num-special-tokens --tiktoken-special-tokens --tokenizer-sentencepiece-legacy "
+     "--vocab-extra-ids --tokenizer-metadata "
+     "--tiktoken-num-special-tokens --tokenizer-sentencepiece-legacy "
      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--null-tokenizer-eod-id --null-tokenizer-pad-id"),
