@@ -31,8 +31,8 @@ CASES = ("crosses a split edge", "boundary at a split edge", "shorter than its s
 def write_document_corpus(prefix: str, vocab_size: int, seq_length: int = 48,
                           copies: int = 4, seed: int = 7):
     """`prefix.bin/.idx` for `--data-path prefix --tokenizer-type NullTokenizer
-    --vocab-size vocab_size --seq-length seq_length` (text ids 0 .. vocab_size - 1,
-    EOD = vocab_size)."""
+    --vocab-size vocab_size --seq-length seq_length` (text ids 0 .. vocab_size - 2,
+    EOD = vocab_size - 1, as Megatron-LM's NullTokenizer)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     rng = numpy.random.default_rng(seed)
@@ -40,8 +40,8 @@ def write_document_corpus(prefix: str, vocab_size: int, seq_length: int = 48,
     for _ in range(copies):
         for lengths in ROWS:
             assert sum(lengths) == seq_length, lengths
-            tokens = rng.integers(0, vocab_size, size=seq_length, dtype=numpy.int32)
-            tokens[numpy.cumsum(lengths) - 1] = vocab_size  # each document ends with EOD
+            tokens = rng.integers(0, vocab_size - 1, size=seq_length, dtype=numpy.int32)
+            tokens[numpy.cumsum(lengths) - 1] = vocab_size - 1  # each document ends with EOD
             builder.add_document(tokens, [seq_length])
     builder.finalize(prefix + ".idx")
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
 
 def test_slow_rank_zero_still_says_why_the_job_stopped():
-    # the model's vocabulary below the tokenizer's (201 ids): every rank stops alike once
+    # the model's vocabulary below the tokenizer's (200 ids): every rank stops alike once
     # the tokenizer is built, inside the process groups
     delay = 4.0
     proc = start_pretrain(TINY_MODEL + ["--global-batch-size", "4", "--train-iters", "2",
@@ -27,6 +27,6 @@ def test_slow_rank_zero_still_says_why_the_job_stopped():
         kill_tree(proc)
     assert proc.returncode != 0
     assert one_error_line(err).startswith(
-        "error: --padded-vocab-size (100) is smaller than the tokenizer's vocabulary (201 "
+        "error: --padded-vocab-size (100) is smaller than the tokenizer's vocabulary (200 "
         "tokens)"), err[-3000:]
     assert time.time() - started > delay  # the line came after rank 0's delay

@@ -84,6 +84,21 @@ def test_a_checkpoint_of_the_exact_gelu_stops_a_tanh_gelu_resume_and_says_how():
     assert _load_problem(_args(swiglu=True), _args(swiglu=True, bias_gelu_fusion=False)) is None
 
 
+def test_a_null_tokenizer_checkpoint_of_the_old_vocabulary_says_how_to_continue():
+    """NullTokenizer's --vocab-size N held N + 1 entries here before 2026-12-08 (Megatron-LM
+    0.17's rule); since, N (0.18+'s). Where the padding differs (N a multiple of 128) the
+    resume stops, saying which --vocab-size continues the checkpoint."""
+    old = _args(padded_vocab_size=384, tokenizer_type="NullTokenizer", vocab_size=257)
+    now = _args(padded_vocab_size=256, tokenizer_type="NullTokenizer", vocab_size=256)
+    assert _load_problem(old, now) == (
+        "error: --load ckpt/iter_0000002 holds another model shape: --padded-vocab-size saved "
+        "384, now 256 (NullTokenizer's --vocab-size is its whole vocabulary since 2026-12-08, "
+        "as in Megatron-LM 0.18+; a checkpoint saved before with --vocab-size 256 held 257 "
+        "entries, the last the end-of-document: give --vocab-size 257 to continue it)")
+    assert "give --vocab-size" not in _load_problem(
+        old, _args(padded_vocab_size=256, tokenizer_type="GPT2BPETokenizer", vocab_size=None))
+
+
 YARN = dict(position_embedding_type="yarn", rotary_scaling_factor=4.0,
             yarn_original_max_position_embeddings=4096, yarn_beta_fast=None,
             yarn_beta_slow=None, mscale=1.0, mscale_all_dim=0.0,

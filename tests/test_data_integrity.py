@@ -188,7 +188,7 @@ def _builder_pair(prefix, documents):
 
 
 def test_token_ids_beyond_the_vocabulary(tmp_path):
-    """TINY_MODEL's NullTokenizer has 201 tokens (--vocab-size 200 + eod), padded to 256.
+    """TINY_MODEL's NullTokenizer has 200 tokens (--vocab-size 200), padded to 256.
     An id of 300 (data of a larger tokenizer) used to die at iteration 1 with a bare
     IndexError: now one line naming the .bin and the id, before training. An id of 230
     trains (the padded embedding has the row) with a warning. The largest id is cached
@@ -196,7 +196,7 @@ def test_token_ids_beyond_the_vocabulary(tmp_path):
     beyond = _builder_pair(str(tmp_path / "beyond"), [[5] * 30, [7] * 20 + [300] + [9] * 9])
     line = assert_refused(beyond, f"{beyond}.bin", "holds token id 300",
                           "vocabulary has 256 entries",
-                          "--tokenizer-type NullTokenizer --vocab-size 200: 201 tokens, "
+                          "--tokenizer-type NullTokenizer --vocab-size 200: 200 tokens, "
                           "padded to 256", "another tokenizer")
     assert line.startswith(f"error: --data-path: {beyond}.bin holds token id 300")
     assert json.loads(open(f"{beyond}.maxid.json").read())["max_id"] == 300
@@ -205,7 +205,7 @@ def test_token_ids_beyond_the_vocabulary(tmp_path):
     proc = pretrain(padded)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (f"warning: --data-path: {padded}.bin holds token id 230, beyond the tokenizer's "
-            f"201 tokens") in proc.stdout
+            f"200 tokens") in proc.stdout
     assert "iteration        1/" in proc.stdout
 
 

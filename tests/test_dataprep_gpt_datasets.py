@@ -12,8 +12,8 @@ from test_dataprep_fixtures import gpt2, gpt2_args, gpt2_files, run_preprocess, 
 
 pytestmark = pytest.mark.distributed  # starts processes (tests/conftest.py)
 
-VOCAB = 1000  # NullTokenizer: ids 0..999, eod 1000
-HALF = VOCAB // 2  # prefix "a" uses ids below, prefix "b" ids from here
+VOCAB = 1001  # NullTokenizer: text ids 0..999, eod 1000 (its last id)
+HALF = 500  # prefix "a" uses ids below, prefix "b" ids from here
 
 
 def null_prefix(tmp_path, name, first_id, count, seed):

@@ -98,8 +98,16 @@ def test_tokenizers_are_megatron_core_tokenizers(gpt2):
 
 
 def test_null_tokenizer_follows_megatron_lm():
+    """As Megatron-LM 0.18+ (megatron-core's NullTokenizer, checked against 0.19.2's by
+    hand): --vocab-size is the vocabulary, eod its last id unless given, no pad."""
     tok = build_tokenizer("NullTokenizer", vocab_size=10)
-    assert (tok.vocab_size, tok.eod) == (11, 10)  # ids 0..9, eod = --vocab-size
+    assert (tok.vocab_size, tok.eod) == (10, 9)  # ids 0..9, eod = --vocab-size - 1
+    with pytest.raises(NotImplementedError):
+        tok.pad
+    given = build_tokenizer("NullTokenizer", vocab_size=10, null_eod_id=0, null_pad_id=3)
+    assert (given.vocab_size, given.eod, given.pad) == (10, 0, 3)
+    with pytest.raises(TokenizerError, match="--null-tokenizer-eod-id 10: outside"):
+        build_tokenizer("NullTokenizer", vocab_size=10, null_eod_id=10)
     assert tok.tokenize("1 2  3\n4\t9") == [1, 2, 3, 4, 9]
     assert tok.detokenize([1, 2, 3]) == "1 2 3"
     assert tok.tokenize("   ") == []

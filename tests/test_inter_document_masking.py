@@ -18,7 +18,8 @@ from megatron.dataprep.sample_documents import ids_and_positions
 from megatron.dataprep.tokenizer import build_tokenizer
 from megatron.seqsplit.documents import document_ids
 
-VOCAB, SEQ = 200, 48  # TINY_MODEL's; the NullTokenizer's EOD is VOCAB
+VOCAB, SEQ = 200, 48  # TINY_MODEL's
+EOD = VOCAB - 1  # the NullTokenizer's (Megatron-LM 0.18+): its last id
 
 
 def write_documents(prefix, with_eod, count=80, seed=3):
@@ -32,10 +33,10 @@ def write_documents(prefix, with_eod, count=80, seed=3):
     for k in range(count):
         length = int(rng.integers(1, 41))
         if with_eod:
-            tokens = rng.integers(0, VOCAB, size=length).astype(numpy.int32)
-            tokens[-1] = VOCAB
+            tokens = rng.integers(0, EOD, size=length).astype(numpy.int32)
+            tokens[-1] = EOD
         else:
-            tokens = numpy.full(length, k % (VOCAB - 1), dtype=numpy.int32)
+            tokens = numpy.full(length, k % EOD, dtype=numpy.int32)
         builder.add_document(tokens, [length])
     builder.finalize(prefix + ".idx")
     return prefix
@@ -62,7 +63,7 @@ def test_eod_terminated_documents_are_the_eod_ones(tmp_path):
     for mine, theirs in zip(by_packing, by_eod, strict=True):
         assert torch.equal(torch.as_tensor(mine["tokens"]), torch.as_tensor(theirs["tokens"]))
         ids = mine["document_ids"]
-        assert torch.equal(ids, document_ids(torch.as_tensor(mine["tokens"]), VOCAB))
+        assert torch.equal(ids, document_ids(torch.as_tensor(mine["tokens"]), EOD))
         # megatron-core's positions reset after each EOD
         assert torch.equal(mine["position_ids"], torch.as_tensor(theirs["position_ids"]))
         boundaries += int(ids[-1])

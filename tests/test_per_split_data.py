@@ -150,7 +150,7 @@ def test_training_on_per_split_data(corpora, tmp_path):
 @pytest.mark.distributed
 def test_token_ids_of_a_validation_blend_are_checked(corpora, tmp_path):
     """A --valid-data-path .bin tokenized with a larger vocabulary (an id of 300 against
-    TINY_MODEL's 201 tokens, padded to 256) stops before training, naming that flag."""
+    TINY_MODEL's 200 tokens, padded to 256) stops before training, naming that flag."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     _, a, _ = corpora

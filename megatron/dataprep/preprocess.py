@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     g.add_argument("--tokenizer-model", help="HF tokenizer.json or its directory")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, eod = N")
+    g.add_argument("--vocab-size", type=int,
+                   help="NullTokenizer: ids 0..N-1, eod N - 1 (as Megatron-LM 0.18+)")
+    g.add_argument("--null-tokenizer-eod-id", type=int,
+                   help="NullTokenizer's end-of-document id (default --vocab-size - 1)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer's pad id (default -1: none; not written here)")
     g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+",
                    dest="special_tokens", metavar="TOKEN",
                    help="as Megatron-LM: tokens added to a HuggingFaceTokenizer or "
@@ -186,7 +191,8 @@ def _tokenizer_args(args) -> dict:
     return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                 merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                 vocab_size=args.vocab_size, include_special_tokens=args.include_special_tokens,
-                special_tokens=args.special_tokens)
+                special_tokens=args.special_tokens, null_eod_id=args.null_tokenizer_eod_id,
+                null_pad_id=args.null_tokenizer_pad_id)
 
 
 def load_tokenizer(args):

@@ -38,9 +38,6 @@ REFUSED = {
     "--tokenizer-sentencepiece-legacy": (0, _TOKEN_IDS),
     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces": (0, _TOKEN_IDS),
     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces": (0, _TOKEN_IDS),
-    "--null-tokenizer-eod-id": (1, "NullTokenizer's end-of-document id is --vocab-size here "
-                                   "(ids 0..N-1, eod N); " + _TOKEN_IDS),
-    "--null-tokenizer-pad-id": (1, _TOKEN_IDS),
     "--chat-template": (1, "chat templates are for SFT data, which is not built here"),
 }
 

@@ -268,15 +268,24 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
 class NullTokenizer(_Tokenizer):
     """Text is whitespace-separated integer ids, as Megatron-LM's NullTokenizer.
 
-    Megatron-LM's convention: `--vocab-size N` means text ids 0..N-1, eod = N, and the
-    tokenizer's `vocab_size` is N + 1 (room for the eod).
+    Megatron-LM's (0.18 and later) convention: `--vocab-size N` is the vocabulary, ids
+    0..N-1, and the end-of-document id is N - 1 unless `--null-tokenizer-eod-id` gives
+    another; `--null-tokenizer-pad-id` a pad id (-1, the default: none). (Megatron-LM 0.17
+    and before added the end-of-document token: N + 1 entries, eod N.)
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None, pad_id: int = -1):
         if vocab_size is None or int(vocab_size) < 1:
             raise TokenizerError("--vocab-size: NullTokenizer needs --vocab-size N (N >= 1)")
         self._n = int(vocab_size)
-        super().__init__(None, vocab_size=self._n)
+        self._eod = self._n - 1 if eod_id is None else int(eod_id)
+        self._pad = int(pad_id)
+        for flag, value, unset in (("--null-tokenizer-eod-id", self._eod, None),
+                                   ("--null-tokenizer-pad-id", self._pad, -1)):
+            if value != unset and not 0 <= value < self._n:
+                raise TokenizerError(f"{flag} {value}: outside the vocabulary, ids 0..{self._n - 1} "
+                                     f"(--vocab-size {self._n})")
+        super().__init__(None, vocab_size=self._n, eod_id=self._eod, pad_id=self._pad)
 
     def tokenize(self, text: str) -> List[int]:
         ids = []
@@ -299,11 +308,17 @@ class NullTokenizer(_Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self._n + 1
+        return self._n
 
     @property
     def eod(self) -> int:
-        return self._n
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        if self._pad == -1:
+            return super().pad
+        return self._pad
 
 
 def build_tokenizer(
@@ -314,14 +329,20 @@ def build_tokenizer(
     vocab_size: Optional[int] = None,
     include_special_tokens: bool = True,
     special_tokens: Optional[Sequence[str]] = None,
+    null_eod_id: Optional[int] = None,
+    null_pad_id: int = -1,
 ):
     """Build one of TOKENIZER_TYPES but SFTTokenizer (built with its prompt format by
     megatron.dataprep.sft_tokenizer); raises TokenizerError naming the flag to fix.
     ``include_special_tokens=False`` (--tokenizer-hf-no-include-special-tokens): HF
-    tokenizers encode without their special tokens. ``special_tokens``
+    tokenizers encode without their special tokens. ``null_eod_id`` / ``null_pad_id``
+    (--null-tokenizer-eod-id / -pad-id): NullTokenizer's. ``special_tokens``
     (--tokenizer-special-tokens): added to an HF or GPT-2 tokenizer as Megatron-LM adds
     them (``add_special_tokens``)."""
-    tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
+    if tokenizer_type == "NullTokenizer":
+        tokenizer = NullTokenizer(vocab_size, null_eod_id, null_pad_id)
+    else:
+        tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model)
     if isinstance(tokenizer, _HFTokenizer):
         tokenizer._add_special = include_special_tokens
     if special_tokens:
@@ -341,7 +362,7 @@ def add_special_tokens(tokenizer, tokens: Sequence[str]) -> None:
     tokenizer._identity["special_tokens"] = list(tokens)
 
 
-def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size):
+def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model):
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
             raise TokenizerError(
@@ -356,8 +377,6 @@ def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size):
                 "directory holding one (nothing is downloaded)"
             )
         return HuggingFaceTokenizer(tokenizer_model)
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
     if tokenizer_type in SENTENCEPIECE_TYPES:
         if not tokenizer_model:
             raise TokenizerError(f"--tokenizer-model: {tokenizer_type} needs a SentencePiece "

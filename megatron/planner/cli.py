@@ -197,11 +197,8 @@ def _training_args(args) -> argparse.Namespace:
 def model_from_args(args, t=None) -> ModelShape:
     """The model of a (validated) training command line."""
     t = t or _training_args(args)
-    vocab = t.vocab_size
-    if t.tokenizer_type == "NullTokenizer" and ({"vocab_size", "tokenizer_type", "mock_data"}
-                                                 & t.given):
-        vocab += 1  # Megatron's NullTokenizer adds the end-of-document token
-    elif t.tokenizer_type == "GPT2BPETokenizer":
+    vocab = t.vocab_size  # NullTokenizer's --vocab-size is its vocabulary (Megatron-LM 0.18+)
+    if t.tokenizer_type == "GPT2BPETokenizer":
         vocab = 50257
     shape = ModelShape.from_args(t, vocab_size=vocab, name=args.model or "custom")
     try:  # the trainer's refusal of a --padded-vocab-size below the tokenizer's, here too

@@ -493,7 +493,13 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
                    help="as Megatron-LM: tokens added to a HuggingFaceTokenizer or "
                         "GPT2BPETokenizer as special (whole) tokens, those the vocabulary "
                         "lacks appended (give tools/preprocess_data.py the same)")
-    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary (as Megatron-LM 0.18+: ids 0..N-1, the "
+                        "end-of-document id N - 1)")
+    g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                   help="NullTokenizer's end-of-document id (default --vocab-size - 1)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer's pad id (default -1: none)")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--dataloader-inter-document-masking", action="store_true",
@@ -823,7 +829,9 @@ def tokenizer_of(args):
         return SFTTokenizer(args.tokenizer_model, args.sft_tokenizer_prompt_format)
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                           vocab_size=args.vocab_size, special_tokens=args.special_tokens)
+                           vocab_size=args.vocab_size, special_tokens=args.special_tokens,
+                           null_eod_id=args.null_tokenizer_eod_id,
+                           null_pad_id=args.null_tokenizer_pad_id)
 
 
 def _apply_checkpoint_args(args, check_files):
@@ -1487,6 +1495,11 @@ def _check_data_flags(args, check_files):
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+        for flag, value, unset in (("--null-tokenizer-eod-id", args.null_tokenizer_eod_id, None),
+                                   ("--null-tokenizer-pad-id", args.null_tokenizer_pad_id, -1)):
+            _require(value == unset or 0 <= value < args.vocab_size,
+                     f"{flag} {value}: outside the vocabulary, ids 0..{args.vocab_size - 1} "
+                     f"(--vocab-size {args.vocab_size})")
     if args.tokenizer_type == "GPT2BPETokenizer":
         _require(args.vocab_file and args.merge_file,
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")

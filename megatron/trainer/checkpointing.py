@@ -896,6 +896,12 @@ def _check_model_shape(args, path, common, flag="--load"):
     if saved_shape.get("bias_gelu_fusion") is False and now.get("bias_gelu_fusion"):
         hint = (" (that checkpoint's MLP computes the exact GeLU: add "
                 "--no-bias-gelu-fusion, or --use-checkpoint-args, to continue it)")
+    elif changed == ["padded_vocab_size"] and getattr(args, "tokenizer_type", None) == \
+            "NullTokenizer":
+        hint = (f" (NullTokenizer's --vocab-size is its whole vocabulary since 2026-12-08, as "
+                f"in Megatron-LM 0.18+; a checkpoint saved before with --vocab-size "
+                f"{args.vocab_size} held {args.vocab_size + 1} entries, the last the "
+                f"end-of-document: give --vocab-size {args.vocab_size + 1} to continue it)")
     elif rescaled:
         hint = (" (only RoPE's position scaling differs: to extend the context from this "
                 "checkpoint, start a run from its weights with --finetune; to resume it, "

@@ -361,8 +361,7 @@ for _reason, _flags in (
      "--vocab-extra-ids --tokenizer-metadata "
      "--tiktoken-num-special-tokens --tokenizer-sentencepiece-legacy "
      "--no-tokenizer-sentencepiece-ignore-extra-whitespaces "
-     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
-     "--null-tokenizer-eod-id --null-tokenizer-pad-id"),
+     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces"),
     ("evaluation here runs --eval-iters batches (of --eval-global-batch-size samples), or "
      "the whole validation set with --full-validation, every --eval-interval iterations; "
      "this evaluation option is not implemented", "--test-mode"),
