@@ -17,7 +17,7 @@ import pytest
 import distributed
 from distributed import ROOT, _free_port
 from megatron.trainer.arguments import ArgumentErrors, build_parser, parse_args
-from megatron.trainer.megatron_lm_flags import NO_OP_FLAGS, REFUSED_FLAGS
+from megatron.trainer.megatron_lm_flags import DEFAULT_VALUES_ACCEPTED, NO_OP_FLAGS, REFUSED_FLAGS
 
 SCRIPTS = os.path.join(ROOT, "tests", "launch_scripts")
 ITERATION = re.compile(r"iteration +(\d+)/ +(\d+) \|.*lm loss: ([0-9.eE+-]+|nan)")
@@ -287,7 +287,9 @@ def test_refused_flag_gives_reason_and_alternative(flag):
     given = flag + "latent-size" if flag.endswith("-") else flag
     with pytest.raises(ArgumentErrors) as error:
         parse(given, "2", "--lr", "1e-3")  # the value is taken with the flag; --lr still parses
-    assert error.value.problems == [f"{given} is refused: {REFUSED_FLAGS[flag]}"]
+    accepted = DEFAULT_VALUES_ACCEPTED.get(flag)  # its default value would be accepted
+    suffix = f" (accepted: {flag} {'/'.join(accepted[0])})" if accepted else ""
+    assert error.value.problems == [f"{given} is refused: {REFUSED_FLAGS[flag]}{suffix}"]
 
 
 @pytest.mark.distributed
