@@ -104,6 +104,12 @@ MODELS = {
                              "--group-query-attention", "--num-query-groups", "2",
                              "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "1",
                              "--moe-z-loss-coeff", "0.1", "--init-method-std", "0.25",
+                             # its large weights make large gradients, whose rounding
+                             # noise Adam turns into moves of up to noise / eps where an
+                             # entry's gradient nearly cancels (4.8e-6 with eps 1e-8 on
+                             # one embedding entry, 2026-12-08): eps 1e-6 bounds that
+                             # under the parameters' tolerance
+                             "--adam-eps", "1e-6",
                              # gpt-oss's attention: windows in every other layer, sinks
                              "--window-size", "20,0", "--window-attn-skip-freq", "2",
                              "--softmax-type", "learnable"],

@@ -14,7 +14,7 @@ from megatron.trainer.checkpointing import MODEL_SHAPE_FLAGS
 from megatron.trainer.model import vocab_size_of_model
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--train-iters", "1", "--mock-data", "--vocab-size", "128",
+        "--seq-length", "16", "--train-iters", "1", "--mock-data", "--vocab-size", "129",
         "--micro-batch-size", "1", "--global-batch-size", "2"]
 
 
@@ -43,7 +43,7 @@ def test_the_planner_refuses_it_below_the_tokenizer_too():
     from megatron.planner.cli import config_from_args, parse
     from megatron.planner.predict import PlanError
 
-    with pytest.raises(PlanError) as stop:  # NullTokenizer: --vocab-size 128 + end of document
+    with pytest.raises(PlanError) as stop:  # NullTokenizer: --vocab-size 129
         config_from_args(parse(BASE + ["--padded-vocab-size", "128", "--gpu", "cpu"]))
     assert str(stop.value) == (
         "--padded-vocab-size (128) is smaller than the tokenizer's vocabulary (129 tokens): "
@@ -144,7 +144,7 @@ def test_no_padding_keeps_the_tokenizers_size(spelling):
         "error: --no-pad-vocab-size: the tokenizer's vocabulary (129 tokens) does not divide "
         "over --tensor-model-parallel-size (2), whose ranks each hold an equal slice of it; "
         "drop --no-pad-vocab-size or give --padded-vocab-size")
-    # the planner: NullTokenizer's --vocab-size 128 + end of document = 129, not padded
+    # the planner: NullTokenizer's --vocab-size 129, not padded
     planned = config_from_args(parse(BASE + [spelling, "--gpu", "cpu"]))
     assert planned.model.padded_vocab_size(1) == 129
     with pytest.raises(PlanError, match="--no-pad-vocab-size: the tokenizer's vocabulary"):

@@ -135,7 +135,9 @@ def parse_args(argv=None):
     g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--num-attention-heads", type=int, default=8)
     g.add_argument("--seq-length", type=int, default=2048)
-    g.add_argument("--vocab-size", type=int, default=1024, help="mock data vocabulary")
+    g.add_argument("--vocab-size", type=int, default=1025,
+                   help="mock data vocabulary (1025: 1024 ids and the end of document, the "
+                        "model of the recorded results)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--extra-args", type=str, default="",
                    help="more pretrain_gpt.py flags for every run, e.g. \"--bf16 --swiglu\"")

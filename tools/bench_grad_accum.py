@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # the benchmark's model and shape (docs/results/bench_cpu.md)
 STAGE_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-               "--vocab-size", "1024", "--pp", "2", "--microbatches", "4",
+               "--vocab-size", "1025", "--pp", "2", "--microbatches", "4",
                "--seq-length", "2048", "--device", "cpu", "--dtype", "fp32"]
 
 

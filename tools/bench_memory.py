@@ -54,7 +54,9 @@ def model_flags(args, schedule):
         "--micro-batch-size", "1", "--global-batch-size", str(args.microbatches),
         "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
         "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+        # 1025 entries, the last the end of document: the model the recorded peaks
+        # measured (NullTokenizer's --vocab-size 1024 meant it before 2026-12-08)
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1025",
         "--pipeline-model-parallel-size", str(args.pp),
     ] + list(schedule) + args.extra
 

@@ -111,9 +111,11 @@ def build_configs(splits: Sequence[int], balance_methods: Sequence[str]) -> List
 
 
 def model_argv(num_layers, hidden_size, heads, seq_length, pp, microbatches,
-               micro_batch_size=1, vocab_size=1024, data_path=None, tokenizer_args=(),
+               micro_batch_size=1, vocab_size=1025, data_path=None, tokenizer_args=(),
                extra_args=(), seed=1234) -> List[str]:
-    """``pretrain_gpt.py`` flags shared by every run (everything but schedule and length)."""
+    """``pretrain_gpt.py`` flags shared by every run (everything but schedule and length).
+    ``vocab_size`` 1025: 1024 ids and the end of document, the model docs/results measured
+    (NullTokenizer's --vocab-size 1024 meant it before 2026-12-08)."""
     argv = [
         "--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
         "--num-attention-heads", str(heads),
