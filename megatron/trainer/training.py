@@ -389,8 +389,9 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
               forward_step_func, on_finish):
     initialize.set_seeds(args.seed, args.data_parallel_random_init)
     rerun.initialize(args)  # before the load: a checkpoint may hold a rerun to resume
-    # a phase's training data is built for the phase the resumed iteration starts
-    args.phase_start_iteration = phases.phase_start(args, checkpointing.resume_iteration(args))
+    # a phase's training data is built for the phase the resumed iteration is in
+    args.phase_start_iteration = (phases.phase_start(args, checkpointing.resume_iteration(args))
+                                  if args.phase_transitions else 0)
     # (train, valid, tokenizer), or (train, valid, test, tokenizer) with a test set
     datasets = datasets_provider(args)
     train_ds, valid_ds, tokenizer = datasets[0], datasets[1], datasets[-1]
@@ -791,8 +792,8 @@ def _train_loop(args, step_func, train_iterator, valid_sets, model, optimizer, s
         monitor.after_step(iteration)  # profile end, manual gc
         if args.exit_interval and iteration % args.exit_interval == 0:
             exit_reason = "interval"
-        if iteration in args.phase_transitions:
-            exit_reason = "phase"
+        if iteration in args.phase_transitions and exit_reason in (None, "interval"):
+            exit_reason = "phase"  # a signal's or the time limit's reason says more
         if exit_reason is not None:
             print_rank_0(f" exiting at iteration {iteration}: "
                          f"{_EXIT_REASONS[exit_reason].format(signal=args.exit_signal)}")
