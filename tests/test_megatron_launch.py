@@ -9,8 +9,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,12 +55,30 @@ def gpt2_data(tmp_path_factory):
     return root
 
 
-def run_script(name, *argv, env=None, cwd=None):
+def run_script(name, *argv, env=None, cwd=None, timeout=300):
+    """Run a launch script to its end: (CompletedProcess, stdout + stderr). One that runs
+    past ``timeout`` (each takes seconds; one hung once in a CI pass, 2026-12-08) fails the
+    test with its output and every Python process's stack (faulthandler, on SIGABRT), and
+    nothing it started is left running."""
+    import psutil
+
     environment = dict(os.environ, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
-                       MASTER_PORT=str(_free_port()), PYTHONPATH=ROOT, **(env or {}))
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, name), *argv], cwd=cwd or ROOT,
-                          env=environment, capture_output=True, text=True, timeout=600)
-    return proc, proc.stdout + proc.stderr
+                       MASTER_PORT=str(_free_port()), PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1",
+                       **(env or {}))
+    proc = subprocess.Popen(["bash", os.path.join(SCRIPTS, name), *argv], cwd=cwd or ROOT,
+                            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if "python" in child.name().lower():  # by pid: this run's own processes
+                child.send_signal(signal.SIGABRT)
+        time.sleep(5)  # the stacks reach stderr before the group is killed
+        out, err = distributed.kill_tree(proc)
+        pytest.fail(f"{name} ran past {timeout} s; its output, with each Python process's "
+                    f"stack at that moment:\n{(out + err)[-12000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), out + err
 
 
 def assert_trained(proc, output, iterations=2, printed=None):
