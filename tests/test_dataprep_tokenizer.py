@@ -192,7 +192,7 @@ def test_special_tokens_flag_adds_whole_tokens_as_megatron_lm(tmp_path, gpt2_fil
         assert tok.tokenize("int") == [in_id] + plain.tokenize("t")
         assert tok.unique_identifiers["special_tokens"] == str(special)
     assert plain.tokenize("int") != [in_id] + plain.tokenize("t")  # one token, "int"
-    with pytest.raises(TokenizerError, match="--tokenizer-special-tokens: .* not to NullTokenizer"):
+    with pytest.raises(TokenizerError, match="--tokenizer-special-tokens .* not to NullTokenizer"):
         build_tokenizer("NullTokenizer", vocab_size=10, special_tokens=["<x>"])
 
 

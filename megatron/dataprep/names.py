@@ -19,5 +19,25 @@ REFUSED_TOKENIZER_TYPES = {
     "NullMultimodalTokenizer": "multimodal models are not built here (GPT only)",
 }
 GPT2_EOD_TOKEN = "<|endoftext|>"
+
+
+def tokenizer_option_problems(tokenizer_type, vocab_size, special_tokens, null_eod_id,
+                              null_pad_id=-1):
+    """The mistakes in the options that shape a tokenizer's vocabulary, each naming its
+    flag: the trainer's flag checks report them before any work, and building the
+    tokenizer (tools/preprocess_data.py too) refuses them."""
+    found = []
+    if special_tokens and tokenizer_type not in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        found.append(f"--tokenizer-special-tokens adds tokens to HuggingFaceTokenizer and "
+                     f"GPT2BPETokenizer here, not to {tokenizer_type}: drop it")
+    if tokenizer_type == "NullTokenizer" and vocab_size is not None:
+        for flag, value, unset in (("--null-tokenizer-eod-id", null_eod_id, None),
+                                   ("--null-tokenizer-pad-id", null_pad_id, -1)):
+            if value != unset and not 0 <= value < vocab_size:
+                found.append(f"{flag} {value}: outside the vocabulary, ids "
+                             f"0..{vocab_size - 1} (--vocab-size {vocab_size})")
+    return found
+
+
 # SFTTokenizer's --sft-tokenizer-prompt-format values (megatron/dataprep/sft_tokenizer.py)
 SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")

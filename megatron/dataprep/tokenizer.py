@@ -11,7 +11,12 @@ from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
-from megatron.dataprep.names import GPT2_EOD_TOKEN, SENTENCEPIECE_TYPES, TOKENIZER_TYPES
+from megatron.dataprep.names import (
+    GPT2_EOD_TOKEN,
+    SENTENCEPIECE_TYPES,
+    TOKENIZER_TYPES,
+    tokenizer_option_problems,
+)
 
 # Tried in order when a tokenizer.json says nothing about its end-of-document token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
@@ -280,11 +285,6 @@ class NullTokenizer(_Tokenizer):
         self._n = int(vocab_size)
         self._eod = self._n - 1 if eod_id is None else int(eod_id)
         self._pad = int(pad_id)
-        for flag, value, unset in (("--null-tokenizer-eod-id", self._eod, None),
-                                   ("--null-tokenizer-pad-id", self._pad, -1)):
-            if value != unset and not 0 <= value < self._n:
-                raise TokenizerError(f"{flag} {value}: outside the vocabulary, ids 0..{self._n - 1} "
-                                     f"(--vocab-size {self._n})")
         super().__init__(None, vocab_size=self._n, eod_id=self._eod, pad_id=self._pad)
 
     def tokenize(self, text: str) -> List[int]:
@@ -339,6 +339,10 @@ def build_tokenizer(
     (--null-tokenizer-eod-id / -pad-id): NullTokenizer's. ``special_tokens``
     (--tokenizer-special-tokens): added to an HF or GPT-2 tokenizer as Megatron-LM adds
     them (``add_special_tokens``)."""
+    problems = tokenizer_option_problems(tokenizer_type, vocab_size, special_tokens,
+                                         null_eod_id, null_pad_id)
+    if problems:
+        raise TokenizerError("; ".join(problems))
     if tokenizer_type == "NullTokenizer":
         tokenizer = NullTokenizer(vocab_size, null_eod_id, null_pad_id)
     else:
@@ -346,18 +350,14 @@ def build_tokenizer(
     if isinstance(tokenizer, _HFTokenizer):
         tokenizer._add_special = include_special_tokens
     if special_tokens:
-        add_special_tokens(tokenizer, special_tokens)
+        _add_special_tokens(tokenizer, special_tokens)
     return tokenizer
 
 
-def add_special_tokens(tokenizer, tokens: Sequence[str]) -> None:
+def _add_special_tokens(tokenizer, tokens: Sequence[str]) -> None:
     """--tokenizer-special-tokens, as Megatron-LM's HuggingFaceTokenizer (its GPT-2
     tokenizer too) adds them: each becomes a whole token in any text, one the vocabulary
     lacks appended after it (the vocabulary grows by those)."""
-    if not isinstance(tokenizer, _HFTokenizer):
-        raise TokenizerError(
-            f"--tokenizer-special-tokens: adds tokens to HuggingFaceTokenizer and "
-            f"GPT2BPETokenizer here, not to {type(tokenizer).__name__}; drop it")
     _register_special_tokens(tokenizer._hf, {"additional_special_tokens": list(tokens)})
     tokenizer._identity["special_tokens"] = list(tokens)
 

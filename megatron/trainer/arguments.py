@@ -26,6 +26,7 @@ from megatron.dataprep.names import (
     REFUSED_TOKENIZER_TYPES,
     SENTENCEPIECE_TYPES,
     TOKENIZER_TYPES,
+    tokenizer_option_problems,
 )
 from megatron.trainer.fim_arguments import add_fim_arguments, check_fim_args
 from megatron.trainer.sft_arguments import add_sft_arguments, check_sft_args
@@ -1495,20 +1496,16 @@ def _check_data_flags(args, check_files):
         args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
-        for flag, value, unset in (("--null-tokenizer-eod-id", args.null_tokenizer_eod_id, None),
-                                   ("--null-tokenizer-pad-id", args.null_tokenizer_pad_id, -1)):
-            _require(value == unset or 0 <= value < args.vocab_size,
-                     f"{flag} {value}: outside the vocabulary, ids 0..{args.vocab_size - 1} "
-                     f"(--vocab-size {args.vocab_size})")
     if args.tokenizer_type == "GPT2BPETokenizer":
         _require(args.vocab_file and args.merge_file,
                  "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             _require(not check_files or os.path.isfile(path), f"{flag} {path}: no such file")
-    _require(not args.special_tokens or args.tokenizer_type in ("HuggingFaceTokenizer",
-                                                                 "GPT2BPETokenizer"),
-             f"--tokenizer-special-tokens adds tokens to HuggingFaceTokenizer and "
-             f"GPT2BPETokenizer here, not to {args.tokenizer_type}: drop it")
+    options = tokenizer_option_problems(args.tokenizer_type, args.vocab_size,
+                                        args.special_tokens, args.null_tokenizer_eod_id,
+                                        args.null_tokenizer_pad_id)
+    if options:
+        raise ArgumentErrors(options)
     _require(args.tokenizer_type not in REFUSED_TOKENIZER_TYPES,
              f"--tokenizer-type {args.tokenizer_type} is refused: "
              f"{REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)}")

@@ -429,8 +429,9 @@ def _pretrain(args, start, guard, progress, datasets_provider, model_provider,
         raise AgreedStop(f"--phase-transition-iterations: the checkpoint loaded resumes after "
                          f"iteration {iteration}, not in the phase its training data was "
                          f"built for (after iteration {args.phase_start_iteration})", code=2)
-    if phases.describe(args) is not None:
-        print_rank_0(phases.describe(args))
+    phase = phases.describe(args)
+    if phase is not None:
+        print_rank_0(phase)
 
     recorder = timeline_recorder(args)
     probe = ActivationMemoryProbe() if args.activation_memory_file else None
